@@ -1,0 +1,14 @@
+//! Types and pure logic shared by the kernel programs (`proxy-ebpf`) and the
+//! `kproxy` binary. Everything here is `no_std`, `#[repr(C)]` with explicit
+//! padding so that both sides agree on every byte, and unit-tested on the host.
+#![no_std]
+
+pub mod checksum;
+pub mod conntrack;
+pub mod maps;
+pub mod packet;
+pub mod slots;
+pub mod stats;
+
+#[cfg(test)]
+extern crate std;

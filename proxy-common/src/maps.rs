@@ -1,0 +1,199 @@
+//! Map keys and values. Addresses and ports are kept as the bytes found in
+//! the packet (network byte order) so the datapath never swaps bytes.
+
+/// Map names as they appear in the object file and, lower-cased, as pin names.
+pub const MAP_SERVICES_V4: &str = "SERVICES_V4";
+pub const MAP_BACKENDS_V4: &str = "BACKENDS_V4";
+pub const MAP_REV_NAT_V4: &str = "REV_NAT_V4";
+pub const MAP_CONNTRACK_V4: &str = "CONNTRACK_V4";
+pub const MAP_STATS: &str = "STATS";
+
+/// Program names (the function names in proxy-ebpf).
+pub const PROG_INGRESS: &str = "kproxy_ingress";
+pub const PROG_EGRESS: &str = "kproxy_egress";
+
+pub const SERVICES_V4_CAPACITY: u32 = 65_536;
+pub const BACKENDS_V4_CAPACITY: u32 = 65_536;
+pub const REV_NAT_V4_CAPACITY: u32 = 65_536;
+pub const CONNTRACK_V4_CAPACITY: u32 = 262_144;
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Where a frontend is reachable from. Only ClusterIP exists so far; NodePort,
+/// ExternalIP and LoadBalancer scopes come with the north-south datapath.
+pub const SCOPE_CLUSTER_IP: u8 = 0;
+
+/// `(vip, port, proto, scope, slot)`: slot 0 is the frontend's master entry,
+/// slots `1..=count` each name one active backend (Cilium's slot scheme).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ServiceKeyV4 {
+    pub vip: [u8; 4],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub scope: u8,
+    pub slot: u16,
+    pub _pad: [u8; 2],
+}
+
+impl ServiceKeyV4 {
+    pub const fn new(vip: [u8; 4], port: [u8; 2], proto: u8, scope: u8, slot: u16) -> Self {
+        Self { vip, port, proto, scope, slot, _pad: [0; 2] }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+}
+
+/// Slot 0: `count` active backends, the frontend's `rev_nat_id` and flags.
+/// Slot i > 0: `backend_id` (and the same `rev_nat_id`, so a slot is
+/// self-describing in dumps).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceValueV4 {
+    pub backend_id: u32,
+    pub count: u16,
+    pub rev_nat_id: u16,
+    pub flags: u16,
+    pub terminating_count: u16,
+    pub affinity_timeout_s: u32,
+}
+
+pub const BACKEND_FLAG_ACTIVE: u8 = 0;
+pub const BACKEND_FLAG_TERMINATING: u8 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BackendV4 {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `rev_nat_id` → the frontend a translated flow belongs to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevNatV4 {
+    pub vip: [u8; 4],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// A flow as seen by the program that matches it.
+pub const CT_DIR_FORWARD: u8 = 0;
+/// The reply tuple of a translated flow: backend → client.
+pub const CT_DIR_REPLY: u8 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtKeyV4 {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub direction: u8,
+    pub _pad: [u8; 2],
+}
+
+impl CtKeyV4 {
+    /// The key under which the reply to a flow DNATed to `backend` is found.
+    pub const fn reply_of(&self, backend_addr: [u8; 4], backend_port: [u8; 2]) -> Self {
+        Self {
+            saddr: backend_addr,
+            daddr: self.saddr,
+            sport: backend_port,
+            dport: self.sport,
+            proto: self.proto,
+            direction: CT_DIR_REPLY,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// One direction of a translated flow. The forward entry holds the backend the
+/// flow was sent to; the reply entry holds the VIP the reply is rewritten to,
+/// so un-NAT needs a single lookup and survives the Service being deleted.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CtEntryV4 {
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+    pub packets: u64,
+    pub bytes: u64,
+    pub backend_id: u32,
+    /// Forward: backend address; reply: VIP.
+    pub nat_addr: [u8; 4],
+    /// Forward: backend port; reply: VIP port.
+    pub nat_port: [u8; 2],
+    pub rev_nat_id: u16,
+    pub state: u8,
+    pub flags: u8,
+    /// Union of the TCP flags seen in this direction.
+    pub tcp_flags_seen: u8,
+    pub _pad: u8,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all of these are repr(C), made of integers and byte arrays with
+    // explicit padding fields, so every bit pattern is valid.
+    unsafe impl aya::Pod for ServiceKeyV4 {}
+    unsafe impl aya::Pod for ServiceValueV4 {}
+    unsafe impl aya::Pod for BackendV4 {}
+    unsafe impl aya::Pod for RevNatV4 {}
+    unsafe impl aya::Pod for CtKeyV4 {}
+    unsafe impl aya::Pod for CtEntryV4 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    #[test]
+    fn layouts_have_no_implicit_holes() {
+        // Sizes equal the sum of the field sizes: a hole would make the kernel
+        // and userspace disagree on a key's bytes.
+        assert_eq!(size_of::<ServiceKeyV4>(), 4 + 2 + 1 + 1 + 2 + 2);
+        assert_eq!(size_of::<ServiceValueV4>(), 4 + 2 + 2 + 2 + 2 + 4);
+        assert_eq!(size_of::<BackendV4>(), 4 + 2 + 1 + 1);
+        assert_eq!(size_of::<RevNatV4>(), 4 + 2 + 1 + 1);
+        assert_eq!(size_of::<CtKeyV4>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
+        assert_eq!(size_of::<CtEntryV4>(), 8 * 4 + 4 + 4 + 2 + 2 + 1 + 1 + 1 + 1);
+        assert_eq!(align_of::<CtEntryV4>(), 8);
+    }
+
+    #[test]
+    fn reply_key_swaps_to_the_backend() {
+        let fwd = CtKeyV4 {
+            saddr: [10, 244, 0, 2],
+            daddr: [10, 96, 0, 10],
+            sport: 56340u16.to_be_bytes(),
+            dport: 53u16.to_be_bytes(),
+            proto: IPPROTO_UDP,
+            direction: CT_DIR_FORWARD,
+            _pad: [0; 2],
+        };
+        let reply = fwd.reply_of([10, 244, 0, 12], 53u16.to_be_bytes());
+        assert_eq!(reply.saddr, [10, 244, 0, 12]);
+        assert_eq!(reply.daddr, [10, 244, 0, 2]);
+        assert_eq!(reply.sport, 53u16.to_be_bytes());
+        assert_eq!(reply.dport, 56340u16.to_be_bytes());
+        assert_eq!(reply.direction, CT_DIR_REPLY);
+    }
+
+    #[test]
+    fn slot_key_keeps_the_frontend() {
+        let key = ServiceKeyV4::new([10, 96, 0, 1], 80u16.to_be_bytes(), IPPROTO_TCP, 0, 0);
+        let slot = key.with_slot(3);
+        assert_eq!(slot.vip, key.vip);
+        assert_eq!(slot.slot, 3);
+        assert_eq!(key.slot, 0);
+    }
+}

@@ -1,0 +1,82 @@
+//! Datapath counters: one per-CPU `u64` per reason, summed by userspace.
+
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stat {
+    /// Not IPv4 (ARP, IPv6, ...).
+    PassNotIpv4 = 0,
+    /// ICMP, SCTP and other non-TCP/UDP protocols.
+    PassNotTcpUdp,
+    /// IPv4 fragments.
+    PassFragment,
+    /// Headers that contradict themselves.
+    PassMalformed,
+    /// Packets too short for their L4 header.
+    PassTruncated,
+    /// TCP/UDP that matched no Service and no conntrack entry.
+    PassNoService,
+    /// A new flow translated to a backend.
+    DnatNew,
+    /// A packet of a known flow translated.
+    DnatEstablished,
+    /// A reply rewritten back to the VIP.
+    ReverseNat,
+    /// A Service frontend without active backends.
+    NoBackend,
+    /// A slot or backend entry missing while the agent rewrote a Service.
+    SlotMiss,
+    /// The conntrack map refused an insert.
+    ConntrackInsertFailed,
+    /// A checksum or store helper failed; the packet was dropped.
+    RewriteFailed,
+}
+
+impl Stat {
+    pub const COUNT: u32 = 13;
+
+    pub const ALL: [Stat; Self::COUNT as usize] = [
+        Stat::PassNotIpv4,
+        Stat::PassNotTcpUdp,
+        Stat::PassFragment,
+        Stat::PassMalformed,
+        Stat::PassTruncated,
+        Stat::PassNoService,
+        Stat::DnatNew,
+        Stat::DnatEstablished,
+        Stat::ReverseNat,
+        Stat::NoBackend,
+        Stat::SlotMiss,
+        Stat::ConntrackInsertFailed,
+        Stat::RewriteFailed,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Stat::PassNotIpv4 => "pass_not_ipv4",
+            Stat::PassNotTcpUdp => "pass_not_tcp_udp",
+            Stat::PassFragment => "pass_fragment",
+            Stat::PassMalformed => "pass_malformed",
+            Stat::PassTruncated => "pass_truncated",
+            Stat::PassNoService => "pass_no_service",
+            Stat::DnatNew => "dnat_new_flow",
+            Stat::DnatEstablished => "dnat_established",
+            Stat::ReverseNat => "reverse_nat",
+            Stat::NoBackend => "no_backend",
+            Stat::SlotMiss => "slot_miss",
+            Stat::ConntrackInsertFailed => "conntrack_insert_failed",
+            Stat::RewriteFailed => "rewrite_failed",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_is_indexed_by_discriminant() {
+        for (i, stat) in Stat::ALL.iter().enumerate() {
+            assert_eq!(*stat as usize, i);
+        }
+    }
+}
