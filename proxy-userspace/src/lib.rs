@@ -1,1 +1,4 @@
-//! kproxy
+//! The `kproxy` agent and operator commands.
+
+pub mod manifest;
+pub mod model;
