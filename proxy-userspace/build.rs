@@ -18,5 +18,7 @@ fn main() -> anyhow::Result<()> {
         [aya_build::Package { name: "proxy-ebpf", root_dir, ..Default::default() }],
         aya_build::Toolchain::Nightly,
     )
-    .context("building the eBPF programs failed; `cargo xtask setup` installs nightly rust-src and bpf-linker")
+    .context(
+        "building the eBPF programs failed; `cargo xtask setup` installs nightly rust-src and bpf-linker",
+    )
 }

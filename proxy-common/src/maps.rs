@@ -7,6 +7,7 @@ pub const MAP_BACKENDS_V4: &str = "BACKENDS_V4";
 pub const MAP_REV_NAT_V4: &str = "REV_NAT_V4";
 pub const MAP_CONNTRACK_V4: &str = "CONNTRACK_V4";
 pub const MAP_STATS: &str = "STATS";
+pub const MAP_FRONTEND_NAMES_V4: &str = "FRONTEND_NAMES_V4";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
@@ -138,6 +139,36 @@ pub struct CtEntryV4 {
     pub _pad: u8,
 }
 
+/// `rev_nat_id` → "namespace/name:port", written by the agent so that dumps
+/// name Services without asking it. The datapath never reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrontendNameV4 {
+    pub len: u8,
+    pub _pad: [u8; 3],
+    pub name: [u8; FRONTEND_NAME_MAX],
+}
+
+pub const FRONTEND_NAME_MAX: usize = 188;
+
+impl FrontendNameV4 {
+    /// Truncates at a character boundary when the name is too long.
+    pub fn new(name: &str) -> Self {
+        let mut end = name.len().min(FRONTEND_NAME_MAX);
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        let mut bytes = [0u8; FRONTEND_NAME_MAX];
+        bytes[..end].copy_from_slice(&name.as_bytes()[..end]);
+        Self { len: end as u8, _pad: [0; 3], name: bytes }
+    }
+
+    pub fn as_str(&self) -> &str {
+        let len = usize::from(self.len).min(FRONTEND_NAME_MAX);
+        core::str::from_utf8(&self.name[..len]).unwrap_or("?")
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -149,6 +180,7 @@ mod pod {
     unsafe impl aya::Pod for RevNatV4 {}
     unsafe impl aya::Pod for CtKeyV4 {}
     unsafe impl aya::Pod for CtEntryV4 {}
+    unsafe impl aya::Pod for FrontendNameV4 {}
 }
 
 #[cfg(test)]
@@ -167,6 +199,16 @@ mod tests {
         assert_eq!(size_of::<CtKeyV4>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
         assert_eq!(size_of::<CtEntryV4>(), 8 * 4 + 4 + 4 + 2 + 2 + 1 + 1 + 1 + 1);
         assert_eq!(align_of::<CtEntryV4>(), 8);
+    }
+
+    #[test]
+    fn frontend_names_round_trip_and_truncate() {
+        assert_eq!(size_of::<FrontendNameV4>(), 4 + FRONTEND_NAME_MAX);
+        assert_eq!(FrontendNameV4::new("kube-system/kube-dns:dns").as_str(), "kube-system/kube-dns:dns");
+        let long = "é".repeat(200);
+        let name = FrontendNameV4::new(&long);
+        assert!(name.as_str().len() <= FRONTEND_NAME_MAX);
+        assert!(name.as_str().chars().all(|c| c == 'é'));
     }
 
     #[test]

@@ -1,4 +1,8 @@
 //! The `kproxy` agent and operator commands.
 
+pub mod agent;
+pub mod datapath;
+pub mod dump;
 pub mod manifest;
 pub mod model;
+pub mod sync;

@@ -1,0 +1,377 @@
+//! Loading, pinning, attaching and unloading the kernel programs.
+//!
+//! Layout under the pin directory (default `/sys/fs/bpf/kproxy`):
+//! `maps/<map>`, `progs/<program>`, `links/<ifname>@<ifindex>.<ingress|egress>`.
+//! Everything the datapath needs survives the process: an agent restart (or
+//! crash) drops no established flow.
+
+use std::{
+    collections::BTreeSet,
+    ffi::CStr,
+    fs,
+    io::ErrorKind,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, Map, MapData, PerCpuArray},
+    programs::{
+        SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+    },
+};
+use proxy_common::maps::*;
+
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kproxy";
+const BPFFS_MOUNT: &str = "/sys/fs/bpf";
+
+/// The eBPF object built by build.rs, embedded so a node needs one file.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+const ALL_MAPS: [&str; 6] =
+    [MAP_SERVICES_V4, MAP_BACKENDS_V4, MAP_REV_NAT_V4, MAP_CONNTRACK_V4, MAP_STATS, MAP_FRONTEND_NAMES_V4];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Hook {
+    /// Packets leaving a pod: DNAT.
+    Ingress,
+    /// Packets entering a pod: reverse NAT.
+    Egress,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+
+    pub fn program(self) -> &'static str {
+        match self {
+            Hook::Ingress => PROG_INGRESS,
+            Hook::Egress => PROG_EGRESS,
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Hook::Ingress => "ingress",
+            Hook::Egress => "egress",
+        }
+    }
+
+    fn attach_type(self) -> TcAttachType {
+        match self {
+            Hook::Ingress => TcAttachType::Ingress,
+            Hook::Egress => TcAttachType::Egress,
+        }
+    }
+}
+
+/// Paths of the pins of one kproxy instance.
+#[derive(Clone, Debug)]
+pub struct PinDir {
+    root: PathBuf,
+}
+
+impl PinDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.root.join("maps").join(name.to_ascii_lowercase())
+    }
+
+    pub fn program(&self, name: &str) -> PathBuf {
+        self.root.join("progs").join(name)
+    }
+
+    fn links_dir(&self) -> PathBuf {
+        self.root.join("links")
+    }
+
+    fn link(&self, iface: &Interface, hook: Hook) -> PathBuf {
+        self.links_dir().join(format!("{}@{}.{}", iface.name, iface.index, hook.suffix()))
+    }
+
+    /// True when the programs and maps are pinned.
+    pub fn is_loaded(&self) -> bool {
+        Hook::ALL.iter().all(|h| self.program(h.program()).exists())
+            && ALL_MAPS.iter().all(|m| self.map(m).exists())
+    }
+}
+
+/// Loads the embedded object without pinning anything: for BPF_PROG_TEST_RUN
+/// tests and benchmarks, which must not touch a running datapath.
+pub fn load_unpinned() -> Result<Ebpf> {
+    if EBPF_OBJECT.is_empty() {
+        bail!("this kproxy was built with AYA_BUILD_SKIP: it carries no eBPF programs");
+    }
+    let mut ebpf = EbpfLoader::new().load(EBPF_OBJECT).context("loading the eBPF object")?;
+    for hook in Hook::ALL {
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(hook.program())
+            .ok_or_else(|| anyhow!("program {} missing from the object", hook.program()))?
+            .try_into()?;
+        program.load().with_context(|| format!("verifier rejected {}", hook.program()))?;
+    }
+    Ok(ebpf)
+}
+
+/// Mounts bpffs at /sys/fs/bpf when the pin directory lives there and nothing
+/// is mounted yet (DESIGN: `kproxy load` needs nobody to prepare the node).
+pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
+    if !pins.root().starts_with(BPFFS_MOUNT) {
+        return Ok(());
+    }
+    let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    let mounted = mounts.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let (_, target, fstype) = (fields.next(), fields.next(), fields.next());
+        target == Some(BPFFS_MOUNT) && fstype == Some("bpf")
+    });
+    if mounted {
+        return Ok(());
+    }
+    tracing::info!("mounting bpffs at {BPFFS_MOUNT}");
+    let status = std::process::Command::new("mount")
+        .args(["-t", "bpf", "bpf", BPFFS_MOUNT])
+        .status()
+        .context("running mount")?;
+    if !status.success() {
+        bail!("mount -t bpf bpf {BPFFS_MOUNT} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Loads and pins programs and maps unless they are pinned already.
+/// Returns true when it loaded them now.
+pub fn load(pins: &PinDir) -> Result<bool> {
+    ensure_bpffs(pins)?;
+    if pins.is_loaded() {
+        return Ok(false);
+    }
+    for dir in ["maps", "progs", "links"] {
+        fs::create_dir_all(pins.root().join(dir))
+            .with_context(|| format!("creating {}", pins.root().join(dir).display()))?;
+    }
+    let mut ebpf = load_unpinned()?;
+    for name in ALL_MAPS {
+        let map = ebpf.map(name).ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+        let path = pins.map(name);
+        map.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+    }
+    for hook in Hook::ALL {
+        let program: &mut SchedClassifier =
+            ebpf.program_mut(hook.program()).expect("loaded above").try_into()?;
+        let path = pins.program(hook.program());
+        program.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+    }
+    Ok(true)
+}
+
+/// What `unload` removed.
+#[derive(Debug, Default)]
+pub struct Unloaded {
+    pub links: Vec<String>,
+    pub pins: usize,
+}
+
+/// Detaches every program and removes every pin, then the pin directory.
+pub fn unload(pins: &PinDir) -> Result<Unloaded> {
+    let mut report = Unloaded::default();
+    if !pins.root().exists() {
+        return Ok(report);
+    }
+    if let Ok(entries) = fs::read_dir(pins.links_dir()) {
+        for entry in entries {
+            let path = entry?.path();
+            // Dropping the last reference to a TCX link detaches it.
+            match PinnedLink::from_pin(&path) {
+                Ok(link) => drop(link.unpin()?),
+                Err(_) => fs::remove_file(&path)?,
+            }
+            report.links.push(path.file_name().unwrap_or_default().to_string_lossy().into_owned());
+        }
+    }
+    for sub in ["links", "progs", "maps"] {
+        let dir = pins.root().join(sub);
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries {
+                fs::remove_file(entry?.path())?;
+                report.pins += 1;
+            }
+        }
+        remove_dir_if_present(&dir)?;
+    }
+    remove_dir_if_present(pins.root())?;
+    Ok(report)
+}
+
+fn remove_dir_if_present(dir: &Path) -> Result<()> {
+    match fs::remove_dir(dir) {
+        Err(e) if e.kind() != ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", dir.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Interface {
+    pub name: String,
+    pub index: u32,
+}
+
+/// Interfaces of the network namespace this process runs in (netlink-backed
+/// `if_nameindex`, unlike /sys/class/net which shows the namespace sysfs was
+/// mounted in).
+pub fn interfaces() -> Result<Vec<Interface>> {
+    // SAFETY: if_nameindex returns a NULL-terminated array we free below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return Err(std::io::Error::last_os_error()).context("if_nameindex");
+        }
+        let mut out = Vec::new();
+        let mut cursor = list;
+        while (*cursor).if_index != 0 && !(*cursor).if_name.is_null() {
+            let name = CStr::from_ptr((*cursor).if_name).to_string_lossy().into_owned();
+            out.push(Interface { name, index: (*cursor).if_index });
+            cursor = cursor.add(1);
+        }
+        libc::if_freenameindex(list);
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// Interface name globs (`veth*`, `cali*`); an interface matching any is a
+/// pod-facing interface.
+#[derive(Clone, Debug)]
+pub struct InterfaceSelector {
+    patterns: Vec<glob::Pattern>,
+}
+
+impl InterfaceSelector {
+    pub fn new(globs: &[String]) -> Result<Self> {
+        let patterns = globs
+            .iter()
+            .map(|g| glob::Pattern::new(g).with_context(|| format!("--interfaces {g:?} is not a valid glob")))
+            .collect::<Result<_>>()?;
+        Ok(Self { patterns })
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        self.patterns.iter().any(|p| p.matches(name))
+    }
+}
+
+/// Result of one attach pass.
+#[derive(Debug, Default)]
+pub struct AttachReport {
+    pub attached: Vec<String>,
+    pub already: usize,
+    pub pruned: Vec<String>,
+    pub failed: Vec<(String, String)>,
+}
+
+/// Attaches both programs to every matching interface that lacks them, and
+/// forgets link pins whose interface is gone. Idempotent; safe to call often.
+pub fn attach_matching(pins: &PinDir, selector: &InterfaceSelector) -> Result<AttachReport> {
+    let mut report = AttachReport::default();
+    let present = interfaces()?;
+    let wanted: Vec<&Interface> = present.iter().filter(|i| selector.matches(&i.name)).collect();
+    let expected: BTreeSet<PathBuf> =
+        wanted.iter().flat_map(|i| Hook::ALL.map(|h| pins.link(i, h))).collect();
+
+    fs::create_dir_all(pins.links_dir())?;
+    for entry in fs::read_dir(pins.links_dir())? {
+        let path = entry?.path();
+        if !expected.contains(&path) {
+            // The interface is gone (or renamed): its link is already
+            // detached by the kernel or no longer wanted.
+            if let Ok(link) = PinnedLink::from_pin(&path) {
+                drop(link.unpin()?);
+            } else {
+                let _ = fs::remove_file(&path);
+            }
+            report.pruned.push(path.file_name().unwrap_or_default().to_string_lossy().into_owned());
+        }
+    }
+
+    let mut programs: Vec<Option<SchedClassifier>> = vec![None, None];
+    for iface in wanted {
+        for (slot, hook) in Hook::ALL.into_iter().enumerate() {
+            let link_path = pins.link(iface, hook);
+            if link_path.exists() {
+                report.already += 1;
+                continue;
+            }
+            let program = match &mut programs[slot] {
+                Some(p) => p,
+                empty => empty.insert(
+                    SchedClassifier::from_pin(pins.program(hook.program()))
+                        .with_context(|| format!("opening pinned program {}", hook.program()))?,
+                ),
+            };
+            let label = format!("{}/{}", iface.name, hook.suffix());
+            match attach_one(program, iface, hook, &link_path) {
+                Ok(()) => report.attached.push(label),
+                Err(e) => report.failed.push((label, format!("{e:#}"))),
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn attach_one(program: &mut SchedClassifier, iface: &Interface, hook: Hook, link_path: &Path) -> Result<()> {
+    let id = program.attach(&iface.name, hook.attach_type())?;
+    let link: FdLink = program.take_link(id)?.try_into().map_err(|e| anyhow!("{e:?}"))?;
+    link.pin(link_path).with_context(|| format!("pinning {}", link_path.display()))?;
+    Ok(())
+}
+
+/// Typed handles on the maps, from pins or from a freshly loaded object.
+pub struct Maps {
+    pub services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
+    pub backends: HashMap<MapData, u32, BackendV4>,
+    pub rev_nat: HashMap<MapData, u16, RevNatV4>,
+    pub names: HashMap<MapData, u16, FrontendNameV4>,
+    pub conntrack: HashMap<MapData, CtKeyV4, CtEntryV4>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
+
+impl Maps {
+    pub fn from_pins(pins: &PinDir) -> Result<Self> {
+        let open = |name: &str| -> Result<MapData> {
+            let path = pins.map(name);
+            MapData::from_pin(&path)
+                .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
+        };
+        Ok(Self {
+            services: HashMap::try_from(Map::HashMap(open(MAP_SERVICES_V4)?))?,
+            backends: HashMap::try_from(Map::HashMap(open(MAP_BACKENDS_V4)?))?,
+            rev_nat: HashMap::try_from(Map::HashMap(open(MAP_REV_NAT_V4)?))?,
+            names: HashMap::try_from(Map::HashMap(open(MAP_FRONTEND_NAMES_V4)?))?,
+            conntrack: HashMap::try_from(Map::LruHashMap(open(MAP_CONNTRACK_V4)?))?,
+            stats: PerCpuArray::try_from(Map::PerCpuArray(open(MAP_STATS)?))?,
+        })
+    }
+
+    /// Takes the maps out of an object from [`load_unpinned`].
+    pub fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self> {
+        let mut take = |name: &str| ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} missing"));
+        Ok(Self {
+            services: HashMap::try_from(take(MAP_SERVICES_V4)?)?,
+            backends: HashMap::try_from(take(MAP_BACKENDS_V4)?)?,
+            rev_nat: HashMap::try_from(take(MAP_REV_NAT_V4)?)?,
+            names: HashMap::try_from(take(MAP_FRONTEND_NAMES_V4)?)?,
+            conntrack: HashMap::try_from(take(MAP_CONNTRACK_V4)?)?,
+            stats: PerCpuArray::try_from(take(MAP_STATS)?)?,
+        })
+    }
+}
