@@ -1,7 +1,7 @@
 //! Loading, pinning, attaching and unloading the kernel programs.
 //!
 //! Layout under the pin directory (default `/sys/fs/bpf/kproxy`):
-//! `maps/<map>`, `progs/<program>`, `links/<ifname>@<ifindex>.<ingress|egress>`.
+//! `maps/<map>`, `progs/<program>`, `links/<ifname>@<ifindex>-<ingress|egress>`.
 //! Everything the datapath needs survives the process: an agent restart (or
 //! crash) drops no established flow.
 
@@ -94,7 +94,10 @@ impl PinDir {
     }
 
     fn link(&self, iface: &Interface, hook: Hook) -> PathBuf {
-        self.links_dir().join(format!("{}@{}.{}", iface.name, iface.index, hook.suffix()))
+        // bpffs refuses names with a dot (reserved by the kernel), and
+        // interface names may have one (eth0.100).
+        let name = iface.name.replace('.', "%2E");
+        self.links_dir().join(format!("{name}@{}-{}", iface.index, hook.suffix()))
     }
 
     /// True when the programs and maps are pinned.

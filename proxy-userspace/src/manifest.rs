@@ -1,0 +1,1014 @@
+//! Reading Service and EndpointSlice objects from manifest files.
+//!
+//! Accepted input is what people keep in a repository or get from `kubectl get -o yaml|json`:
+//! multi-document YAML (`---`), JSON, and list objects (`kind: List`, `ServiceList`, `EndpointSliceList`),
+//! whose items are flattened. Other kinds are ignored. Every problem becomes a [`ManifestError`] that names
+//! the file (and document), the object and the field; a broken document never stops the others from loading.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::de::DeserializeOwned;
+use serde_yaml::Value;
+use tracing::debug;
+
+/// An object together with where it was read from, e.g. `examples/web.yaml (document 2)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sourced<T> {
+    pub origin: String,
+    pub object: T,
+}
+
+/// Everything read from one or more files: the objects kproxy cares about, and what went wrong.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Objects {
+    pub services: Vec<Sourced<Service>>,
+    pub slices: Vec<Sourced<EndpointSlice>>,
+    pub errors: Vec<ManifestError>,
+}
+
+impl Objects {
+    /// Moves everything from `other` to the end of `self`.
+    pub fn append(&mut self, mut other: Objects) {
+        self.services.append(&mut other.services);
+        self.slices.append(&mut other.slices);
+        self.errors.append(&mut other.errors);
+    }
+}
+
+/// A problem in a manifest (unreadable file, broken YAML, an object that is not a valid Service...).
+///
+/// Displayed as `{origin}: {object}: {field}: {message}`, leaving out the parts that are absent.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub struct ManifestError {
+    /// File, document and list item, e.g. `examples/web.yaml (document 2)`.
+    pub origin: String,
+    /// The object, e.g. `Service default/web`.
+    pub object: Option<String>,
+    /// The field path inside the object, e.g. `spec.ports[0].port`.
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl ManifestError {
+    pub fn new(origin: impl Into<String>, message: impl Into<String>) -> Self {
+        ManifestError { origin: origin.into(), object: None, field: None, message: message.into() }
+    }
+
+    pub fn with_object(mut self, object: impl Into<String>) -> Self {
+        self.object = Some(object.into());
+        self
+    }
+
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.origin)?;
+        if let Some(object) = &self.object {
+            write!(f, ": {object}")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, ": {field}")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// File name endings that are read when walking a directory.
+const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
+
+/// Lists nested deeper than this are reported instead of followed.
+const MAX_LIST_DEPTH: usize = 8;
+
+/// Reads a file, or every `*.yaml`, `*.yml` and `*.json` below a directory (recursively, sorted by path).
+///
+/// An explicitly named file is read whatever its name. Entries whose name starts with `.` are skipped while
+/// walking, which also keeps the `..data` / `..2025_01_01...` directories of a mounted ConfigMap from being
+/// read a second time. An unreadable path becomes an error in [`Objects::errors`].
+pub fn load_path(path: &Path) -> Objects {
+    let mut out = Objects::default();
+    let meta = match fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(err) => {
+            out.errors.push(ManifestError::new(path.display().to_string(), err.to_string()));
+            return out;
+        }
+    };
+    if !meta.is_dir() {
+        load_file(path, &mut out);
+        return out;
+    }
+    let mut files = Vec::new();
+    let mut visited = HashSet::new();
+    collect_files(path, &mut files, &mut visited, &mut out.errors);
+    files.sort();
+    files.dedup();
+    for file in files {
+        load_file(&file, &mut out);
+    }
+    out
+}
+
+fn load_file(path: &Path, out: &mut Objects) {
+    let origin = path.display().to_string();
+    match fs::read(path) {
+        Ok(bytes) => match String::from_utf8(bytes) {
+            Ok(text) => out.append(parse_str(&text, &origin)),
+            Err(err) => out.errors.push(ManifestError::new(origin, format!("not UTF-8 text: {err}"))),
+        },
+        Err(err) => out.errors.push(ManifestError::new(origin, err.to_string())),
+    }
+}
+
+fn collect_files(
+    dir: &Path,
+    files: &mut Vec<PathBuf>,
+    visited: &mut HashSet<PathBuf>,
+    errors: &mut Vec<ManifestError>,
+) {
+    // Symbolic links are followed; remembering canonical directories stops link loops.
+    let canonical = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    if !visited.insert(canonical) {
+        return;
+    }
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) => {
+            errors.push(ManifestError::new(dir.display().to_string(), err.to_string()));
+            return;
+        }
+    };
+    for entry in entries {
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(err) => {
+                errors.push(ManifestError::new(dir.display().to_string(), err.to_string()));
+                continue;
+            }
+        };
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let meta = match fs::metadata(&path) {
+            Ok(meta) => meta,
+            Err(err) => {
+                errors.push(ManifestError::new(path.display().to_string(), err.to_string()));
+                continue;
+            }
+        };
+        if meta.is_dir() {
+            collect_files(&path, files, visited, errors);
+        } else if has_manifest_extension(&path) {
+            files.push(path);
+        }
+    }
+}
+
+fn has_manifest_extension(path: &Path) -> bool {
+    path.extension()
+        .and_then(|ext| ext.to_str())
+        .is_some_and(|ext| EXTENSIONS.iter().any(|known| ext.eq_ignore_ascii_case(known)))
+}
+
+/// Parses one file's content; `origin` (usually the file's path) is used to name where objects came from.
+///
+/// JSON (content starting with `{` or `[`) is read as JSON; anything else, and JSON that serde_json
+/// rejects in a file not named `*.json`, is read as (multi-document) YAML.
+pub fn parse_str(text: &str, origin: &str) -> Objects {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let mut out = Objects::default();
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        match parse_json_documents(text) {
+            Ok(values) => {
+                let numbered = values.len() > 1;
+                for (index, value) in values.into_iter().enumerate() {
+                    let doc_origin = document_origin(origin, numbered, index + 1);
+                    match serde_yaml::to_value(value) {
+                        Ok(value) => add_document(value, None, &doc_origin, &mut out),
+                        Err(err) => out.errors.push(ManifestError::new(doc_origin, err.to_string())),
+                    }
+                }
+                return out;
+            }
+            Err(err) if origin.to_ascii_lowercase().ends_with(".json") => {
+                out.errors.push(ManifestError::new(origin, format!("invalid JSON: {err}")));
+                return out;
+            }
+            // Flow-style YAML such as `{kind: Service, ...}` is not JSON; let the YAML parser try.
+            Err(_) => {}
+        }
+    }
+    let documents = split_yaml_documents(text);
+    let numbered = documents.len() > 1;
+    for (index, document) in documents.iter().enumerate() {
+        let doc_origin = document_origin(origin, numbered, index + 1);
+        match serde_yaml::from_str::<Value>(&document.text) {
+            Ok(mut value) => {
+                if let Err(err) = value.apply_merge() {
+                    out.errors.push(ManifestError::new(doc_origin, format!("invalid YAML: {err}")));
+                    continue;
+                }
+                add_document(value, Some(document), &doc_origin, &mut out);
+            }
+            Err(_) => {
+                // Parse again with the line numbers of the file, for the message.
+                let err = match serde_yaml::from_str::<Value>(&document.padded()) {
+                    Err(err) => err.to_string(),
+                    Ok(_) => "the document cannot be parsed".to_string(),
+                };
+                out.errors.push(ManifestError::new(doc_origin, format!("invalid YAML: {err}")));
+            }
+        }
+    }
+    out
+}
+
+/// One YAML document's text and the (0-based) line of the file it starts on.
+struct Document {
+    first_line: usize,
+    text: String,
+}
+
+impl Document {
+    /// The text preceded by as many empty lines as came before it, so that parser errors carry the line
+    /// numbers of the file. Only built when there is an error to report.
+    fn padded(&self) -> String {
+        "\n".repeat(self.first_line) + &self.text
+    }
+}
+
+fn parse_json_documents(text: &str) -> Result<Vec<serde_json::Value>, serde_json::Error> {
+    serde_json::Deserializer::from_str(text).into_iter::<serde_json::Value>().collect()
+}
+
+fn document_origin(origin: &str, numbered: bool, number: usize) -> String {
+    if numbered { format!("{origin} (document {number})") } else { origin.to_string() }
+}
+
+/// Splits a YAML stream into its non-empty documents.
+///
+/// Each piece is a valid single-document stream. Splitting ourselves (rather than letting the YAML parser
+/// iterate) lets documents after a broken one still load. A line starting with `---` followed by
+/// whitespace or its end is always a document marker in YAML, even inside a block scalar.
+fn split_yaml_documents(text: &str) -> Vec<Document> {
+    struct Piece {
+        first_line: usize,
+        text: String,
+        has_start_marker: bool,
+        has_content: bool,
+    }
+    let new_piece =
+        |first_line| Piece { first_line, text: String::new(), has_start_marker: false, has_content: false };
+    let mut pieces = Vec::new();
+    let mut current = new_piece(0);
+    for (number, line) in text.split_inclusive('\n').enumerate() {
+        let bare = line.trim_end_matches(['\n', '\r']);
+        if let Some(rest) = marker_rest(bare, "---") {
+            if current.has_start_marker || current.has_content {
+                pieces.push(std::mem::replace(&mut current, new_piece(number)));
+            }
+            current.has_start_marker = true;
+            current.has_content |= !is_blank(rest);
+            current.text.push_str(line);
+        } else if marker_rest(bare, "...").is_some_and(is_blank) {
+            current.text.push_str(line);
+            pieces.push(std::mem::replace(&mut current, new_piece(number + 1)));
+        } else {
+            if current.text.is_empty() {
+                current.first_line = number;
+            }
+            // `%YAML` / `%TAG` directives only appear before a document's `---`.
+            let directive = bare.starts_with('%') && !current.has_start_marker && !current.has_content;
+            current.has_content |= !directive && !is_blank(bare);
+            current.text.push_str(line);
+        }
+    }
+    pieces.push(current);
+    pieces
+        .into_iter()
+        .filter(|piece| piece.has_content)
+        .map(|piece| Document { first_line: piece.first_line, text: piece.text })
+        .collect()
+}
+
+/// For a line that is the marker (`---` or `...`) followed by nothing or whitespace, what follows it.
+fn marker_rest<'a>(line: &'a str, marker: &str) -> Option<&'a str> {
+    let rest = line.strip_prefix(marker)?;
+    (rest.is_empty() || rest.starts_with([' ', '\t'])).then_some(rest)
+}
+
+/// Whitespace, or a comment.
+fn is_blank(text: &str) -> bool {
+    let text = text.trim();
+    text.is_empty() || text.starts_with('#')
+}
+
+/// Looks at one parsed document (or list item) and files it as a Service, an EndpointSlice, a list to
+/// flatten, or something to ignore. `source` is the document's own text when `value` is the whole document.
+fn add_document(value: Value, source: Option<&Document>, origin: &str, out: &mut Objects) {
+    add_value(value, source, origin, 0, out);
+}
+
+fn add_value(value: Value, source: Option<&Document>, origin: &str, depth: usize, out: &mut Objects) {
+    match value {
+        Value::Null => return,
+        Value::Mapping(_) => {}
+        _ => {
+            debug!(origin, "ignoring a document that is not an object");
+            return;
+        }
+    }
+    let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+    let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
+    let core = api_version.is_empty() || api_version == "v1";
+    let discovery = api_version.is_empty() || api_version.starts_with("discovery.k8s.io/");
+    match kind.as_str() {
+        "Service" if core => {
+            if let Some(service) = typed::<Service>(value, source, origin, &kind, &mut out.errors) {
+                out.services.push(Sourced { origin: origin.to_string(), object: service });
+            }
+        }
+        "EndpointSlice" if discovery => {
+            if let Some(slice) = typed::<EndpointSlice>(value, source, origin, &kind, &mut out.errors) {
+                out.slices.push(Sourced { origin: origin.to_string(), object: slice });
+            }
+        }
+        "List" | "ServiceList" if core => add_list(value, origin, &kind, depth, out),
+        "EndpointSliceList" if discovery => add_list(value, origin, &kind, depth, out),
+        "" => debug!(origin, "ignoring an object without kind"),
+        _ => debug!(origin, kind, api_version, "ignoring an object of another kind"),
+    }
+}
+
+fn add_list(value: Value, origin: &str, kind: &str, depth: usize, out: &mut Objects) {
+    if depth >= MAX_LIST_DEPTH {
+        out.errors.push(ManifestError::new(origin, "lists nested too deeply").with_object(kind));
+        return;
+    }
+    // Items of a typed list as the API server returns them carry no kind or apiVersion of their own.
+    let item_type = match kind {
+        "ServiceList" => Some(("Service", "v1")),
+        "EndpointSliceList" => Some(("EndpointSlice", "discovery.k8s.io/v1")),
+        _ => None,
+    };
+    let items = match value.get("items") {
+        None | Some(Value::Null) => return,
+        Some(Value::Sequence(items)) => items.clone(),
+        Some(_) => {
+            let err = ManifestError::new(origin, "expected a sequence of objects");
+            out.errors.push(err.with_object(kind).with_field("items"));
+            return;
+        }
+    };
+    for (index, mut item) in items.into_iter().enumerate() {
+        let item_origin = match origin.strip_suffix(')') {
+            // `file (document 2)` or `file (items[1])`: add to the parenthesis we made.
+            Some(open) if open.rsplit_once(" (").is_some_and(|(_, last)| is_our_suffix(last)) => {
+                format!("{open}, items[{index}])")
+            }
+            _ => format!("{origin} (items[{index}])"),
+        };
+        if let (Some((item_kind, item_api_version)), Value::Mapping(map)) = (item_type, &mut item) {
+            if !map.contains_key("kind") {
+                map.insert(Value::from("kind"), Value::from(item_kind));
+            }
+            if !map.contains_key("apiVersion") {
+                map.insert(Value::from("apiVersion"), Value::from(item_api_version));
+            }
+        }
+        add_value(item, None, &item_origin, depth + 1, out);
+    }
+}
+
+/// Whether the text in an origin's last parenthesis is one that [`document_origin`] or [`add_list`] wrote.
+fn is_our_suffix(text: &str) -> bool {
+    text.starts_with("document ") || text.starts_with("items[")
+}
+
+/// Deserializes `value` into a k8s-openapi type; on failure records an error naming the object and field.
+fn typed<T: DeserializeOwned + k8s_openapi::Resource>(
+    value: Value,
+    source: Option<&Document>,
+    origin: &str,
+    kind: &str,
+    errors: &mut Vec<ManifestError>,
+) -> Option<T> {
+    let object = object_label(&value, kind);
+    if let Some(api_version) = value.get("apiVersion").and_then(Value::as_str)
+        && api_version != T::API_VERSION
+    {
+        let message = format!("apiVersion {api_version} is not supported (expected {})", T::API_VERSION);
+        errors.push(ManifestError::new(origin, message).with_object(object).with_field("apiVersion"));
+        return None;
+    }
+    match serde_yaml::from_value::<T>(value.clone()) {
+        Ok(typed) => Some(typed),
+        Err(value_err) => {
+            // Errors from a Value carry no field path; the text deserializer tracks it. Use the document's
+            // own text when we have it (its line numbers are the file's), or the value written back out.
+            let (result, keep_location) = match source {
+                Some(source) => (serde_yaml::from_str::<T>(&source.padded()), true),
+                None => match serde_yaml::to_string(&value) {
+                    Ok(text) => (serde_yaml::from_str::<T>(&text), false),
+                    Err(_) => (Err(value_err), false),
+                },
+            };
+            match result {
+                Ok(typed) => Some(typed),
+                Err(err) => {
+                    let (field, message) = split_yaml_error(&err, keep_location);
+                    let mut error = ManifestError::new(origin, message).with_object(object);
+                    error.field = field;
+                    errors.push(error);
+                    None
+                }
+            }
+        }
+    }
+}
+
+/// `Kind namespace/name` when metadata is readable (namespace defaulting to `default`), else the kind.
+fn object_label(value: &Value, kind: &str) -> String {
+    let metadata = value.get("metadata");
+    let name = metadata.and_then(|m| m.get("name")).and_then(Value::as_str);
+    let namespace = metadata.and_then(|m| m.get("namespace")).and_then(Value::as_str).unwrap_or("default");
+    match name {
+        Some(name) => format!("{kind} {namespace}/{name}"),
+        None => kind.to_string(),
+    }
+}
+
+/// Splits serde_yaml's `spec.ports[0].port: invalid type: ... at line 5 column 7` into the field path
+/// and the message, dropping the location unless it points into the original file.
+fn split_yaml_error(err: &serde_yaml::Error, keep_location: bool) -> (Option<String>, String) {
+    let mut text = err.to_string();
+    if !keep_location
+        && err.location().is_some()
+        && let Some(at) = text.rfind(" at line ")
+    {
+        text.truncate(at);
+    }
+    if let Some((path, message)) = text.split_once(": ") {
+        let looks_like_path = !path.is_empty()
+            && !path.contains(char::is_whitespace)
+            && (path.contains(['.', '[']) || path.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+        if looks_like_path {
+            return (Some(path.to_string()), message.to_string());
+        }
+    }
+    (None, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KUBE_DNS: &str = r#"apiVersion: v1
+kind: Service
+metadata:
+  name: kube-dns
+  namespace: kube-system
+  labels:
+    k8s-app: kube-dns
+    kubernetes.io/name: CoreDNS
+spec:
+  clusterIP: 10.96.0.10
+  clusterIPs:
+  - 10.96.0.10
+  ipFamilies:
+  - IPv4
+  ports:
+  - name: dns
+    port: 53
+    protocol: UDP
+    targetPort: 53
+  - name: dns-tcp
+    port: 53
+    protocol: TCP
+    targetPort: 53
+  - name: metrics
+    port: 9153
+    protocol: TCP
+    targetPort: 9153
+  selector:
+    k8s-app: kube-dns
+  type: ClusterIP
+"#;
+
+    const KUBE_DNS_SLICE: &str = r#"apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kube-dns-abc12
+  namespace: kube-system
+  labels:
+    kubernetes.io/service-name: kube-dns
+    endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io
+addressType: IPv4
+endpoints:
+- addresses:
+  - 10.244.0.12
+  conditions:
+    ready: true
+    serving: true
+    terminating: false
+  nodeName: kind-control-plane
+- addresses:
+  - 10.244.0.13
+  conditions:
+    ready: true
+ports:
+- name: dns-tcp
+  port: 53
+  protocol: TCP
+- name: dns
+  port: 53
+  protocol: UDP
+- name: metrics
+  port: 9153
+  protocol: TCP
+"#;
+
+    fn names(objects: &Objects) -> Vec<String> {
+        let services = objects.services.iter().map(|s| {
+            let meta = &s.object.metadata;
+            format!(
+                "Service {}/{}",
+                meta.namespace.as_deref().unwrap_or(""),
+                meta.name.as_deref().unwrap_or("")
+            )
+        });
+        let slices = objects.slices.iter().map(|s| {
+            let meta = &s.object.metadata;
+            format!(
+                "Slice {}/{}",
+                meta.namespace.as_deref().unwrap_or(""),
+                meta.name.as_deref().unwrap_or("")
+            )
+        });
+        services.chain(slices).collect()
+    }
+
+    #[test]
+    fn single_service_document() {
+        let objects = parse_str(KUBE_DNS, "kube-dns.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(objects.services.len(), 1);
+        let svc = &objects.services[0];
+        assert_eq!(svc.origin, "kube-dns.yaml");
+        let spec = svc.object.spec.as_ref().unwrap();
+        assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.10"));
+        assert_eq!(spec.ports.as_ref().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn multi_document_yaml_numbers_documents_and_skips_empty_ones() {
+        let text = format!(
+            "# CoreDNS\n---\n{KUBE_DNS}---\n# only a comment\n---\n\n---\n{KUBE_DNS_SLICE}...\n---\napiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: coredns\n"
+        );
+        let objects = parse_str(&text, "dns.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(names(&objects), ["Service kube-system/kube-dns", "Slice kube-system/kube-dns-abc12"]);
+        assert_eq!(objects.services[0].origin, "dns.yaml (document 1)");
+        assert_eq!(objects.slices[0].origin, "dns.yaml (document 2)");
+    }
+
+    #[test]
+    fn document_split_handles_directives_markers_with_content_and_crlf() {
+        let text = "%YAML 1.1\n--- # the service\nkind: Service\napiVersion: v1\nmetadata: {name: a}\n--- {kind: Service, apiVersion: v1, metadata: {name: b}}\n";
+        let objects = parse_str(text, "x.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(names(&objects), ["Service /a", "Service /b"]);
+        assert_eq!(objects.services[1].origin, "x.yaml (document 2)");
+
+        let crlf = format!("\u{feff}{}---\r\n{}", KUBE_DNS, KUBE_DNS_SLICE).replace('\n', "\r\n");
+        let objects = parse_str(&crlf, "crlf.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(objects.services.len(), 1);
+        assert_eq!(objects.slices.len(), 1);
+    }
+
+    #[test]
+    fn broken_document_is_reported_and_others_still_load() {
+        let text = format!(
+            "{KUBE_DNS}---\napiVersion: v1\nkind: Service\nmetadata:\n  name: [broken\n---\n{KUBE_DNS_SLICE}"
+        );
+        let objects = parse_str(&text, "examples/dns.yaml");
+        assert_eq!(objects.services.len(), 1);
+        assert_eq!(objects.slices.len(), 1);
+        assert_eq!(objects.slices[0].origin, "examples/dns.yaml (document 3)");
+        assert_eq!(objects.errors.len(), 1, "{:?}", objects.errors);
+        let err = &objects.errors[0];
+        assert_eq!(err.origin, "examples/dns.yaml (document 2)");
+        assert_eq!(err.object, None);
+        assert!(err.message.starts_with("invalid YAML: "), "{}", err.message);
+        // Line numbers are the file's.
+        let broken_line = text.lines().position(|l| l.contains("[broken")).unwrap() + 1;
+        assert!(err.message.contains(&format!("line {broken_line} ")), "{} / {broken_line}", err.message);
+        assert!(err.to_string().starts_with("examples/dns.yaml (document 2): invalid YAML: "));
+    }
+
+    #[test]
+    fn typed_error_names_object_and_field() {
+        let text = KUBE_DNS.replace("port: 9153", "port: nine-one-five-three");
+        let objects = parse_str(&text, "dns.yaml");
+        assert!(objects.services.is_empty());
+        assert_eq!(objects.errors.len(), 1);
+        let err = &objects.errors[0];
+        assert_eq!(err.origin, "dns.yaml");
+        assert_eq!(err.object.as_deref(), Some("Service kube-system/kube-dns"));
+        assert_eq!(err.field.as_deref(), Some("spec.ports[2].port"));
+        assert!(err.message.contains("invalid type: string \"nine-one-five-three\""), "{}", err.message);
+        // The location points into the file.
+        let line = text.lines().position(|l| l.contains("nine-one")).unwrap() + 1;
+        assert!(err.message.ends_with(&format!("at line {line} column 11")), "{}", err.message);
+        assert!(
+            err.to_string().starts_with(
+                "dns.yaml: Service kube-system/kube-dns: spec.ports[2].port: invalid type: string"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn typed_error_without_namespace_defaults_to_default() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  ports: \"80\"\n";
+        let objects = parse_str(text, "web.yaml");
+        assert_eq!(objects.errors.len(), 1);
+        let err = &objects.errors[0];
+        assert_eq!(err.object.as_deref(), Some("Service default/web"));
+        assert_eq!(err.field.as_deref(), Some("spec.ports"));
+        assert!(err.message.starts_with("invalid type: string \"80\""), "{}", err.message);
+    }
+
+    #[test]
+    fn missing_required_fields_default_to_zero_for_the_model_to_check() {
+        // k8s-openapi fills absent required fields with their default; the model rejects port 0.
+        let text = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  ports:\n  - name: http\n";
+        let objects = parse_str(text, "web.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(objects.services[0].object.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port, 0);
+    }
+
+    #[test]
+    fn wrong_api_version_of_endpoint_slice_is_an_error() {
+        let text = KUBE_DNS_SLICE.replace("discovery.k8s.io/v1", "discovery.k8s.io/v1beta1");
+        let objects = parse_str(&text, "old.yaml");
+        assert!(objects.slices.is_empty());
+        assert_eq!(objects.errors.len(), 1);
+        let err = &objects.errors[0];
+        assert_eq!(err.object.as_deref(), Some("EndpointSlice kube-system/kube-dns-abc12"));
+        assert_eq!(err.field.as_deref(), Some("apiVersion"));
+        assert_eq!(
+            err.message,
+            "apiVersion discovery.k8s.io/v1beta1 is not supported (expected discovery.k8s.io/v1)"
+        );
+    }
+
+    #[test]
+    fn other_kinds_and_other_api_groups_are_ignored() {
+        let text = r#"apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: coredns
+  namespace: kube-system
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web-0
+---
+apiVersion: serving.knative.dev/v1
+kind: Service
+metadata:
+  name: hello
+---
+apiVersion: v1
+kind: Endpoints
+metadata:
+  name: kube-dns
+---
+just a string
+---
+- a
+- list
+---
+replicas: 3
+"#;
+        let objects = parse_str(text, "misc.yaml");
+        assert_eq!(objects, Objects::default());
+    }
+
+    #[test]
+    fn kubectl_list_is_flattened() {
+        let text = r#"apiVersion: v1
+items:
+- apiVersion: v1
+  kind: Service
+  metadata:
+    name: kube-dns
+    namespace: kube-system
+  spec:
+    clusterIP: 10.96.0.10
+    ports:
+    - name: dns
+      port: 53
+      protocol: UDP
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: coredns-1
+- apiVersion: v1
+  kind: Service
+  metadata:
+    name: broken
+    namespace: default
+  spec:
+    ports:
+    - port: {}
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata:
+    name: kube-dns-abc12
+    namespace: kube-system
+    labels:
+      kubernetes.io/service-name: kube-dns
+  addressType: IPv4
+  endpoints:
+  - addresses: ["10.244.0.12"]
+kind: List
+metadata:
+  resourceVersion: ""
+"#;
+        let objects = parse_str(text, "get.yaml");
+        assert_eq!(names(&objects), ["Service kube-system/kube-dns", "Slice kube-system/kube-dns-abc12"]);
+        assert_eq!(objects.services[0].origin, "get.yaml (items[0])");
+        assert_eq!(objects.slices[0].origin, "get.yaml (items[3])");
+        assert_eq!(objects.errors.len(), 1);
+        let err = &objects.errors[0];
+        assert_eq!(err.origin, "get.yaml (items[2])");
+        assert_eq!(err.object.as_deref(), Some("Service default/broken"));
+        assert_eq!(err.field.as_deref(), Some("spec.ports[0].port"));
+        assert!(!err.message.contains(" at line "), "{}", err.message);
+    }
+
+    #[test]
+    fn typed_lists_supply_kind_to_their_items() {
+        let text = r#"---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata: {name: a, namespace: default}
+  spec: {clusterIP: 10.96.0.1, ports: [{port: 443}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSliceList
+items:
+- metadata: {name: a-xyz, namespace: default, labels: {kubernetes.io/service-name: a}}
+  addressType: IPv4
+  endpoints: []
+"#;
+        let objects = parse_str(text, "lists.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(names(&objects), ["Service default/a", "Slice default/a-xyz"]);
+        assert_eq!(objects.services[0].origin, "lists.yaml (document 1, items[0])");
+        assert_eq!(objects.slices[0].origin, "lists.yaml (document 2, items[0])");
+    }
+
+    #[test]
+    fn nested_lists_and_origins_ending_in_a_parenthesis() {
+        let text = "kind: List\napiVersion: v1\nitems:\n- kind: List\n  apiVersion: v1\n  items:\n  - {kind: Service, apiVersion: v1, metadata: {name: a}}\n";
+        let objects = parse_str(text, "svc (copy)");
+        assert_eq!(objects.services[0].origin, "svc (copy) (items[0], items[0])");
+        let objects = parse_str(&format!("---\n{text}---\n{text}"), "lists.yaml");
+        assert_eq!(objects.services[1].origin, "lists.yaml (document 2, items[0], items[0])");
+    }
+
+    #[test]
+    fn list_with_bad_items_field() {
+        let objects = parse_str("apiVersion: v1\nkind: List\nitems: 3\n", "l.yaml");
+        assert_eq!(objects.errors.len(), 1);
+        assert_eq!(objects.errors[0].to_string(), "l.yaml: List: items: expected a sequence of objects");
+        let objects = parse_str("apiVersion: v1\nkind: List\nitems: []\n", "l.yaml");
+        assert_eq!(objects, Objects::default());
+    }
+
+    #[test]
+    fn json_object_and_json_list() {
+        let json = r#"{
+	"apiVersion": "v1",
+	"kind": "List",
+	"items": [
+		{"apiVersion": "v1", "kind": "Service",
+		 "metadata": {"name": "web", "namespace": "shop"},
+		 "spec": {"clusterIP": "10.96.12.7", "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
+		{"apiVersion": "v1", "kind": "Service",
+		 "metadata": {"name": "bad", "namespace": "shop"},
+		 "spec": {"ports": [{"name": "http", "port": "eighty"}]}}
+	]
+}"#;
+        let objects = parse_str(json, "get.json");
+        assert_eq!(names(&objects), ["Service shop/web"]);
+        assert_eq!(objects.services[0].origin, "get.json (items[0])");
+        assert_eq!(objects.errors.len(), 1);
+        let err = &objects.errors[0];
+        assert_eq!(err.object.as_deref(), Some("Service shop/bad"));
+        assert_eq!(err.field.as_deref(), Some("spec.ports[0].port"));
+
+        let slice = r#"{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"web-1","namespace":"shop","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv4","endpoints":[{"addresses":["10.244.1.5"]}],"ports":[{"name":"http","port":8080}]}"#;
+        let objects = parse_str(slice, "slice.json");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        assert_eq!(names(&objects), ["Slice shop/web-1"]);
+        assert_eq!(objects.slices[0].origin, "slice.json");
+    }
+
+    #[test]
+    fn broken_json_file_is_an_error() {
+        let objects = parse_str("{\"kind\": \"Service\",", "svc.json");
+        assert_eq!(objects.services.len(), 0);
+        assert_eq!(objects.errors.len(), 1);
+        assert_eq!(objects.errors[0].origin, "svc.json");
+        assert!(objects.errors[0].message.starts_with("invalid JSON: "), "{}", objects.errors[0].message);
+    }
+
+    #[test]
+    fn odd_input_never_panics() {
+        for text in [
+            "{",
+            "[1, 2]",
+            ":::",
+            "---\n- [\n",
+            "kind: [Service]",
+            "kind: Service\nmetadata: 3\n",
+            "kind: Service\napiVersion: 1\n",
+            "kind: List\nitems: [1, null, {kind: 7}]\n",
+            "\t\u{0}",
+            "kind: Service\nmetadata: {name: [a], namespace: {}}\nspec: []\n",
+            "...\n...\n---",
+            "%YAML 1.2\n",
+            "a: &x [*x]\n",
+            "- &a [*a, *a]\n",
+        ] {
+            let objects = parse_str(text, "odd.yaml");
+            assert!(objects.services.is_empty() && objects.slices.is_empty(), "{text:?}");
+            assert!(parse_str(text, "odd.json").services.is_empty());
+        }
+    }
+
+    #[test]
+    fn many_documents_load_quickly() {
+        let doc = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web-N\nspec:\n  clusterIP: 10.96.1.1\n  ports:\n  - port: 80\n";
+        let text: String = (0..3000).map(|i| format!("---\n{}", doc.replace('N', &i.to_string()))).collect();
+        let started = std::time::Instant::now();
+        let objects = parse_str(&text, "many.yaml");
+        assert_eq!(objects.services.len(), 3000);
+        assert_eq!(objects.services[2999].origin, "many.yaml (document 3000)");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn empty_input_yields_nothing() {
+        assert_eq!(parse_str("", "empty.yaml"), Objects::default());
+        assert_eq!(parse_str("---\n---\n# nothing\n", "empty.yaml"), Objects::default());
+        assert_eq!(parse_str("null\n", "null.yaml"), Objects::default());
+    }
+
+    #[test]
+    fn yaml_anchors_and_merge_keys() {
+        let text = r#"apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: shop
+spec:
+  clusterIP: 10.96.12.7
+  ports:
+  - &http {name: http, port: 80, protocol: TCP}
+  - <<: *http
+    name: alt
+    port: 8080
+"#;
+        let objects = parse_str(text, "a.yaml");
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+        let ports = objects.services[0].object.spec.as_ref().unwrap().ports.as_ref().unwrap();
+        assert_eq!(ports[1].port, 8080);
+        assert_eq!(ports[1].protocol.as_deref(), Some("TCP"));
+    }
+
+    #[test]
+    fn error_display_leaves_out_absent_parts() {
+        let err = ManifestError::new("a.yaml", "boom");
+        assert_eq!(err.to_string(), "a.yaml: boom");
+        assert_eq!(
+            err.clone().with_object("Service default/web").to_string(),
+            "a.yaml: Service default/web: boom"
+        );
+        assert_eq!(err.clone().with_field("spec.clusterIP").to_string(), "a.yaml: spec.clusterIP: boom");
+        assert_eq!(
+            err.with_object("Service default/web").with_field("spec.ports[0].port").to_string(),
+            "a.yaml: Service default/web: spec.ports[0].port: boom"
+        );
+    }
+
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str) -> TempDir {
+            let dir = std::env::temp_dir().join(format!("kproxy-manifest-{}-{name}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn load_directory_recursively_sorted_by_path() {
+        let tmp = TempDir::new("dir");
+        let root = &tmp.0;
+        fs::create_dir_all(root.join("b/nested")).unwrap();
+        fs::create_dir_all(root.join("..data")).unwrap();
+        fs::write(root.join("b/nested/z.yml"), KUBE_DNS_SLICE).unwrap();
+        fs::write(root.join("a.yaml"), KUBE_DNS.replace("kube-dns\n  namespace", "a\n  namespace")).unwrap();
+        fs::write(root.join("b/c.json"), r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"c"}}"#)
+            .unwrap();
+        fs::write(root.join("b/readme.md"), "kind: Service\n").unwrap();
+        fs::write(root.join("..data/a.yaml"), KUBE_DNS).unwrap();
+        fs::write(root.join(".hidden.yaml"), KUBE_DNS).unwrap();
+        fs::write(root.join("bad.YAML"), "kind: Service\napiVersion: v1\nmetadata: {name: [x\n").unwrap();
+
+        let objects = load_path(root);
+        assert_eq!(
+            names(&objects),
+            ["Service kube-system/a", "Service /c", "Slice kube-system/kube-dns-abc12"]
+        );
+        assert_eq!(objects.services[0].origin, root.join("a.yaml").display().to_string());
+        assert_eq!(objects.services[1].origin, root.join("b/c.json").display().to_string());
+        assert_eq!(objects.slices[0].origin, root.join("b/nested/z.yml").display().to_string());
+        assert_eq!(objects.errors.len(), 1, "{:?}", objects.errors);
+        assert_eq!(objects.errors[0].origin, root.join("bad.YAML").display().to_string());
+
+        // A file named explicitly is read whatever its extension.
+        let objects = load_path(&root.join("b/readme.md"));
+        assert_eq!(objects.services.len(), 1);
+        assert!(objects.errors.is_empty());
+        let objects = load_path(&root.join("b/nested/z.yml"));
+        assert_eq!(objects.slices.len(), 1);
+    }
+
+    #[test]
+    fn unreadable_paths_are_errors() {
+        let tmp = TempDir::new("missing");
+        let missing = tmp.0.join("does-not-exist.yaml");
+        let objects = load_path(&missing);
+        assert_eq!(objects.errors.len(), 1);
+        assert_eq!(objects.errors[0].origin, missing.display().to_string());
+        assert!(objects.services.is_empty());
+
+        let binary = tmp.0.join("binary.yaml");
+        fs::write(&binary, [0xff, 0xfe, 0x00, 0x41]).unwrap();
+        let objects = load_path(&binary);
+        assert_eq!(objects.errors.len(), 1);
+        assert!(objects.errors[0].message.starts_with("not UTF-8"), "{}", objects.errors[0].message);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn symlink_loops_terminate() {
+        let tmp = TempDir::new("loop");
+        fs::create_dir_all(tmp.0.join("sub")).unwrap();
+        std::os::unix::fs::symlink(&tmp.0, tmp.0.join("sub/back")).unwrap();
+        fs::write(tmp.0.join("sub/svc.yaml"), KUBE_DNS).unwrap();
+        let objects = load_path(&tmp.0);
+        assert_eq!(objects.services.len(), 1);
+        assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+    }
+
+    #[test]
+    fn split_error_paths() {
+        let err = serde_yaml::from_str::<Service>("kind: Service\nspec:\n  clusterIP: [1]\n").unwrap_err();
+        let (field, message) = split_yaml_error(&err, false);
+        assert_eq!(field.as_deref(), Some("spec.clusterIP"));
+        assert!(message.starts_with("invalid type: sequence"), "{message}");
+        assert!(!message.contains("line"), "{message}");
+        let err = serde_yaml::from_str::<Service>("kind: Pod\n").unwrap_err();
+        let (field, message) = split_yaml_error(&err, false);
+        assert_eq!(field, None);
+        assert!(message.starts_with("invalid value: string \"Pod\""), "{message}");
+    }
+}

@@ -40,7 +40,14 @@ struct Harness {
     stats: PerCpuArray<MapData, u64>,
 }
 
-fn frontend(name: &str, port_name: &str, vip: [u8; 4], port: u16, proto: Protocol, backends: &[([u8; 4], u16)]) -> Frontend {
+fn frontend(
+    name: &str,
+    port_name: &str,
+    vip: [u8; 4],
+    port: u16,
+    proto: Protocol,
+    backends: &[([u8; 4], u16)],
+) -> Frontend {
     Frontend {
         service: ServiceName { namespace: "default".into(), name: name.into() },
         port_name: port_name.into(),
@@ -64,7 +71,8 @@ fn desired() -> Desired {
 
 impl Harness {
     fn new() -> Self {
-        let mut ebpf = datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
+        let mut ebpf =
+            datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
         let maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
         let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names).unwrap();
         let report = syncer.apply(&desired());
@@ -219,9 +227,21 @@ fn ip_options_are_handled() {
 fn other_traffic_passes_untouched() {
     let h = Harness::new();
     let mut cases: Vec<(&str, Vec<u8>, Stat)> = Vec::new();
-    cases.push(("non-service TCP", Packet::tcp(CLIENT, 1234, [10, 244, 0, 11], 80, TCP_SYN).frame(), Stat::PassNoService));
-    cases.push(("service IP, other port", Packet::tcp(CLIENT, 1234, WEB_VIP, 443, TCP_SYN).frame(), Stat::PassNoService));
-    cases.push(("service port, other proto", Packet::udp(CLIENT, 1234, WEB_VIP, 80, b"x").frame(), Stat::PassNoService));
+    cases.push((
+        "non-service TCP",
+        Packet::tcp(CLIENT, 1234, [10, 244, 0, 11], 80, TCP_SYN).frame(),
+        Stat::PassNoService,
+    ));
+    cases.push((
+        "service IP, other port",
+        Packet::tcp(CLIENT, 1234, WEB_VIP, 443, TCP_SYN).frame(),
+        Stat::PassNoService,
+    ));
+    cases.push((
+        "service port, other proto",
+        Packet::udp(CLIENT, 1234, WEB_VIP, 80, b"x").frame(),
+        Stat::PassNoService,
+    ));
     let mut icmp = Packet::tcp(CLIENT, 0, WEB_VIP, 0, 0).frame();
     icmp[14 + 9] = 1;
     cases.push(("ICMP to the VIP", icmp, Stat::PassNotTcpUdp));
@@ -269,8 +289,15 @@ fn other_traffic_passes_untouched() {
     }
     // Ingress counts each reason; egress counts the same reasons except that a
     // missing conntrack entry is also PassNoService.
-    for stat in [Stat::PassNotIpv4, Stat::PassNotTcpUdp, Stat::PassFragment, Stat::PassMalformed, Stat::PassTruncated] {
-        assert_eq!(h.stat(stat), 2 * expected_counts.get(stat.name()).copied().unwrap_or(0), "{}", stat.name());
+    for stat in
+        [Stat::PassNotIpv4, Stat::PassNotTcpUdp, Stat::PassFragment, Stat::PassMalformed, Stat::PassTruncated]
+    {
+        assert_eq!(
+            h.stat(stat),
+            2 * expected_counts.get(stat.name()).copied().unwrap_or(0),
+            "{}",
+            stat.name()
+        );
     }
     assert_eq!(h.stat(Stat::DnatNew), 0);
     assert_eq!(h.conntrack.keys().count(), 0, "no conntrack entry for untranslated traffic");

@@ -3,6 +3,8 @@
 //! "what a correct NAT would have produced", independent of the datapath.
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use proxy_common::{
     checksum,
     maps::{IPPROTO_TCP, IPPROTO_UDP},
@@ -122,5 +124,8 @@ pub fn checksums_valid(frame: &[u8]) -> bool {
     }
     let src: [u8; 4] = ip[12..16].try_into().unwrap();
     let dst: [u8; 4] = ip[16..20].try_into().unwrap();
-    checksum::is_valid(checksum::add_words(checksum::pseudo_header_sum(src, dst, proto, seg.len() as u16), seg))
+    checksum::is_valid(checksum::add_words(
+        checksum::pseudo_header_sum(src, dst, proto, seg.len() as u16),
+        seg,
+    ))
 }

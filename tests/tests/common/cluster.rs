@@ -1,0 +1,212 @@
+//! A one-node cluster in a sandbox, driven by the real `kproxy agent`: a client
+//! pod, three nginx pods behind `default/web` (10.96.0.100:80) and two dnsmasq
+//! pods behind `kube-system/kube-dns` (10.96.0.10:53 UDP and TCP), programmed
+//! from the manifests in examples/clusterip (copied, so tests may edit them).
+
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use sandbox::{Pod, Sandbox, Spawned};
+
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
+pub const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
+pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+pub const WEB_PODS: [(&str, Ipv4Addr); 3] = [
+    ("web-1", Ipv4Addr::new(10, 244, 0, 11)),
+    ("web-2", Ipv4Addr::new(10, 244, 0, 12)),
+    ("web-3", Ipv4Addr::new(10, 244, 0, 13)),
+];
+pub const DNS_PODS: [(&str, Ipv4Addr); 2] =
+    [("coredns-1", Ipv4Addr::new(10, 244, 0, 21)), ("coredns-2", Ipv4Addr::new(10, 244, 0, 22))];
+
+/// The kproxy binary under test: `cargo xtask test` sets KPROXY_BIN.
+pub fn kproxy_bin() -> PathBuf {
+    let path = std::env::var_os("KPROXY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kproxy"));
+    assert!(
+        path.exists(),
+        "kproxy binary not found at {} — run the tests with `cargo xtask test` (it builds kproxy and sets KPROXY_BIN)",
+        path.display()
+    );
+    path
+}
+
+fn unique_pin_dir() -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    PathBuf::from(format!(
+        "/sys/fs/bpf/kproxy-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+pub struct Cluster {
+    // Field order matters only for readability: Drop below tears down explicitly.
+    pub sandbox: Sandbox,
+    pub client: Pod,
+    pub web: Vec<Pod>,
+    pub dns: Vec<Pod>,
+    pub agent: Option<Spawned>,
+    pub pin_dir: PathBuf,
+    pub manifests: PathBuf,
+    _manifest_dir: TempDir,
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Cluster {
+    pub fn start(tag: &str) -> Self {
+        let sandbox = Sandbox::new(tag).expect("building the sandbox (needs root; run `cargo xtask setup`)");
+        let client = sandbox.add_pod("client", CLIENT_IP).unwrap();
+        let web: Vec<Pod> = WEB_PODS
+            .iter()
+            .map(|(name, ip)| {
+                let pod = sandbox.add_pod(name, *ip).unwrap();
+                pod.start_nginx(&format!("{name}\n")).unwrap();
+                pod
+            })
+            .collect();
+        let dns: Vec<Pod> = DNS_PODS
+            .iter()
+            .map(|(name, ip)| {
+                let pod = sandbox.add_pod(name, *ip).unwrap();
+                pod.start_dnsmasq(WEB_VIP).unwrap();
+                pod
+            })
+            .collect();
+
+        let manifest_dir = sandbox.dir().join("manifests");
+        std::fs::create_dir_all(&manifest_dir).unwrap();
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/clusterip");
+        for entry in std::fs::read_dir(&examples).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, manifest_dir.join(path.file_name().unwrap())).unwrap();
+        }
+        let mut cluster = Cluster {
+            sandbox,
+            client,
+            web,
+            dns,
+            agent: None,
+            pin_dir: unique_pin_dir(),
+            manifests: manifest_dir.clone(),
+            _manifest_dir: TempDir(manifest_dir),
+        };
+        cluster.start_agent();
+        cluster.wait_for_frontends(&[
+            ("10.96.0.100:80", "TCP", 3),
+            ("10.96.0.10:53", "UDP", 2),
+            ("10.96.0.10:53", "TCP", 2),
+        ]);
+        cluster
+    }
+
+    pub fn start_agent(&mut self) {
+        let bin = kproxy_bin();
+        let agent = self
+            .sandbox
+            .node_spawn([
+                bin.as_os_str(),
+                "--pin-dir".as_ref(),
+                self.pin_dir.as_os_str(),
+                "agent".as_ref(),
+                "--manifests".as_ref(),
+                self.manifests.as_os_str(),
+                "--interfaces".as_ref(),
+                "veth*".as_ref(),
+                "--poll-ms".as_ref(),
+                "100".as_ref(),
+            ])
+            .unwrap();
+        self.agent = Some(agent);
+    }
+
+    pub fn agent_log(&self) -> String {
+        self.agent.as_ref().map(Spawned::log).unwrap_or_default()
+    }
+
+    /// `kproxy <args>` in the node namespace against this cluster's pins.
+    pub fn kproxy(&self, args: &[&str]) -> String {
+        let bin = kproxy_bin();
+        let mut full =
+            vec![bin.to_string_lossy().into_owned(), "--pin-dir".into(), self.pin_dir.display().to_string()];
+        full.extend(args.iter().map(|s| (*s).to_owned()));
+        self.sandbox.node_exec(&full).unwrap_or_else(|e| panic!("kproxy {args:?}: {e:#}"))
+    }
+
+    pub fn dump_json(&self, what: &str) -> serde_json::Value {
+        serde_json::from_str(&self.kproxy(&["dump", what, "--json"])).unwrap()
+    }
+
+    /// Slot 0 of a frontend: its backend count, or None when absent.
+    pub fn backend_count(&self, frontend: &str, proto: &str) -> Option<u64> {
+        // Until the agent has pinned its maps, dump fails: not yet programmed.
+        let bin = kproxy_bin();
+        let pin_dir = self.pin_dir.display().to_string();
+        let out = self
+            .sandbox
+            .node_exec_output([bin.to_str().unwrap(), "--pin-dir", &pin_dir, "dump", "services", "--json"])
+            .ok()?;
+        let rows: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        rows.as_array()?
+            .iter()
+            .find(|r| r["frontend"] == frontend && r["protocol"] == proto && r["slot"] == 0)
+            .and_then(|r| r["count"].as_u64())
+    }
+
+    /// Waits until the agent has programmed each `(frontend, proto, count)`.
+    pub fn wait_for_frontends(&self, expected: &[(&str, &str, u64)]) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if expected.iter().all(|(f, p, n)| self.backend_count(f, p) == Some(*n)) {
+                return;
+            }
+            if let Some(agent) = &self.agent {
+                assert!(agent.is_running(), "the agent exited:\n{}", agent.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "frontends {expected:?} not programmed; agent log:\n{}",
+                self.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stops the agent the way a DaemonSet rollout does (SIGTERM).
+    pub fn stop_agent(&mut self) -> std::process::ExitStatus {
+        let agent = self.agent.take().expect("agent running");
+        agent.terminate(Duration::from_secs(5)).unwrap()
+    }
+
+    pub fn manifest(&self, name: &str) -> PathBuf {
+        self.manifests.join(name)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(agent) = self.agent.take() {
+            let _ = agent.terminate(Duration::from_secs(5));
+        }
+        // Unpin everything even when the test failed; the sandbox's own drop
+        // then removes namespaces, veths and processes.
+        let _ = std::process::Command::new(kproxy_bin())
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .arg("unload")
+            .output();
+    }
+}
