@@ -1,0 +1,139 @@
+//! Real servers in pods: nginx (HTTP backends) and dnsmasq (DNS backends), each telling which
+//! pod answered.
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+
+use crate::sandbox::{Pod, Spawned};
+use crate::tools::find_tool;
+
+/// Size of the file every nginx serves at [`BIG_FILE_PATH`] (10 MiB).
+pub const BIG_FILE_LEN: usize = 10 * 1024 * 1024;
+/// URL path of the big file on every nginx.
+pub const BIG_FILE_PATH: &str = "/big.bin";
+/// How long a server may take to start listening.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The deterministic content of [`BIG_FILE_PATH`] (xorshift bytes), to compare a download with.
+pub fn big_file_contents() -> Vec<u8> {
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut out = Vec::with_capacity(BIG_FILE_LEN);
+    while out.len() < BIG_FILE_LEN {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(BIG_FILE_LEN);
+    out
+}
+
+fn nginx_config(dir: &Path, port: u16, big_file: &Path) -> String {
+    let d = dir.display();
+    let big = big_file.display();
+    format!(
+        r#"# kproxy test backend; everything it writes stays in {d}
+daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log notice;
+events {{
+    worker_connections 1024;
+}}
+http {{
+    access_log {d}/access.log;
+    client_body_temp_path {d}/tmp/body;
+    proxy_temp_path {d}/tmp/proxy;
+    fastcgi_temp_path {d}/tmp/fastcgi;
+    uwsgi_temp_path {d}/tmp/uwsgi;
+    scgi_temp_path {d}/tmp/scgi;
+    default_type text/plain;
+    keepalive_timeout 65;
+    server {{
+        listen {port} default_server;
+        root {d}/html;
+        index index.html;
+        # Where the request came from, as the backend sees it (source NAT checks).
+        location = /client {{
+            return 200 "$remote_addr\n";
+        }}
+        location = {BIG_FILE_PATH} {{
+            default_type application/octet-stream;
+            alias {big};
+        }}
+    }}
+}}
+"#
+    )
+}
+
+impl Pod {
+    /// nginx on 0.0.0.0:80 serving `body` at `/`, the pod's view of the client address at
+    /// `/client`, and [`big_file_contents`] at [`BIG_FILE_PATH`]. Returns once it listens.
+    pub fn start_nginx(&self, body: &str) -> Result<Spawned> {
+        self.start_nginx_on(80, body)
+    }
+
+    /// Like [`Pod::start_nginx`] on another port (several may run in one pod).
+    pub fn start_nginx_on(&self, port: u16, body: &str) -> Result<Spawned> {
+        let nginx = find_tool("nginx")?;
+        let dir = self.dir().join(format!("nginx-{port}"));
+        std::fs::create_dir_all(dir.join("html"))
+            .and_then(|()| std::fs::create_dir_all(dir.join("tmp")))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::write(dir.join("html/index.html"), body)?;
+        let big = dir.join("big.bin");
+        std::fs::write(&big, big_file_contents()).with_context(|| format!("writing {}", big.display()))?;
+        let conf = dir.join("nginx.conf");
+        std::fs::write(&conf, nginx_config(&dir, port, &big))?;
+        let mut args = vec![nginx.into_os_string()];
+        args.extend(["-p".into(), dir.clone().into_os_string()]);
+        args.extend(["-c".into(), conf.into_os_string()]);
+        args.extend(["-e".into(), dir.join("error.log").into_os_string()]);
+        let server = self.spawn(args)?;
+        self.wait_listening("tcp", port, Some(&server), START_TIMEOUT).with_context(|| {
+            format!("nginx in pod {}; error log: {}", self.name(), dir.join("error.log").display())
+        })?;
+        Ok(server)
+    }
+
+    /// dnsmasq on `<pod ip>:53` (UDP and TCP) answering
+    /// - `web.default.svc.cluster.local` A → `answer`,
+    /// - `whoami.kproxy.test` TXT → this pod's name (tells which backend answered),
+    /// - `ip.kproxy.test` A → this pod's address,
+    ///
+    /// and nothing else (no upstream, no /etc/hosts). Returns once it listens.
+    pub fn start_dnsmasq(&self, answer: Ipv4Addr) -> Result<Spawned> {
+        let dnsmasq = find_tool("dnsmasq")?;
+        let dir = self.dir().join("dnsmasq");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let args = vec![
+            dnsmasq.to_string_lossy().into_owned(),
+            "--keep-in-foreground".into(),
+            "--conf-file=/dev/null".into(),
+            "--no-resolv".into(),
+            "--no-hosts".into(),
+            "--no-poll".into(),
+            "--user=root".into(),
+            "--port=53".into(),
+            format!("--listen-address={}", self.ip()),
+            "--bind-interfaces".into(),
+            format!("--address=/web.default.svc.cluster.local/{answer}"),
+            format!("--txt-record=whoami.kproxy.test,{}", self.name()),
+            format!("--host-record=ip.kproxy.test,{}", self.ip()),
+            format!("--pid-file={}", dir.join("dnsmasq.pid").display()),
+            format!("--log-facility={}", dir.join("dnsmasq.log").display()),
+            "--log-queries".into(),
+        ];
+        let server = self.spawn(&args)?;
+        self.wait_listening("udp", 53, Some(&server), START_TIMEOUT)
+            .and_then(|()| self.wait_listening("tcp", 53, Some(&server), START_TIMEOUT))
+            .with_context(|| {
+                format!("dnsmasq in pod {}; log: {}", self.name(), dir.join("dnsmasq.log").display())
+            })?;
+        Ok(server)
+    }
+}
