@@ -1,13 +1,206 @@
-//! `cargo xtask demo`: the ClusterIP demo in a network-namespace sandbox (see the `sandbox` crate).
-use std::path::Path;
+//! `cargo xtask demo`: a ClusterIP Service through kproxy's eBPF datapath, in a
+//! network-namespace sandbox (see the `sandbox` crate): one node, a client pod,
+//! three nginx pods behind `default/web` and two DNS pods (dnsmasq standing in
+//! for CoreDNS) behind `kube-system/kube-dns`, programmed from `examples/clusterip`.
+//! Everything it makes is removed at the end, on error and on Ctrl-C.
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result, bail};
+use sandbox::{Pod, Sandbox, Spawned};
 
-/// Runs the demo with the release `kproxy` at `kproxy_bin` and the manifests in `examples_dir`.
-///
-/// Placeholder until the demo lands: it says so and exits with status 1.
+const PIN_DIR: &str = "/sys/fs/bpf/kproxy-demo";
+const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 244, 0, 2));
+const WEB: [(&str, Ipv4Addr); 3] = [
+    ("web-1", Ipv4Addr::new(10, 244, 0, 11)),
+    ("web-2", Ipv4Addr::new(10, 244, 0, 12)),
+    ("web-3", Ipv4Addr::new(10, 244, 0, 13)),
+];
+const DNS: [(&str, Ipv4Addr); 2] =
+    [("coredns-1", Ipv4Addr::new(10, 244, 0, 21)), ("coredns-2", Ipv4Addr::new(10, 244, 0, 22))];
+const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
+const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+
+struct Demo {
+    kproxy: PathBuf,
+    stop: Arc<AtomicBool>,
+    // Dropped in this order: the agent first, then the sandbox (processes,
+    // namespaces, veths); `Drop for Demo` unpins the datapath in between.
+    agent: Option<Spawned>,
+    sandbox: Sandbox,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        if let Some(agent) = self.agent.take() {
+            let _ = agent.terminate(Duration::from_secs(5));
+        }
+        let _ = std::process::Command::new(&self.kproxy).args(["--pin-dir", PIN_DIR, "unload"]).output();
+        println!(
+            "\ncleaned up: agent stopped, datapath unloaded ({PIN_DIR} removed), sandbox namespaces deleted"
+        );
+    }
+}
+
+impl Demo {
+    fn check_interrupted(&self) -> Result<()> {
+        if self.stop.load(Ordering::Relaxed) {
+            bail!("interrupted");
+        }
+        Ok(())
+    }
+
+    fn kproxy(&self, args: &[&str]) -> Result<String> {
+        let mut full = vec![self.kproxy.to_string_lossy().into_owned(), "--pin-dir".into(), PIN_DIR.into()];
+        full.extend(args.iter().map(|s| (*s).to_owned()));
+        self.sandbox.node_exec(&full)
+    }
+}
+
+fn heading(text: &str) {
+    println!("\n\x1b[1m== {text}\x1b[0m");
+}
+
+fn indent(text: &str) {
+    for line in text.lines() {
+        println!("   {line}");
+    }
+}
+
 pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
-    let _ = (kproxy_bin, examples_dir);
-    println!("demo not yet implemented");
-    std::process::exit(1);
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&stop)).context("installing the Ctrl-C handler")?;
+    }
+    // A demo killed before it could clean up leaves its pins behind.
+    let _ = std::process::Command::new(kproxy_bin).args(["--pin-dir", PIN_DIR, "unload"]).output();
+
+    heading("building the sandbox: one node namespace, six pods on veth pairs, no route out");
+    let sandbox = Sandbox::new("demo")?;
+    let mut demo = Demo { kproxy: kproxy_bin.to_path_buf(), stop, agent: None, sandbox };
+    let client = demo.sandbox.add_pod(CLIENT.0, CLIENT.1)?;
+    println!("   {:<10} {:<12} {}", CLIENT.0, CLIENT.1, client.host_veth());
+    let mut pods: Vec<Pod> = Vec::new();
+    for (name, ip) in WEB {
+        let pod = demo.sandbox.add_pod(name, ip)?;
+        pod.start_nginx(&format!("{name}\n"))?;
+        println!("   {name:<10} {ip:<12} {:<16} nginx", pod.host_veth());
+        pods.push(pod);
+        demo.check_interrupted()?;
+    }
+    for (name, ip) in DNS {
+        let pod = demo.sandbox.add_pod(name, ip)?;
+        pod.start_dnsmasq(WEB_VIP)?;
+        println!("   {name:<10} {ip:<12} {:<16} dnsmasq (as CoreDNS)", pod.host_veth());
+        pods.push(pod);
+        demo.check_interrupted()?;
+    }
+
+    let manifests = examples_dir.join("clusterip");
+    heading(&format!("kproxy agent --manifests {} --interfaces 'veth*'", manifests.display()));
+    let agent = demo.sandbox.node_spawn([
+        kproxy_bin.as_os_str(),
+        "--pin-dir".as_ref(),
+        PIN_DIR.as_ref(),
+        "agent".as_ref(),
+        "--manifests".as_ref(),
+        manifests.as_os_str(),
+        "--interfaces".as_ref(),
+        "veth*".as_ref(),
+    ])?;
+    demo.agent = Some(agent);
+    wait_until_programmed(&demo)?;
+    indent(&demo.kproxy(&["dump", "services"])?);
+
+    heading(&format!("curl http://{WEB_VIP}/ from the client pod: six new connections to default/web"));
+    for i in 1..=6 {
+        let body = client.curl(&format!("http://{WEB_VIP}/"))?;
+        println!("   connection {i}: answered by {}", body.trim());
+        demo.check_interrupted()?;
+    }
+
+    heading(&format!("dig @{DNS_VIP} from the client pod: kube-system/kube-dns over UDP"));
+    for i in 1..=6 {
+        let who = client.dig(DNS_VIP, "whoami.kproxy.test", "TXT")?;
+        println!("   query {i}: whoami.kproxy.test TXT answered by {}", who.trim().trim_matches('"'));
+        demo.check_interrupted()?;
+    }
+    let a = client.dig(DNS_VIP, "web.default.svc.cluster.local", "A")?;
+    println!("   web.default.svc.cluster.local A → {}", a.trim());
+    println!("   (dig accepts an answer only from the address it asked: each reply came from {DNS_VIP})");
+
+    heading("who un-NATs the return packet? one DNS query as the node's interfaces saw it");
+    show_one_query(&demo, &client)?;
+
+    heading("kproxy dump conntrack");
+    indent(&demo.kproxy(&["dump", "conntrack"])?);
+    heading("kproxy dump stats");
+    indent(&demo.kproxy(&["dump", "stats"])?);
+    Ok(())
+}
+
+fn wait_until_programmed(demo: &Demo) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        demo.check_interrupted()?;
+        let agent = demo.agent.as_ref().expect("agent started");
+        if !agent.is_running() {
+            bail!("the agent exited:\n{}", agent.log());
+        }
+        if let Ok(json) = demo.kproxy(&["dump", "services", "--json"]) {
+            let rows: serde_json::Value = serde_json::from_str(&json)?;
+            let masters = rows.as_array().map_or(0, |r| r.iter().filter(|r| r["slot"] == 0).count());
+            if masters == 3 {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("the agent did not program the Services in 20 s:\n{}", agent.log());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// tcpdump on every interface of the node: ingress is captured before the tc
+/// ingress program and egress after the tc egress program, so the four lines
+/// show the query before DNAT, after DNAT, the reply before un-NAT and after.
+fn show_one_query(demo: &Demo, client: &Pod) -> Result<()> {
+    let filter = format!("udp port 53 and host {}", CLIENT.1);
+    let tcpdump = demo.sandbox.node_spawn(["tcpdump", "-i", "any", "-n", "-l", "-c", "4", &filter])?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tcpdump.log().contains("listening on") {
+        if Instant::now() > deadline {
+            bail!("tcpdump did not start:\n{}", tcpdump.log());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    client.dig(DNS_VIP, "web.default.svc.cluster.local", "A")?;
+    if tcpdump.wait_timeout(Duration::from_secs(5))?.is_none() {
+        let _ = tcpdump.kill();
+    }
+    let notes = [
+        "the pod asks the ClusterIP",
+        "kproxy_ingress on the client's veth DNATed it to a DNS pod",
+        "the DNS pod answers from its own address",
+        "kproxy_egress on the client's veth rewrote the source back to the ClusterIP",
+    ];
+    let lines: Vec<String> = tcpdump
+        .log()
+        .lines()
+        .filter(|l| l.contains(" IP "))
+        .map(|l| l.split_once(' ').map_or(l, |(_time, rest)| rest).to_owned())
+        .collect();
+    for (line, note) in lines.iter().zip(notes) {
+        println!("   {line}");
+        println!("      \x1b[2m↳ {note}\x1b[0m");
+    }
+    println!("   The conntrack entry that made the last step possible is in the table below.");
+    Ok(())
 }
