@@ -133,7 +133,43 @@ fn test(root: &Path, cargo_args: &[OsString], harness_args: &[OsString]) -> Resu
     }
     cmd.env("KPROXY_BIN", &bin);
     eprintln!("KPROXY_BIN={}", bin.display());
-    run(&mut cmd)
+    run_counting_tests(&mut cmd)
+}
+
+/// Runs `cargo test`, echoing its output, and ends with one summary line over
+/// all test binaries (the last binary cargo runs is often one without tests).
+fn run_counting_tests(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead as _, BufReader};
+    let text = describe(cmd);
+    eprintln!("+ {text}");
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("starting `{text}`"))?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().expect("piped stdout")).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(summary) = line.strip_prefix("test result: ") {
+            let count = |what: &str| -> u64 {
+                summary
+                    .split(';')
+                    .filter_map(|part| {
+                        part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").split_once(' ')
+                    })
+                    .find(|(_, name)| *name == what)
+                    .and_then(|(n, _)| n.parse().ok())
+                    .unwrap_or(0)
+            };
+            passed += count("passed");
+            failed += count("failed");
+            ignored += count("ignored");
+        }
+    }
+    let status = child.wait()?;
+    println!("kproxy: {passed} passed, {failed} failed, {ignored} skipped");
+    if !status.success() {
+        bail!("`{text}` failed ({status})");
+    }
+    Ok(())
 }
 
 /// Splits what follows `test` on the command line, as typed (clap drops a leading `--`), into
