@@ -62,6 +62,14 @@ pub struct ServiceValueV4 {
     pub affinity_timeout_s: u32,
 }
 
+/// Slot 0 flags.
+/// sessionAffinity: ClientIP (timeout in `affinity_timeout_s`).
+pub const SVC_FLAG_AFFINITY: u16 = 1;
+/// internalTrafficPolicy: Local (only node-local backends are in the slots).
+pub const SVC_FLAG_LOCAL_ONLY: u16 = 2;
+/// No ready endpoint was left: the slots hold serving, terminating ones.
+pub const SVC_FLAG_TERMINATING_FALLBACK: u16 = 4;
+
 pub const BACKEND_FLAG_ACTIVE: u8 = 0;
 pub const BACKEND_FLAG_TERMINATING: u8 = 1;
 

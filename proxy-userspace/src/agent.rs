@@ -1,52 +1,59 @@
-//! `kproxy agent`: keeps the datapath equal to the manifests on disk and
-//! attached to every pod-facing interface, until SIGTERM or Ctrl-C.
+//! `kproxy agent`: keeps the datapath equal to the cluster (or to manifests on
+//! disk) and attached to every pod-facing interface, with kube-proxy's health
+//! and metrics endpoints, until SIGTERM or Ctrl-C.
 
 use std::{
-    path::{Path, PathBuf},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::{Duration, SystemTime},
+    collections::BTreeSet,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result};
+use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     datapath::{self, InterfaceSelector, Maps, PinDir},
-    manifest, model,
+    health::{self, Health},
+    metrics::Metrics,
+    model::{self, ModelOptions},
+    source::{self, Changes, KubeOptions},
     sync::Syncer,
 };
 
+pub enum Source {
+    /// Manifests on disk, re-read when a file changes (no cluster needed).
+    Files(PathBuf),
+    /// The API server.
+    Cluster(KubeOptions),
+}
+
 pub struct AgentConfig {
     pub pins: PinDir,
-    pub manifests: PathBuf,
+    pub source: Source,
     pub interfaces: Vec<String>,
-    /// How often interfaces and manifests are checked for changes.
+    /// How often interfaces (and manifest files) are checked for changes.
     pub poll: Duration,
+    /// Changes arriving closer together than this are applied in one sync.
+    pub min_sync_period: Duration,
+    /// A full resync (re-read the maps, repair any drift) at least this often.
+    pub sync_period: Duration,
+    pub healthz_bind: Option<SocketAddr>,
+    pub metrics_bind: Option<SocketAddr>,
+    pub model: ModelOptions,
 }
 
-/// Identifies the state of the manifest files: any write, rename, addition
-/// or removal changes it.
-fn fingerprint(path: &Path) -> Vec<(PathBuf, Option<SystemTime>, u64)> {
-    let mut out = Vec::new();
-    let mut stack = vec![path.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        match std::fs::metadata(&p) {
-            Ok(meta) if meta.is_dir() => {
-                if let Ok(entries) = std::fs::read_dir(&p) {
-                    stack.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
-                }
-            }
-            Ok(meta) => out.push((p, meta.modified().ok(), meta.len())),
-            Err(_) => out.push((p, None, 0)),
-        }
-    }
-    out.sort();
-    out
+pub fn run(config: AgentConfig) -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run_async(config))
 }
 
-pub fn run(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<()> {
+async fn run_async(config: AgentConfig) -> Result<()> {
     let selector = InterfaceSelector::new(&config.interfaces)?;
     if datapath::load(&config.pins)? {
         tracing::info!(pins = %config.pins.root().display(), "loaded and pinned the datapath");
@@ -60,10 +67,160 @@ pub fn run(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<()> {
         "adopted the maps' contents"
     );
 
-    let mut last_fingerprint = None;
-    while !stop.load(Ordering::Relaxed) {
-        match datapath::attach_matching(&config.pins, &selector) {
-            Ok(report) => {
+    // kube-proxy reports unhealthy when a change waits longer than two sync periods.
+    let health = Health::new(config.sync_period * 2);
+    let metrics = Metrics::new();
+    let changes = Arc::new(Changes::with_health(health.clone()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+
+    if let (Some(health_addr), Some(metrics_addr)) = (config.healthz_bind, config.metrics_bind) {
+        let bound = health::bind(health_addr, metrics_addr).await?;
+        tracing::info!(healthz = %bound.health_addr(), metrics = %bound.metrics_addr(), "serving health and metrics");
+        let mut stop = stop_rx.clone();
+        let shutdown = async move {
+            loop {
+                let stopping = *stop.borrow_and_update();
+                if stopping || stop.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        let (health, metrics) = (health.clone(), metrics.clone());
+        tokio::spawn(async move {
+            if let Err(e) = bound.serve(health, metrics, shutdown).await {
+                tracing::error!(error = %format!("{e:#}"), "health/metrics server stopped");
+            }
+        });
+    }
+
+    match &config.source {
+        Source::Files(path) => {
+            tokio::spawn(source::watch_files(path.clone(), config.poll, Arc::clone(&changes)));
+        }
+        Source::Cluster(options) => {
+            let client = source::client(options).await?;
+            let (changes, node) = (Arc::clone(&changes), config.model.node_name.clone());
+            tokio::spawn(async move {
+                if let Err(e) = source::watch_cluster(client, node, changes).await {
+                    tracing::error!(error = %format!("{e:#}"), "watching the API server stopped");
+                }
+            });
+        }
+    }
+
+    tokio::spawn(attach_loop(config.pins.clone(), selector, config.poll));
+    tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
+
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut loop_state =
+        SyncLoop { syncer: &mut syncer, metrics: &metrics, health: &health, logged: BTreeSet::new() };
+    let mut last_sync: Option<Instant> = None;
+    let mut next_full_resync = Instant::now() + config.sync_period;
+    loop {
+        let full_resync = tokio::select! {
+            _ = changes.notify.notified() => false,
+            _ = tokio::time::sleep_until(next_full_resync.into()) => true,
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        };
+        if !changes.is_ready() {
+            continue;
+        }
+        if let Some(last) = last_sync {
+            let wait = config.min_sync_period.saturating_sub(last.elapsed());
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = sigterm.recv() => break,
+                    _ = sigint.recv() => break,
+                }
+            }
+        }
+        if full_resync {
+            if let Err(e) = loop_state.syncer.reload() {
+                tracing::error!(error = %format!("{e:#}"), "re-reading the maps for a full resync failed");
+            }
+            next_full_resync = Instant::now() + config.sync_period;
+        }
+        loop_state.sync(&changes, &config.model);
+        last_sync = Some(Instant::now());
+    }
+    let _ = stop_tx.send(true);
+    tracing::info!("stopping; the pinned datapath stays in place");
+    Ok(())
+}
+
+struct SyncLoop<'a> {
+    syncer: &'a mut Syncer,
+    metrics: &'a Metrics,
+    health: &'a Health,
+    /// Errors already logged: a bad object is reported once per version.
+    logged: BTreeSet<String>,
+}
+
+impl SyncLoop<'_> {
+    fn sync(&mut self, changes: &Changes, options: &ModelOptions) {
+        let started = Instant::now();
+        let pending = changes.take_pending();
+        let snapshot = changes.snapshot();
+        let (desired, model_errors) = model::build_with(&snapshot.services(), &snapshot.slices(), options);
+        let report = self.syncer.apply(&desired);
+        let finished = SystemTime::now();
+
+        let errors: BTreeSet<String> = snapshot
+            .errors
+            .iter()
+            .chain(&model_errors)
+            .map(ToString::to_string)
+            .chain(report.errors.iter().cloned())
+            .collect();
+        for error in errors.difference(&self.logged) {
+            tracing::error!("{error}");
+        }
+        self.logged = errors;
+
+        self.metrics.observe_sync(started.elapsed(), finished);
+        self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
+        self.metrics.set_changes_pending(0, 0);
+        self.metrics.inc_sync_errors(report.errors.len() as u64);
+        self.metrics.set_programmed(self.syncer.frontend_count() as u64, self.syncer.backend_count() as u64);
+        if let Some(queued) = pending.oldest_queued {
+            self.metrics.set_last_queued(queued);
+        }
+        for trigger in pending.trigger_times {
+            if let Ok(latency) = finished.duration_since(trigger) {
+                self.metrics.observe_network_programming(latency);
+            }
+        }
+        if report.errors.is_empty() {
+            self.health.updated(finished);
+        }
+        if report.changed() || !report.errors.is_empty() {
+            tracing::info!(
+                services = snapshot.services.len(),
+                endpoint_slices = snapshot.slices.len(),
+                frontends = desired.frontends.len(),
+                added = report.frontends_added,
+                updated = report.frontends_updated,
+                removed = report.frontends_removed,
+                backends_added = report.backends_added,
+                backends_removed = report.backends_removed,
+                errors = self.logged.len(),
+                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+                "synced"
+            );
+        }
+    }
+}
+
+/// Attaches to matching interfaces as they appear; blocking aya calls run
+/// off the async workers.
+async fn attach_loop(pins: PinDir, selector: InterfaceSelector, poll: Duration) {
+    loop {
+        let (p, s) = (pins.clone(), selector.clone());
+        match tokio::task::spawn_blocking(move || datapath::attach_matching(&p, &s)).await {
+            Ok(Ok(report)) => {
                 for label in &report.attached {
                     tracing::info!(hook = %label, "attached");
                 }
@@ -74,51 +231,76 @@ pub fn run(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<()> {
                     tracing::warn!(hook = %label, %error, "attach failed; will retry");
                 }
             }
-            Err(e) => tracing::warn!(error = %format!("{e:#}"), "listing interfaces failed"),
+            Ok(Err(e)) => tracing::warn!(error = %format!("{e:#}"), "listing interfaces failed"),
+            Err(e) => tracing::warn!(error = %e, "attach task failed"),
         }
-
-        let current = fingerprint(&config.manifests);
-        if last_fingerprint.as_ref() != Some(&current) {
-            sync_once(&config.manifests, &mut syncer);
-            last_fingerprint = Some(current);
-        }
-        sleep_unless_stopped(config.poll, &stop);
+        tokio::time::sleep(poll).await;
     }
-    tracing::info!("stopping; the pinned datapath stays in place");
-    Ok(())
 }
 
-fn sync_once(manifests: &Path, syncer: &mut Syncer) {
-    let started = std::time::Instant::now();
-    let objects = manifest::load_path(manifests);
-    let (desired, model_errors) = model::build(&objects.services, &objects.slices);
-    for error in objects.errors.iter().chain(&model_errors) {
-        tracing::error!("{error}");
+/// Map fill and datapath counters for /metrics, read every few seconds rather
+/// than per sync: counting a full conntrack table is not free.
+async fn datapath_metrics_loop(pins: PinDir, metrics: Metrics) {
+    loop {
+        let (p, m) = (pins.clone(), metrics.clone());
+        let _ = tokio::task::spawn_blocking(move || -> Result<()> {
+            let maps = Maps::from_pins(&p)?;
+            for (name, entries, capacity) in crate::dump::map_usage(&maps) {
+                m.set_map_usage(name, entries, capacity);
+            }
+            let counters = crate::dump::stats(&maps)?;
+            let pairs: Vec<(&str, u64)> = counters.iter().map(|r| (r.reason, r.packets)).collect();
+            m.set_datapath_counters(&pairs);
+            Ok(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let report = syncer.apply(&desired);
-    for error in &report.errors {
-        tracing::error!("{error}");
-    }
-    tracing::info!(
-        services = objects.services.len(),
-        endpoint_slices = objects.slices.len(),
-        frontends = desired.frontends.len(),
-        added = report.frontends_added,
-        updated = report.frontends_updated,
-        removed = report.frontends_removed,
-        backends_added = report.backends_added,
-        backends_removed = report.backends_removed,
-        errors = objects.errors.len() + model_errors.len() + report.errors.len(),
-        elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-        "synced"
-    );
 }
 
-fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) {
-    let step = Duration::from_millis(50);
-    let mut slept = Duration::ZERO;
-    while slept < total && !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(step);
-        slept += step;
+/// Go-style durations as kube-proxy's flags take them: `250ms`, `1s`, `1m30s`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let mut total = Duration::ZERO;
+    let mut rest = text.trim();
+    if rest == "0" {
+        return Ok(total);
+    }
+    if rest.is_empty() {
+        return Err("empty duration".into());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        let value: f64 = rest[..digits].parse().map_err(|_| format!("{text:?}: expected a number"))?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let seconds = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            unit => return Err(format!("{text:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+        };
+        total += Duration::from_secs_f64(value * seconds);
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_like_kube_proxy_flags() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
     }
 }

@@ -179,6 +179,17 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     Ok(rows)
 }
 
+/// `(map, entries, capacity)` for every map with a fixed capacity.
+pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
+    use proxy_common::maps::*;
+    vec![
+        ("services_v4", maps.services.keys().count() as u64, u64::from(SERVICES_V4_CAPACITY)),
+        ("backends_v4", maps.backends.keys().count() as u64, u64::from(BACKENDS_V4_CAPACITY)),
+        ("rev_nat_v4", maps.rev_nat.keys().count() as u64, u64::from(REV_NAT_V4_CAPACITY)),
+        ("conntrack_v4", maps.conntrack.keys().count() as u64, u64::from(CONNTRACK_V4_CAPACITY)),
+    ]
+}
+
 pub fn stats(maps: &Maps) -> Result<Vec<StatRow>> {
     Stat::ALL
         .iter()

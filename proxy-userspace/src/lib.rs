@@ -3,6 +3,9 @@
 pub mod agent;
 pub mod datapath;
 pub mod dump;
+pub mod health;
 pub mod manifest;
+pub mod metrics;
 pub mod model;
+pub mod source;
 pub mod sync;

@@ -1,15 +1,13 @@
-use std::{
-    path::PathBuf,
-    sync::{Arc, atomic::AtomicBool},
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use kproxy::{
-    agent::{self, AgentConfig},
+    agent::{self, AgentConfig, Source},
     datapath::{self, InterfaceSelector, Maps, PinDir},
     dump,
+    model::ModelOptions,
+    source::KubeOptions,
 };
 
 /// kproxy: a Kubernetes service proxy with an eBPF datapath.
@@ -42,19 +40,9 @@ enum Command {
     },
     /// Detach the programs and remove every pin.
     Unload,
-    /// Program the datapath from Service and EndpointSlice manifests and keep
-    /// it in step with them until SIGTERM or Ctrl-C.
-    Agent {
-        /// A YAML/JSON file (multi-document allowed) or a directory of them.
-        #[arg(long)]
-        manifests: PathBuf,
-        /// Pod-facing interfaces (globs); interfaces appearing later are attached too.
-        #[arg(long, num_args = 1.., default_values = ["veth*"])]
-        interfaces: Vec<String>,
-        /// How often interfaces and manifests are checked, in milliseconds.
-        #[arg(long, default_value_t = 250)]
-        poll_ms: u64,
-    },
+    /// Keep the datapath equal to the cluster's Services and EndpointSlices (from
+    /// the API server, or from --manifests on disk) until SIGTERM or Ctrl-C.
+    Agent(Box<AgentArgs>),
     /// Print a map.
     Dump {
         #[arg(value_enum)]
@@ -63,6 +51,44 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Read Services and EndpointSlices from a YAML/JSON file (multi-document
+    /// allowed) or a directory of them instead of the API server.
+    #[arg(long, conflicts_with_all = ["kubeconfig", "master"])]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig file (default: in-cluster config, then ~/.kube/config).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// API server URL; overrides the kubeconfig's.
+    #[arg(long)]
+    master: Option<String>,
+    /// This node's name, for internalTrafficPolicy: Local.
+    #[arg(long, env = "NODE_NAME")]
+    hostname_override: Option<String>,
+    /// Program only Services labelled service.kubernetes.io/service-proxy-name=NAME.
+    #[arg(long)]
+    service_proxy_name: Option<String>,
+    /// Pod-facing interfaces (globs); interfaces appearing later are attached too.
+    #[arg(long, num_args = 1.., default_values = ["veth*"])]
+    interfaces: Vec<String>,
+    /// How often interfaces (and manifest files) are checked, in milliseconds.
+    #[arg(long, default_value_t = 250)]
+    poll_ms: u64,
+    /// Changes closer together than this are applied in one sync (e.g. 50ms, 1s).
+    #[arg(long, default_value = "50ms", value_parser = kproxy::agent::parse_duration)]
+    min_sync_period: Duration,
+    /// Full resync interval; health turns 503 when a change waits twice as long.
+    #[arg(long, default_value = "30s", value_parser = kproxy::agent::parse_duration)]
+    sync_period: Duration,
+    /// /healthz and /livez; empty disables health and metrics servers.
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
+    /// /metrics and /proxyMode.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -125,14 +151,33 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("removed {} pins and {}", report.pins, pins.root().display());
         }
-        Command::Agent { manifests, interfaces, poll_ms } => {
-            let stop = Arc::new(AtomicBool::new(false));
-            for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-                signal_hook::flag::register(signal, Arc::clone(&stop))
-                    .context("installing signal handlers")?;
-            }
-            let config = AgentConfig { pins, manifests, interfaces, poll: Duration::from_millis(poll_ms) };
-            agent::run(&config, stop)?;
+        Command::Agent(args) => {
+            let args = *args;
+            let source = match args.manifests {
+                Some(path) => Source::Files(path),
+                None => Source::Cluster(KubeOptions { kubeconfig: args.kubeconfig, master: args.master }),
+            };
+            let bind = |flag: &str, value: &str| -> Result<Option<SocketAddr>> {
+                if value.is_empty() {
+                    return Ok(None);
+                }
+                value.parse().map(Some).with_context(|| format!("--{flag} {value:?} is not an address:port"))
+            };
+            let config = AgentConfig {
+                pins,
+                source,
+                interfaces: args.interfaces,
+                poll: Duration::from_millis(args.poll_ms),
+                min_sync_period: args.min_sync_period,
+                sync_period: args.sync_period,
+                healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
+                metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
+                model: ModelOptions {
+                    node_name: args.hostname_override,
+                    service_proxy_name: args.service_proxy_name,
+                },
+            };
+            agent::run(config)?;
         }
         Command::Dump { what, json } => {
             let maps = Maps::from_pins(&pins)?;

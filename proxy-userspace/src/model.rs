@@ -1,15 +1,28 @@
 //! The desired datapath state, computed from Services and EndpointSlices with kube-proxy's semantics.
 //!
-//! Pure: no BPF, no I/O. [`build`] turns the objects read by [`crate::manifest`] into a sorted list of
-//! [`Frontend`]s (cluster IP × port × protocol, each with its ready backends) plus the problems it found.
+//! Pure: no BPF, no I/O. [`build`] (or [`build_with`], for a node name and a service proxy name) turns the
+//! objects read by [`crate::manifest`] into a sorted list of [`Frontend`]s (cluster IP × port × protocol,
+//! each with the backends new connections may use) plus the problems it found.
+//!
+//! Endpoint selection follows kube-proxy (`pkg/proxy/topology.go`, KEP-1669 and KEP-2086):
+//! 1. the endpoints of a Service port are those of all its EndpointSlices, merged by address and target port
+//!    (when one appears more than once, the "best" copy wins: ready, then serving and terminating, then
+//!    serving, then on this node);
+//! 2. `ready` is `conditions.ready != false`; `serving` defaults to `ready`; `terminating` is
+//!    `conditions.terminating == true`; `publishNotReadyAddresses: true` makes every endpoint ready;
+//! 3. `internalTrafficPolicy: Local` keeps only endpoints whose `nodeName` is this node's;
+//! 4. the ready ones are used; when there are none, the serving-and-terminating ones are
+//!    (the "terminating fallback").
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 use tracing::debug;
 
 use crate::manifest::{ManifestError, Sourced};
@@ -18,8 +31,15 @@ use crate::manifest::{ManifestError, Sourced};
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Objects with this label (any value) are headless; no proxy programs them.
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
-/// Objects with this label (any value) belong to another service proxy; kproxy is the default proxy.
+/// Objects with this label belong to the service proxy it names; see [`ModelOptions::service_proxy_name`].
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// EndpointSlice annotation: when the change that led to this version of the slice happened (RFC 3339).
+pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` when absent (3 hours), as the API server defaults it.
+pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10800;
+/// The largest `timeoutSeconds` the API server accepts (one day).
+pub const MAX_AFFINITY_TIMEOUT_SECONDS: u32 = 86400;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
@@ -71,9 +91,81 @@ pub struct Frontend {
     pub vip: Ipv4Addr,
     pub port: u16,
     pub proto: Protocol,
-    /// Ready backends, sorted and deduplicated; empty when the Service has no ready endpoint
-    /// (the datapath must still know the VIP, to reject instead of letting packets through).
+    /// The endpoints new connections may use, sorted and deduplicated: the ready ones (on this node only,
+    /// for `internalTrafficPolicy: Local`), or the serving-and-terminating ones when there is no ready one
+    /// (then [`Frontend::terminating_fallback`] is set). Empty when there is neither: the datapath must
+    /// still know the VIP, to reject instead of letting packets through.
     pub backends: Vec<BackendAddr>,
+    /// `Some(seconds)` for `sessionAffinity: ClientIP` (from `sessionAffinityConfig.clientIP.timeoutSeconds`,
+    /// 10800 when absent or invalid); `None` for no affinity.
+    pub session_affinity_timeout: Option<u32>,
+    /// `internalTrafficPolicy: Local`: only endpoints on this node are used (none if the node is unknown).
+    pub local_only: bool,
+    /// `backends` are terminating endpoints that still serve, used because no endpoint is ready.
+    pub terminating_fallback: bool,
+}
+
+impl Frontend {
+    /// A frontend without session affinity, with `internalTrafficPolicy: Cluster`, whose backends are ready.
+    pub fn new(
+        service: ServiceName,
+        port_name: impl Into<String>,
+        vip: Ipv4Addr,
+        port: u16,
+        proto: Protocol,
+        backends: Vec<BackendAddr>,
+    ) -> Self {
+        Frontend {
+            service,
+            port_name: port_name.into(),
+            vip,
+            port,
+            proto,
+            backends,
+            session_affinity_timeout: None,
+            local_only: false,
+            terminating_fallback: false,
+        }
+    }
+}
+
+/// What the model is built for.
+#[derive(Clone, Debug, Default)]
+pub struct ModelOptions {
+    /// This node's name (--hostname-override / NODE_NAME); endpoints with this nodeName are local.
+    /// `None` (or empty) means no endpoint is local.
+    pub node_name: Option<String>,
+    /// --service-proxy-name: with None, Services labelled service.kubernetes.io/service-proxy-name are skipped;
+    /// with Some(n), ONLY Services whose label equals n are programmed (kube-proxy's semantics).
+    /// An empty name is the same as `None`.
+    pub service_proxy_name: Option<String>,
+}
+
+/// Counts about one build, for logs and metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelStats {
+    /// Service objects given to the model, including skipped and invalid ones.
+    pub services_seen: usize,
+    /// Services with at least one frontend.
+    pub services_programmed: usize,
+    /// Services labelled `service.kubernetes.io/headless` or with `clusterIP: None`.
+    pub services_skipped_headless: usize,
+    pub services_skipped_external_name: usize,
+    /// Services left to another proxy by the `service.kubernetes.io/service-proxy-name` label.
+    pub services_skipped_other_proxy: usize,
+    /// Frontends built (same as `Desired::frontends.len()`).
+    pub frontends: usize,
+    /// Frontends with no backend (connections to them are rejected).
+    pub frontends_without_backends: usize,
+    /// Frontends whose backends come from the terminating fallback.
+    pub frontends_terminating_fallback: usize,
+    /// Distinct endpoint addresses of the Services kproxy programs, by state (each counted once per
+    /// Service, in its best state across slices): ready (publishNotReadyAddresses included)...
+    pub endpoints_ready: usize,
+    /// ...not ready and terminating...
+    pub endpoints_terminating: usize,
+    /// ...and neither.
+    pub endpoints_not_ready: usize,
 }
 
 /// Everything the datapath should hold.
@@ -81,37 +173,74 @@ pub struct Frontend {
 pub struct Desired {
     /// Sorted by (vip, port, proto); no two frontends share that key.
     pub frontends: Vec<Frontend>,
+    pub stats: ModelStats,
+    /// For each programmed Service whose EndpointSlices carry it, the newest
+    /// `endpoints.kubernetes.io/last-change-trigger-time` annotation (the string as in the object);
+    /// sorted by Service. For the network-programming latency metric.
+    pub trigger_times: Vec<(ServiceName, String)>,
 }
 
-/// Computes the desired state. Problems are returned (named by object and field) and the offending part
-/// is left out; everything else is still built. Output is deterministic and this never panics.
+impl Desired {
+    /// A desired state holding just these frontends (no stats, no trigger times), e.g. for tests.
+    pub fn new(mut frontends: Vec<Frontend>) -> Self {
+        frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
+        Desired { frontends, ..Default::default() }
+    }
+}
+
+/// Computes the desired state with the default options (no node name, the default service proxy).
+/// Same as [`build_with`] with [`ModelOptions::default()`].
 pub fn build(
     services: &[Sourced<Service>],
     slices: &[Sourced<EndpointSlice>],
 ) -> (Desired, Vec<ManifestError>) {
+    build_with(services, slices, &ModelOptions::default())
+}
+
+/// Computes the desired state. Problems are returned (named by object and field) and the offending part
+/// is left out; everything else is still built. Output is deterministic and this never panics.
+pub fn build_with(
+    services: &[Sourced<Service>],
+    slices: &[Sourced<EndpointSlice>],
+    options: &ModelOptions,
+) -> (Desired, Vec<ManifestError>) {
     let mut errors = Vec::new();
+    let mut stats = ModelStats { services_seen: services.len(), ..Default::default() };
+    let filter = Filter {
+        node_name: options.node_name.as_deref().filter(|n| !n.is_empty()),
+        proxy_name: options.service_proxy_name.as_deref().filter(|n| !n.is_empty()),
+    };
 
     let mut not_ours = HashSet::new();
     let mut seen_services = HashMap::new();
     let plans: Vec<ServicePlan> = services
         .iter()
-        .filter_map(|svc| plan_service(svc, &mut errors, &mut not_ours, &mut seen_services))
+        .filter_map(|svc| {
+            plan_service(svc, &filter, &mut errors, &mut stats, &mut not_ours, &mut seen_services)
+        })
         .collect();
 
     let mut by_service: HashMap<ServiceName, Vec<SliceUse>> = HashMap::new();
     let mut seen_slices = HashMap::new();
     for slice in slices {
-        if let Some((service, used)) = use_slice(slice, &not_ours, &mut errors, &mut seen_slices) {
+        if let Some((service, used)) = use_slice(slice, &filter, &not_ours, &mut errors, &mut seen_slices) {
             by_service.entry(service).or_default().push(used);
         }
     }
 
     let mut frontends = Vec::new();
+    let mut trigger_times = Vec::new();
     let mut taken: HashMap<(Ipv4Addr, u16, Protocol), &ServiceName> = HashMap::new();
     for plan in &plans {
         let slices = by_service.get(&plan.name).map(Vec::as_slice).unwrap_or_default();
+        count_endpoints(plan, slices, &mut stats);
+        if let Some((_, text)) = slices.iter().filter_map(|s| s.trigger_time.as_ref()).max_by(|a, b| a.cmp(b))
+        {
+            trigger_times.push((plan.name.clone(), text.clone()));
+        }
+        let mut programmed = false;
         for port in &plan.ports {
-            let backends = backends_for(&plan.name, port, slices);
+            let (backends, terminating_fallback) = backends_for(plan, port, slices);
             for &vip in &plan.vips {
                 let key = (vip, port.port, port.proto);
                 if let Some(other) = taken.get(&key) {
@@ -128,6 +257,10 @@ pub fn build(
                     continue;
                 }
                 taken.insert(key, &plan.name);
+                programmed = true;
+                stats.frontends += 1;
+                stats.frontends_without_backends += usize::from(backends.is_empty());
+                stats.frontends_terminating_fallback += usize::from(terminating_fallback);
                 frontends.push(Frontend {
                     service: plan.name.clone(),
                     port_name: port.name.clone(),
@@ -135,12 +268,41 @@ pub fn build(
                     port: port.port,
                     proto: port.proto,
                     backends: backends.clone(),
+                    session_affinity_timeout: plan.affinity_timeout,
+                    local_only: plan.local_only,
+                    terminating_fallback,
                 });
             }
         }
+        stats.services_programmed += usize::from(programmed);
     }
     frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
-    (Desired { frontends }, errors)
+    trigger_times.sort();
+    (Desired { frontends, stats, trigger_times }, errors)
+}
+
+/// The options, as the selection of objects and endpoints needs them.
+struct Filter<'a> {
+    node_name: Option<&'a str>,
+    proxy_name: Option<&'a str>,
+}
+
+impl Filter<'_> {
+    /// Whether a Service with these labels is kproxy's: without a proxy name, those without the label;
+    /// with one, those whose label has that value.
+    fn service_is_ours(&self, meta: &ObjectMeta) -> bool {
+        label(meta, LABEL_SERVICE_PROXY_NAME) == self.proxy_name
+    }
+
+    /// Whether an EndpointSlice with these labels may be used. The EndpointSlice controller copies the
+    /// Service's labels to its slices; a slice without the label (e.g. written by hand) is decided by its
+    /// Service alone.
+    fn slice_is_ours(&self, meta: &ObjectMeta) -> bool {
+        match label(meta, LABEL_SERVICE_PROXY_NAME) {
+            None => true,
+            Some(value) => Some(value) == self.proxy_name,
+        }
+    }
 }
 
 /// A Service that will be programmed, after validation.
@@ -149,6 +311,19 @@ struct ServicePlan<'a> {
     name: ServiceName,
     vips: Vec<Ipv4Addr>,
     ports: Vec<PortPlan>,
+    affinity_timeout: Option<u32>,
+    local_only: bool,
+    publish_not_ready: bool,
+}
+
+impl ServicePlan<'_> {
+    /// An endpoint's state as this Service sees it.
+    fn adjust(&self, mut state: EndpointState) -> EndpointState {
+        if self.publish_not_ready {
+            state.ready = true;
+        }
+        state
+    }
 }
 
 struct PortPlan {
@@ -159,12 +334,50 @@ struct PortPlan {
     proto: Protocol,
 }
 
+/// An endpoint's conditions, with kube-proxy's defaults applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EndpointState {
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    /// `nodeName` is this node's.
+    local: bool,
+}
+
+impl EndpointState {
+    /// Which of two copies of one endpoint wins: ready first, then one the terminating fallback could use,
+    /// then serving, then local.
+    fn rank(self) -> (bool, bool, bool, bool) {
+        (self.ready, self.serving && self.terminating, self.serving, self.local)
+    }
+
+    fn fallback(self) -> bool {
+        self.serving && self.terminating
+    }
+}
+
+/// Keeps the better copy of an endpoint seen more than once.
+fn merge<K: Ord>(map: &mut BTreeMap<K, EndpointState>, key: K, state: EndpointState) {
+    match map.entry(key) {
+        Entry::Vacant(entry) => {
+            entry.insert(state);
+        }
+        Entry::Occupied(mut entry) => {
+            if state.rank() > entry.get().rank() {
+                entry.insert(state);
+            }
+        }
+    }
+}
+
 /// What one EndpointSlice contributes to its Service.
 struct SliceUse {
     /// (port name, target port, protocol) of the slice's valid ports.
     ports: Vec<(String, u16, Protocol)>,
-    /// Addresses of ready endpoints.
-    ready: Vec<Ipv4Addr>,
+    /// Valid addresses of its endpoints, with their conditions.
+    endpoints: Vec<(Ipv4Addr, EndpointState)>,
+    /// The last-change-trigger-time annotation, parsed and as written.
+    trigger_time: Option<(Timestamp, String)>,
 }
 
 fn namespace_of(meta: &ObjectMeta) -> String {
@@ -176,6 +389,10 @@ fn namespace_of(meta: &ObjectMeta) -> String {
 
 fn has_label(meta: &ObjectMeta, key: &str) -> bool {
     meta.labels.as_ref().is_some_and(|labels| labels.contains_key(key))
+}
+
+fn label<'a>(meta: &'a ObjectMeta, key: &str) -> Option<&'a str> {
+    meta.labels.as_ref().and_then(|labels| labels.get(key)).map(String::as_str)
 }
 
 fn service_error(origin: &str, name: &ServiceName, field: String, message: String) -> ManifestError {
@@ -218,7 +435,9 @@ fn unusable(addr: Ipv4Addr) -> Option<&'static str> {
 
 fn plan_service<'a>(
     svc: &'a Sourced<Service>,
+    filter: &Filter,
     errors: &mut Vec<ManifestError>,
+    stats: &mut ModelStats,
     not_ours: &mut HashSet<ServiceName>,
     seen: &mut HashMap<ServiceName, &'a str>,
 ) -> Option<ServicePlan<'a>> {
@@ -240,11 +459,18 @@ fn plan_service<'a>(
 
     if has_label(meta, LABEL_HEADLESS) {
         debug!(service = %name, "skipping a Service labelled {LABEL_HEADLESS}");
+        stats.services_skipped_headless += 1;
         not_ours.insert(name);
         return None;
     }
-    if has_label(meta, LABEL_SERVICE_PROXY_NAME) {
-        debug!(service = %name, "skipping a Service labelled {LABEL_SERVICE_PROXY_NAME} (another proxy's)");
+    if !filter.service_is_ours(meta) {
+        debug!(
+            service = %name,
+            label = label(meta, LABEL_SERVICE_PROXY_NAME),
+            ours = filter.proxy_name,
+            "skipping a Service of another service proxy ({LABEL_SERVICE_PROXY_NAME})"
+        );
+        stats.services_skipped_other_proxy += 1;
         not_ours.insert(name);
         return None;
     }
@@ -254,6 +480,7 @@ fn plan_service<'a>(
     };
     if spec.type_.as_deref() == Some("ExternalName") {
         debug!(service = %name, "skipping an ExternalName Service");
+        stats.services_skipped_external_name += 1;
         not_ours.insert(name);
         return None;
     }
@@ -269,6 +496,7 @@ fn plan_service<'a>(
     }
     if candidates.iter().any(|(_, ip)| *ip == "None") {
         debug!(service = %name, "skipping a headless Service");
+        stats.services_skipped_headless += 1;
         not_ours.insert(name);
         return None;
     }
@@ -331,11 +559,63 @@ fn plan_service<'a>(
         }
         ports.push(PortPlan { index, name: port_name, port, proto });
     }
-    Some(ServicePlan { origin, name, vips, ports })
+
+    let affinity_timeout = affinity_timeout(spec, &mut |field, message| {
+        errors.push(service_error(origin, &name, field.to_string(), message))
+    });
+    let local_only = match spec.internal_traffic_policy.as_deref() {
+        None | Some("") | Some("Cluster") => false,
+        Some("Local") => true,
+        Some(other) => {
+            let message = format!("internalTrafficPolicy {other:?} is not Cluster or Local; Cluster is used");
+            errors.push(service_error(origin, &name, "spec.internalTrafficPolicy".to_string(), message));
+            false
+        }
+    };
+    let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
+    Some(ServicePlan { origin, name, vips, ports, affinity_timeout, local_only, publish_not_ready })
+}
+
+/// The ClientIP affinity timeout, if the Service asks for affinity. Invalid values are reported (through
+/// `report(field, message)`) and replaced by the default, or by no affinity for an unknown kind.
+fn affinity_timeout(spec: &ServiceSpec, report: &mut dyn FnMut(&str, String)) -> Option<u32> {
+    match spec.session_affinity.as_deref() {
+        None | Some("") | Some("None") => return None,
+        Some("ClientIP") => {}
+        Some(other) => {
+            report(
+                "spec.sessionAffinity",
+                format!("sessionAffinity {other:?} is not None or ClientIP; no affinity is used"),
+            );
+            return None;
+        }
+    }
+    let timeout = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|config| config.client_ip.as_ref())
+        .and_then(|client_ip| client_ip.timeout_seconds);
+    let Some(seconds) = timeout else {
+        return Some(DEFAULT_AFFINITY_TIMEOUT_SECONDS);
+    };
+    match u32::try_from(seconds) {
+        Ok(seconds) if (1..=MAX_AFFINITY_TIMEOUT_SECONDS).contains(&seconds) => Some(seconds),
+        _ => {
+            report(
+                "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                format!(
+                    "timeoutSeconds {seconds} is not in 1-{MAX_AFFINITY_TIMEOUT_SECONDS}; \
+                     {DEFAULT_AFFINITY_TIMEOUT_SECONDS} is used"
+                ),
+            );
+            Some(DEFAULT_AFFINITY_TIMEOUT_SECONDS)
+        }
+    }
 }
 
 fn use_slice<'a>(
     slice: &'a Sourced<EndpointSlice>,
+    filter: &Filter,
     not_ours: &HashSet<ServiceName>,
     errors: &mut Vec<ManifestError>,
     seen: &mut HashMap<(String, String), &'a str>,
@@ -345,20 +625,12 @@ fn use_slice<'a>(
     let namespace = namespace_of(meta);
     let slice_name = meta.name.clone().unwrap_or_default();
     let object = format!("EndpointSlice {namespace}/{slice_name}");
-    let service = meta
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(LABEL_SERVICE_NAME))
-        .filter(|service| !service.is_empty());
-    let Some(service) = service else {
+    let Some(service) = label(meta, LABEL_SERVICE_NAME).filter(|service| !service.is_empty()) else {
         debug!(slice = %object, "ignoring an EndpointSlice without the {LABEL_SERVICE_NAME} label");
         return None;
     };
-    let service = ServiceName { namespace: namespace.clone(), name: service.clone() };
-    if has_label(meta, LABEL_HEADLESS)
-        || has_label(meta, LABEL_SERVICE_PROXY_NAME)
-        || not_ours.contains(&service)
-    {
+    let service = ServiceName { namespace: namespace.clone(), name: service.to_string() };
+    if has_label(meta, LABEL_HEADLESS) || !filter.slice_is_ours(meta) || not_ours.contains(&service) {
         debug!(slice = %object, "ignoring an EndpointSlice of a Service kproxy does not program");
         return None;
     }
@@ -404,9 +676,16 @@ fn use_slice<'a>(
         ports.push((port.name.clone().unwrap_or_default(), number, proto));
     }
 
-    let mut ready = Vec::new();
+    let mut endpoints = Vec::new();
     for (i, endpoint) in slice.object.endpoints.iter().enumerate() {
-        let is_ready = endpoint.conditions.as_ref().and_then(|c| c.ready) != Some(false);
+        let conditions = endpoint.conditions.as_ref();
+        let ready = conditions.and_then(|c| c.ready) != Some(false);
+        let state = EndpointState {
+            ready,
+            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            terminating: conditions.and_then(|c| c.terminating) == Some(true),
+            local: filter.node_name.is_some() && endpoint.node_name.as_deref() == filter.node_name,
+        };
         for (j, text) in endpoint.addresses.iter().enumerate() {
             let field = || format!("endpoints[{i}].addresses[{j}]");
             match text.parse::<Ipv4Addr>() {
@@ -416,8 +695,7 @@ fn use_slice<'a>(
                             format!("{addr} is {what}, not a usable endpoint; the address is skipped");
                         errors.push(error(field(), message));
                     }
-                    None if is_ready => ready.push(addr),
-                    None => {}
+                    None => endpoints.push((addr, state)),
                 },
                 Err(_) => {
                     let message = format!("{text:?} is not an IPv4 address; the address is skipped");
@@ -426,26 +704,68 @@ fn use_slice<'a>(
             }
         }
     }
-    Some((service, SliceUse { ports, ready }))
+
+    let annotation = meta.annotations.as_ref().and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME));
+    let trigger_time = annotation.and_then(|text| match text.parse::<Timestamp>() {
+        Ok(time) => Some((time, text.clone())),
+        Err(err) => {
+            let message = format!("{text:?} is not an RFC 3339 time ({err}); it is ignored");
+            let field = format!("metadata.annotations[{ANNOTATION_LAST_CHANGE_TRIGGER_TIME}]");
+            errors.push(error(field, message));
+            None
+        }
+    });
+    Some((service, SliceUse { ports, endpoints, trigger_time }))
 }
 
-/// Ready backends of one Service port: slice ports are matched by name (absent and empty are equal) and
-/// must have the same protocol; the slice port's number is the target port of that slice's endpoints.
-fn backends_for(service: &ServiceName, port: &PortPlan, slices: &[SliceUse]) -> Vec<BackendAddr> {
-    let mut backends = BTreeSet::new();
+/// The backends of one Service port, and whether they come from the terminating fallback. Slice ports are
+/// matched by name (absent and empty are equal) and must have the same protocol; the slice port's number is
+/// the target port of that slice's endpoints.
+fn backends_for(plan: &ServicePlan, port: &PortPlan, slices: &[SliceUse]) -> (Vec<BackendAddr>, bool) {
+    let mut merged = BTreeMap::new();
     for slice in slices {
         for (name, target, proto) in &slice.ports {
             if *name != port.name {
                 continue;
             }
             if *proto != port.proto {
-                debug!(%service, port = name, "EndpointSlice port protocol differs from the Service port's; ignored");
+                debug!(service = %plan.name, port = name, "EndpointSlice port protocol differs from the Service port's; ignored");
                 continue;
             }
-            backends.extend(slice.ready.iter().map(|&addr| BackendAddr { addr, port: *target }));
+            for &(addr, state) in &slice.endpoints {
+                merge(&mut merged, BackendAddr { addr, port: *target }, plan.adjust(state));
+            }
         }
     }
-    backends.into_iter().collect()
+    let eligible: Vec<(BackendAddr, EndpointState)> =
+        merged.into_iter().filter(|(_, state)| !plan.local_only || state.local).collect();
+    let pick = |keep: fn(EndpointState) -> bool| -> Vec<BackendAddr> {
+        eligible.iter().filter(|(_, state)| keep(*state)).map(|(backend, _)| *backend).collect()
+    };
+    let ready = pick(|state| state.ready);
+    if !ready.is_empty() {
+        return (ready, false);
+    }
+    let fallback = pick(EndpointState::fallback);
+    let used = !fallback.is_empty();
+    (fallback, used)
+}
+
+/// Adds a programmed Service's distinct endpoint addresses to the stats, each in its best state.
+fn count_endpoints(plan: &ServicePlan, slices: &[SliceUse], stats: &mut ModelStats) {
+    let mut merged = BTreeMap::new();
+    for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
+        merge(&mut merged, addr, plan.adjust(state));
+    }
+    for state in merged.values() {
+        if state.ready {
+            stats.endpoints_ready += 1;
+        } else if state.terminating {
+            stats.endpoints_terminating += 1;
+        } else {
+            stats.endpoints_not_ready += 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -727,7 +1047,7 @@ ports:
         // IPv6-only: skipped quietly.
         let svc =
             web("  clusterIP: fd00:10:96::4a1\n  clusterIPs: [fd00:10:96::4a1]\n  ports:\n  - port: 80\n");
-        assert_eq!(build_ok(&[&svc]), Desired::default());
+        assert!(build_ok(&[&svc]).frontends.is_empty());
     }
 
     #[test]
@@ -753,7 +1073,11 @@ spec:
         let no_spec = "apiVersion: v1\nkind: Service\nmetadata:\n  name: bare\n";
         // The slice of the headless Service is not ours: its missing port number is not reported.
         let desired = build_ok(&[&headless, &headless_slice, external, no_ip, no_spec]);
-        assert_eq!(desired, Desired::default());
+        assert!(desired.frontends.is_empty());
+        assert!(desired.trigger_times.is_empty());
+        let stats = &desired.stats;
+        assert_eq!((stats.services_seen, stats.services_programmed), (4, 0));
+        assert_eq!((stats.services_skipped_headless, stats.services_skipped_external_name), (1, 1));
     }
 
     #[test]
@@ -765,7 +1089,9 @@ spec:
                 "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: shop\n  labels:\n    app: web\n    {label}\nspec:\n  clusterIP: 10.96.12.7\n  ports:\n  - port: 80\n"
             );
             let slice = web_slice("web-x1", "endpoints:\n- addresses: [bogus]\nports:\n- port: 0\n");
-            assert_eq!(build_ok(&[&svc, &slice]), Desired::default(), "{label}");
+            let desired = build_ok(&[&svc, &slice]);
+            assert!(desired.frontends.is_empty(), "{label}");
+            assert_eq!(desired.stats.services_programmed, 0, "{label}");
         }
         // A slice carrying the label is ignored as well, as kube-proxy's informers do.
         let svc = web("  clusterIP: 10.96.12.7\n  ports:\n  - port: 80\n");
@@ -1113,7 +1439,10 @@ ports:
         ];
         let slices = vec![Sourced { origin: "c".to_string(), object: EndpointSlice::default() }];
         let (desired, errors) = build(&services, &slices);
-        assert_eq!(desired, Desired::default());
+        assert_eq!(
+            desired,
+            Desired { stats: ModelStats { services_seen: 2, ..Default::default() }, ..Default::default() }
+        );
         assert_eq!(errors.len(), 1);
         assert_eq!(
             errors[0].to_string(),
@@ -1129,5 +1458,707 @@ ports:
         let backend = BackendAddr { addr: Ipv4Addr::new(10, 244, 0, 12), port: 53 };
         assert_eq!(backend.to_string(), "10.244.0.12:53");
         assert!(Protocol::Tcp < Protocol::Udp);
+    }
+
+    // ---- kube-proxy's endpoint selection, traffic policies, affinity, proxy name, trigger times ----
+
+    /// `shop/checkout` as `kubectl get svc checkout -o yaml` prints it; `SPEC_EXTRA` is replaced by extra
+    /// spec lines (two-space indented) and `LABELS_EXTRA` by extra label lines (four-space indented).
+    const CHECKOUT: &str = r#"apiVersion: v1
+kind: Service
+metadata:
+  annotations:
+    kubectl.kubernetes.io/last-applied-configuration: |
+      {"apiVersion":"v1","kind":"Service","metadata":{"annotations":{},"name":"checkout","namespace":"shop"},"spec":{"ports":[{"name":"http","port":80,"targetPort":"http"}],"selector":{"app":"checkout"}}}
+  creationTimestamp: "2025-03-02T10:15:42Z"
+  labels:
+    app: checkout
+LABELS_EXTRA  name: checkout
+  namespace: shop
+  resourceVersion: "48211"
+  uid: 3f1c7a52-96e4-4b8e-a1d2-5c0f4e8b7d19
+spec:
+  clusterIP: 10.96.88.14
+  clusterIPs:
+  - 10.96.88.14
+  ipFamilies:
+  - IPv4
+  ipFamilyPolicy: SingleStack
+  ports:
+  - name: http
+    port: 80
+    protocol: TCP
+    targetPort: http
+  selector:
+    app: checkout
+  type: ClusterIP
+SPEC_EXTRAstatus:
+  loadBalancer: {}
+"#;
+
+    fn checkout(spec_extra: &str) -> String {
+        checkout_labelled(spec_extra, "")
+    }
+
+    fn checkout_labelled(spec_extra: &str, labels_extra: &str) -> String {
+        let spec_extra = if spec_extra.is_empty() {
+            "  internalTrafficPolicy: Cluster\n  sessionAffinity: None\n"
+        } else {
+            spec_extra
+        };
+        CHECKOUT.replace("SPEC_EXTRA", spec_extra).replace("LABELS_EXTRA", labels_extra)
+    }
+
+    /// One endpoint of a checkout pod, as the EndpointSlice controller writes it. `conditions` is the
+    /// flow mapping printed after `conditions:`; `node` may be empty for no nodeName.
+    fn pod(addr: &str, node: &str, conditions: &str) -> String {
+        let node = if node.is_empty() { String::new() } else { format!("  nodeName: {node}\n") };
+        let last = addr.rsplit('.').next().unwrap();
+        format!(
+            "- addresses:\n  - {addr}\n  conditions: {conditions}\n{node}  targetRef:\n    kind: Pod\n    name: checkout-7d9f8b6c5-p{last}\n    namespace: shop\n    uid: 0b7e4c1a-2d3f-4e5a-8b9c-{last:0>12}\n"
+        )
+    }
+
+    const READY: &str = "{ready: true, serving: true, terminating: false}";
+    const TERMINATING: &str = "{ready: false, serving: true, terminating: true}";
+    const TERMINATING_NOT_SERVING: &str = "{ready: false, serving: false, terminating: true}";
+    const NOT_READY: &str = "{ready: false, serving: false, terminating: false}";
+
+    /// An EndpointSlice of `shop/checkout` with the given endpoints and, if any, trigger time.
+    fn checkout_slice(name: &str, trigger: Option<&str>, endpoints: &[String]) -> String {
+        checkout_slice_labelled(name, trigger, "", endpoints)
+    }
+
+    fn checkout_slice_labelled(
+        name: &str,
+        trigger: Option<&str>,
+        labels_extra: &str,
+        endpoints: &[String],
+    ) -> String {
+        let annotations = match trigger {
+            Some(time) => {
+                format!("  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"{time}\"\n")
+            }
+            None => String::new(),
+        };
+        let endpoints = if endpoints.is_empty() {
+            "endpoints: null\n".to_string()
+        } else {
+            format!("endpoints:\n{}", endpoints.concat())
+        };
+        format!(
+            r#"addressType: IPv4
+apiVersion: discovery.k8s.io/v1
+{endpoints}kind: EndpointSlice
+metadata:
+{annotations}  creationTimestamp: "2025-03-02T10:15:42Z"
+  generateName: checkout-
+  generation: 7
+  labels:
+    endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io
+    kubernetes.io/service-name: checkout
+{labels_extra}  name: {name}
+  namespace: shop
+  ownerReferences:
+  - apiVersion: v1
+    blockOwnerDeletion: true
+    controller: true
+    kind: Service
+    name: checkout
+    uid: 3f1c7a52-96e4-4b8e-a1d2-5c0f4e8b7d19
+  resourceVersion: "48390"
+  uid: 9a8b7c6d-5e4f-4a3b-9c2d-1e0f9a8b7c6d
+ports:
+- name: http
+  port: 8080
+  protocol: TCP
+"#
+        )
+    }
+
+    fn build_opts(docs: &[&str], options: &ModelOptions) -> Desired {
+        let objects = parse(docs);
+        let (desired, errors) = build_with(&objects.services, &objects.slices, options);
+        assert!(errors.is_empty(), "model errors: {errors:#?}");
+        desired
+    }
+
+    fn on_node(node: &str) -> ModelOptions {
+        ModelOptions { node_name: Some(node.to_string()), ..Default::default() }
+    }
+
+    fn checkout_frontend(desired: &Desired) -> &Frontend {
+        frontend(desired, "10.96.88.14", 80, Protocol::Tcp)
+    }
+
+    fn at_8080(addrs: &[&str]) -> Vec<BackendAddr> {
+        addrs.iter().map(|addr| BackendAddr { addr: addr.parse().unwrap(), port: 8080 }).collect()
+    }
+
+    #[test]
+    fn conditions_of_a_single_endpoint() {
+        // (conditions, used, from the terminating fallback)
+        let cases = [
+            ("{}", true, false),
+            ("{ready: true}", true, false),
+            (READY, true, false),
+            ("{serving: true}", true, false),
+            ("{terminating: false}", true, false),
+            // Ready wins over anything else (the API never writes this, but the rule is "ready").
+            ("{ready: true, serving: false, terminating: true}", true, false),
+            ("{serving: false, terminating: true}", true, false),
+            (TERMINATING, true, true),
+            ("{ready: false, serving: true, terminating: true}", true, true),
+            (TERMINATING_NOT_SERVING, false, false),
+            // serving defaults to ready, so a not-ready terminating endpoint without serving is not used.
+            ("{ready: false, terminating: true}", false, false),
+            ("{ready: false}", false, false),
+            (NOT_READY, false, false),
+            // Serving but not terminating (a pod whose readiness flips): not ready, not a fallback.
+            ("{ready: false, serving: true, terminating: false}", false, false),
+            ("{ready: false, serving: true}", false, false),
+        ];
+        for (conditions, used, fallback) in cases {
+            let slice =
+                checkout_slice("checkout-7wq2d", None, &[pod("10.244.1.17", "kind-worker", conditions)]);
+            let desired = build_ok(&[&checkout(""), &slice]);
+            let fe = checkout_frontend(&desired);
+            let expected = if used { at_8080(&["10.244.1.17"]) } else { vec![] };
+            assert_eq!(fe.backends, expected, "{conditions}");
+            assert_eq!(fe.terminating_fallback, fallback, "{conditions}");
+            assert!(!fe.local_only);
+            assert_eq!(fe.session_affinity_timeout, None);
+        }
+    }
+
+    #[test]
+    fn terminating_endpoints_are_used_only_when_none_is_ready() {
+        // A rolling update in progress: one new ready pod, two old ones terminating (one still serving).
+        let rolling = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.1.17", "kind-worker", TERMINATING),
+                pod("10.244.2.8", "kind-worker2", READY),
+                pod("10.244.2.9", "kind-worker2", TERMINATING_NOT_SERVING),
+                pod("10.244.1.18", "kind-worker", NOT_READY),
+            ],
+        );
+        let desired = build_ok(&[&checkout(""), &rolling]);
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.2.8"]));
+        assert!(!fe.terminating_fallback);
+        assert_eq!(
+            (
+                desired.stats.endpoints_ready,
+                desired.stats.endpoints_terminating,
+                desired.stats.endpoints_not_ready
+            ),
+            (1, 2, 1)
+        );
+        assert_eq!(desired.stats.frontends_terminating_fallback, 0);
+
+        // Scaled to zero: only terminating pods are left; those still serving take new connections.
+        let draining = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.1.17", "kind-worker", TERMINATING),
+                pod("10.244.2.3", "kind-worker2", TERMINATING),
+                pod("10.244.2.9", "kind-worker2", TERMINATING_NOT_SERVING),
+                pod("10.244.1.18", "kind-worker", NOT_READY),
+            ],
+        );
+        let desired = build_ok(&[&checkout(""), &draining]);
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.3"]));
+        assert!(fe.terminating_fallback);
+        assert_eq!(desired.stats.frontends_terminating_fallback, 1);
+        assert_eq!(desired.stats.frontends_without_backends, 0);
+
+        // Nothing serves any more: no backend (connections are rejected), and no fallback flag.
+        let gone = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.2.9", "kind-worker2", TERMINATING_NOT_SERVING),
+                pod("10.244.1.18", "kind-worker", NOT_READY),
+            ],
+        );
+        let desired = build_ok(&[&checkout(""), &gone]);
+        let fe = checkout_frontend(&desired);
+        assert!(fe.backends.is_empty());
+        assert!(!fe.terminating_fallback);
+        assert_eq!(desired.stats.frontends_without_backends, 1);
+    }
+
+    #[test]
+    fn an_endpoint_in_several_slices_prefers_its_ready_copy() {
+        // During a slice rebalance the same pod can be listed twice, once stale.
+        let stale = checkout_slice("checkout-7wq2d", None, &[pod("10.244.1.17", "kind-worker", NOT_READY)]);
+        let fresh = checkout_slice("checkout-k2m9x", None, &[pod("10.244.1.17", "kind-worker", READY)]);
+        let terminating =
+            checkout_slice("checkout-z8p4f", None, &[pod("10.244.1.17", "kind-worker", TERMINATING)]);
+        for docs in [
+            [checkout(""), stale.clone(), fresh.clone(), terminating.clone()],
+            [terminating.clone(), fresh.clone(), stale.clone(), checkout("")],
+        ] {
+            let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+            let desired = build_ok(&docs);
+            let fe = checkout_frontend(&desired);
+            assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
+            assert!(!fe.terminating_fallback);
+            assert_eq!(desired.stats.endpoints_ready, 1);
+            assert_eq!(desired.stats.endpoints_terminating + desired.stats.endpoints_not_ready, 0);
+        }
+        // Without a ready copy, the serving-and-terminating copy beats the not-ready one.
+        for docs in [[checkout(""), stale.clone(), terminating.clone()], [checkout(""), terminating, stale]] {
+            let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+            let desired = build_ok(&docs);
+            let fe = checkout_frontend(&desired);
+            assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
+            assert!(fe.terminating_fallback);
+            assert_eq!(desired.stats.endpoints_terminating, 1);
+        }
+    }
+
+    #[test]
+    fn publish_not_ready_addresses_makes_every_endpoint_ready() {
+        let slice = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.1.17", "kind-worker", NOT_READY),
+                pod("10.244.2.8", "kind-worker2", TERMINATING_NOT_SERVING),
+                pod("10.244.2.9", "kind-worker2", "{ready: false}"),
+            ],
+        );
+        let svc = checkout("  publishNotReadyAddresses: true\n  sessionAffinity: None\n");
+        let desired = build_ok(&[&svc, &slice]);
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.8", "10.244.2.9"]));
+        assert!(!fe.terminating_fallback);
+        assert_eq!(desired.stats.endpoints_ready, 3);
+
+        // `false` is the same as absent.
+        let svc = checkout("  publishNotReadyAddresses: false\n");
+        assert!(checkout_frontend(&build_ok(&[&svc, &slice])).backends.is_empty());
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
+        let slice = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.1.17", "kind-worker", READY),
+                pod("10.244.1.18", "kind-worker", TERMINATING),
+                pod("10.244.2.8", "kind-worker2", READY),
+                pod("10.244.3.4", "", READY),
+            ],
+        );
+        let local = checkout("  internalTrafficPolicy: Local\n  sessionAffinity: None\n");
+
+        // Without a node name nothing is local: the VIP is known but has no backend.
+        let desired = build_ok(&[&local, &slice]);
+        let fe = checkout_frontend(&desired);
+        assert!(fe.local_only);
+        assert!(fe.backends.is_empty());
+        assert!(!fe.terminating_fallback);
+        let empty_name = ModelOptions { node_name: Some(String::new()), ..Default::default() };
+        assert!(checkout_frontend(&build_opts(&[&local, &slice], &empty_name)).backends.is_empty());
+
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker"));
+        assert_eq!(checkout_frontend(&desired).backends, at_8080(&["10.244.1.17"]));
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker2"));
+        assert_eq!(checkout_frontend(&desired).backends, at_8080(&["10.244.2.8"]));
+        let desired = build_opts(&[&local, &slice], &on_node("kind-control-plane"));
+        assert!(checkout_frontend(&desired).backends.is_empty());
+
+        // Cluster (explicit or absent) ignores the node.
+        let cluster = checkout("");
+        let desired = build_opts(&[&cluster, &slice], &on_node("kind-worker"));
+        let fe = checkout_frontend(&desired);
+        assert!(!fe.local_only);
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.8", "10.244.3.4"]));
+        let absent = checkout("  sessionAffinity: None\n");
+        assert_eq!(checkout_frontend(&build_ok(&[&absent, &slice])).backends.len(), 3);
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_falls_back_to_local_terminating_endpoints() {
+        // The local pod is terminating while a remote one is ready: kube-proxy keeps traffic on the node
+        // and uses the local terminating pod rather than the remote ready one.
+        let slice = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[
+                pod("10.244.1.17", "kind-worker", TERMINATING),
+                pod("10.244.1.19", "kind-worker", TERMINATING_NOT_SERVING),
+                pod("10.244.2.8", "kind-worker2", READY),
+                pod("10.244.2.9", "kind-worker2", TERMINATING),
+            ],
+        );
+        let local = checkout("  internalTrafficPolicy: Local\n");
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker"));
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
+        assert!(fe.terminating_fallback);
+        assert!(fe.local_only);
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker2"));
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.2.8"]));
+        assert!(!fe.terminating_fallback);
+    }
+
+    #[test]
+    fn unknown_internal_traffic_policy_is_reported_and_cluster_is_used() {
+        let svc = checkout("  internalTrafficPolicy: local\n");
+        let slice = checkout_slice("checkout-7wq2d", None, &[pod("10.244.2.8", "kind-worker2", READY)]);
+        let objects = parse(&[&svc, &slice]);
+        let (desired, errors) = build_with(&objects.services, &objects.slices, &on_node("kind-worker"));
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert_eq!(
+            errors[0].to_string(),
+            "test-0.yaml: Service shop/checkout: spec.internalTrafficPolicy: internalTrafficPolicy \"local\" is not Cluster or Local; Cluster is used"
+        );
+        let fe = checkout_frontend(&desired);
+        assert!(!fe.local_only);
+        assert_eq!(fe.backends, at_8080(&["10.244.2.8"]));
+    }
+
+    #[test]
+    fn client_ip_affinity_timeout_default_custom_and_invalid() {
+        let affinity = |lines: &str| checkout(&format!("  internalTrafficPolicy: Cluster\n{lines}"));
+        // What the API server stores for `sessionAffinity: ClientIP` without a config.
+        let defaulted = affinity(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 10800\n",
+        );
+        // A manifest that leaves the config out.
+        let bare = affinity("  sessionAffinity: ClientIP\n");
+        let empty_config =
+            affinity("  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP: {}\n");
+        for svc in [&defaulted, &bare, &empty_config] {
+            let fe = checkout_frontend(&build_ok(&[svc])).clone();
+            assert_eq!(fe.session_affinity_timeout, Some(10800), "{svc}");
+        }
+        let e2e = affinity(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 125\n",
+        );
+        assert_eq!(checkout_frontend(&build_ok(&[&e2e])).session_affinity_timeout, Some(125));
+        for seconds in [1, 86400] {
+            let svc = affinity(&format!(
+                "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {seconds}\n"
+            ));
+            assert_eq!(checkout_frontend(&build_ok(&[&svc])).session_affinity_timeout, Some(seconds));
+        }
+
+        for seconds in ["0", "86401", "-5", "2147483647"] {
+            let svc = affinity(&format!(
+                "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {seconds}\n"
+            ));
+            let (desired, errors) = build_from(&[&svc]);
+            assert_eq!(checkout_frontend(&desired).session_affinity_timeout, Some(10800), "{seconds}");
+            assert_eq!(errors.len(), 1, "{errors:#?}");
+            assert_eq!(errors[0].object.as_deref(), Some("Service shop/checkout"));
+            assert_eq!(
+                errors[0].field.as_deref(),
+                Some("spec.sessionAffinityConfig.clientIP.timeoutSeconds")
+            );
+            assert_eq!(
+                errors[0].message,
+                format!("timeoutSeconds {seconds} is not in 1-86400; 10800 is used")
+            );
+        }
+
+        // No affinity: None, absent, or a config left over after switching back to None.
+        let leftover = affinity(
+            "  sessionAffinity: None\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 0\n",
+        );
+        for svc in [checkout(""), checkout("  internalTrafficPolicy: Cluster\n"), leftover] {
+            assert_eq!(checkout_frontend(&build_ok(&[&svc])).session_affinity_timeout, None);
+        }
+        let cookie = affinity("  sessionAffinity: Cookie\n");
+        let (desired, errors) = build_from(&[&cookie]);
+        assert_eq!(checkout_frontend(&desired).session_affinity_timeout, None);
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].field.as_deref(), Some("spec.sessionAffinity"));
+    }
+
+    #[test]
+    fn affinity_and_policy_apply_to_every_frontend_of_the_service() {
+        let svc = web(
+            "  clusterIP: 10.96.12.7\n  clusterIPs: [10.96.12.7, 10.96.12.8]\n  internalTrafficPolicy: Local\n  ports:\n  - name: http\n    port: 80\n  - name: dns\n    port: 53\n    protocol: UDP\n  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 600\n",
+        );
+        let desired = build_ok(&[&svc, KUBE_DNS]);
+        assert_eq!(desired.frontends.len(), 7);
+        for fe in &desired.frontends {
+            let ours = fe.service.name == "web";
+            assert_eq!(fe.session_affinity_timeout, ours.then_some(600), "{fe:?}");
+            assert_eq!(fe.local_only, ours, "{fe:?}");
+        }
+    }
+
+    #[test]
+    fn service_proxy_name_selects_the_services_to_program() {
+        let unlabelled = checkout("");
+        let ours = checkout_labelled("", "    service.kubernetes.io/service-proxy-name: kproxy\n")
+            .replace("checkout", "cart")
+            .replace("10.96.88.14", "10.96.88.15");
+        let theirs = checkout_labelled("", "    service.kubernetes.io/service-proxy-name: cilium\n")
+            .replace("checkout", "search")
+            .replace("10.96.88.14", "10.96.88.16");
+        let headless_ours = checkout_labelled(
+            "",
+            "    service.kubernetes.io/headless: \"\"\n    service.kubernetes.io/service-proxy-name: kproxy\n",
+        )
+        .replace("checkout", "pods")
+        .replace("10.96.88.14", "10.96.88.17");
+        let endpoints = [pod("10.244.1.17", "kind-worker", READY)];
+        let checkout_eps = checkout_slice("checkout-7wq2d", None, &endpoints);
+        let cart_eps = checkout_slice_labelled(
+            "cart-b5n2w",
+            None,
+            "    service.kubernetes.io/service-proxy-name: kproxy\n",
+            &endpoints,
+        )
+        .replace("service-name: checkout", "service-name: cart");
+        // Hand-written: no proxy-name label on the slice; its Service decides.
+        let cart_manual = checkout_slice("cart-manual", None, &[pod("10.244.2.8", "kind-worker2", READY)])
+            .replace("service-name: checkout", "service-name: cart");
+        let search_eps = checkout_slice("search-q1w2e", None, &endpoints)
+            .replace("service-name: checkout", "service-name: search");
+        let docs = [
+            unlabelled.as_str(),
+            &ours,
+            &theirs,
+            &headless_ours,
+            &checkout_eps,
+            &cart_eps,
+            &cart_manual,
+            &search_eps,
+        ];
+        let names = |desired: &Desired| -> Vec<String> {
+            desired.frontends.iter().map(|f| f.service.name.clone()).collect()
+        };
+
+        // Default proxy: only Services without the label.
+        let desired = build_opts(&docs, &ModelOptions::default());
+        assert_eq!(names(&desired), ["checkout"]);
+        assert_eq!(desired.stats.services_skipped_other_proxy, 2);
+        assert_eq!(desired.stats.services_skipped_headless, 1);
+        let empty = ModelOptions { service_proxy_name: Some(String::new()), ..Default::default() };
+        assert_eq!(build_opts(&docs, &empty), desired);
+
+        // Named proxy: only the Services labelled with that name (headless ones still skipped).
+        let kproxy = ModelOptions { service_proxy_name: Some("kproxy".into()), ..Default::default() };
+        let desired = build_opts(&docs, &kproxy);
+        assert_eq!(names(&desired), ["cart"]);
+        assert_eq!(
+            frontend(&desired, "10.96.88.15", 80, Protocol::Tcp).backends,
+            at_8080(&["10.244.1.17", "10.244.2.8"])
+        );
+        assert_eq!(desired.stats.services_skipped_other_proxy, 2);
+        assert_eq!(desired.stats.services_programmed, 1);
+
+        let cilium = ModelOptions { service_proxy_name: Some("cilium".into()), ..Default::default() };
+        let desired = build_opts(&docs, &cilium);
+        assert_eq!(names(&desired), ["search"]);
+        assert_eq!(frontend(&desired, "10.96.88.16", 80, Protocol::Tcp).backends, at_8080(&["10.244.1.17"]));
+
+        let nobody = ModelOptions { service_proxy_name: Some("kube-router".into()), ..Default::default() };
+        let desired = build_opts(&docs, &nobody);
+        assert!(desired.frontends.is_empty());
+        assert_eq!(desired.stats.services_skipped_other_proxy, 3);
+    }
+
+    #[test]
+    fn a_slice_labelled_for_another_proxy_is_ignored_under_a_proxy_name() {
+        let svc = checkout_labelled("", "    service.kubernetes.io/service-proxy-name: kproxy\n");
+        let mislabelled = checkout_slice_labelled(
+            "checkout-7wq2d",
+            None,
+            "    service.kubernetes.io/service-proxy-name: cilium\n",
+            &[pod("10.244.1.17", "kind-worker", READY)],
+        );
+        let kproxy = ModelOptions { service_proxy_name: Some("kproxy".into()), ..Default::default() };
+        let desired = build_opts(&[&svc, &mislabelled], &kproxy);
+        assert!(checkout_frontend(&desired).backends.is_empty());
+    }
+
+    #[test]
+    fn trigger_times_keep_the_newest_per_service() {
+        let checkout_a = checkout_slice(
+            "checkout-7wq2d",
+            Some("2025-03-02T10:16:03Z"),
+            &[pod("10.244.1.17", "kind-worker", READY)],
+        );
+        // Newer than 10:16:03Z although it sorts before it as a string ('.' < 'Z').
+        let checkout_b = checkout_slice(
+            "checkout-k2m9x",
+            Some("2025-03-02T10:16:03.5Z"),
+            &[pod("10.244.2.8", "kind-worker2", READY)],
+        );
+        let checkout_c = checkout_slice(
+            "checkout-z8p4f",
+            Some("2025-03-02T10:16:03.25Z"),
+            &[pod("10.244.2.9", "kind-worker2", READY)],
+        );
+        let kube_dns_a = KUBE_DNS_SLICE_A.replace(
+            "  generateName: kube-dns-\n",
+            "  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"2025-03-01T08:00:00Z\"\n  generateName: kube-dns-\n",
+        );
+        let (svc, a, b, c) = (checkout(""), &checkout_a, &checkout_b, &checkout_c);
+        for docs in [
+            [svc.as_str(), a, b, c, KUBE_DNS, &kube_dns_a, KUBE_DNS_SLICE_B],
+            [c, KUBE_DNS_SLICE_B, &kube_dns_a, b, KUBE_DNS, a, svc.as_str()],
+        ] {
+            let objects = parse(&docs);
+            let (desired, errors) = build(&objects.services, &objects.slices);
+            assert!(errors.is_empty(), "{errors:#?}");
+            assert_eq!(
+                desired.trigger_times,
+                [
+                    (
+                        ServiceName { namespace: "kube-system".into(), name: "kube-dns".into() },
+                        "2025-03-01T08:00:00Z".to_string()
+                    ),
+                    (
+                        ServiceName { namespace: "shop".into(), name: "checkout".into() },
+                        "2025-03-02T10:16:03.5Z".to_string()
+                    ),
+                ]
+            );
+        }
+
+        // Slices without the annotation give no entry; nor do Services kproxy does not program.
+        let desired = build_ok(&[KUBE_DNS, KUBE_DNS_SLICE_A, KUBE_DNS_SLICE_B]);
+        assert!(desired.trigger_times.is_empty());
+        let other = checkout_labelled("", "    service.kubernetes.io/service-proxy-name: cilium\n");
+        assert!(build_ok(&[&other, &checkout_a]).trigger_times.is_empty());
+        // A Service without any frontend yet (no port) still gets its trigger time.
+        let no_ports = checkout("")
+            .replace("  ports:\n  - name: http\n    port: 80\n    protocol: TCP\n    targetPort: http\n", "");
+        let desired = build_ok(&[&no_ports, &checkout_a]);
+        assert!(desired.frontends.is_empty());
+        assert_eq!(desired.trigger_times.len(), 1);
+    }
+
+    #[test]
+    fn an_invalid_trigger_time_is_reported_and_ignored() {
+        let good = checkout_slice(
+            "checkout-7wq2d",
+            Some("2025-03-02T10:16:03+01:00"),
+            &[pod("10.244.1.17", "kind-worker", READY)],
+        );
+        let bad =
+            checkout_slice("checkout-k2m9x", Some("yesterday"), &[pod("10.244.2.8", "kind-worker2", READY)]);
+        let (desired, errors) = build_from(&[&checkout(""), &good, &bad]);
+        assert_eq!(
+            desired.trigger_times,
+            [(
+                ServiceName { namespace: "shop".into(), name: "checkout".into() },
+                "2025-03-02T10:16:03+01:00".into()
+            )]
+        );
+        assert_eq!(checkout_frontend(&desired).backends, at_8080(&["10.244.1.17", "10.244.2.8"]));
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert_eq!(errors[0].origin, "test-2.yaml");
+        assert_eq!(errors[0].object.as_deref(), Some("EndpointSlice shop/checkout-k2m9x"));
+        assert_eq!(
+            errors[0].field.as_deref(),
+            Some("metadata.annotations[endpoints.kubernetes.io/last-change-trigger-time]")
+        );
+        assert!(
+            errors[0].message.starts_with("\"yesterday\" is not an RFC 3339 time"),
+            "{}",
+            errors[0].message
+        );
+    }
+
+    #[test]
+    fn stats_count_services_frontends_and_endpoints() {
+        let external = "apiVersion: v1\nkind: Service\nmetadata:\n  name: search\n  namespace: shop\nspec:\n  type: ExternalName\n  externalName: search.example.com\n";
+        let headless = web("  clusterIP: None\n  ports:\n  - port: 80\n");
+        let other = checkout_labelled("", "    service.kubernetes.io/service-proxy-name: cilium\n")
+            .replace("checkout", "cart")
+            .replace("10.96.88.14", "10.96.88.15");
+        let slice = checkout_slice(
+            "checkout-7wq2d",
+            None,
+            &[pod("10.244.1.17", "kind-worker", TERMINATING), pod("10.244.1.18", "kind-worker", NOT_READY)],
+        );
+        let desired = build_ok(&[
+            KUBE_DNS,
+            KUBE_DNS_SLICE_A,
+            KUBE_DNS_SLICE_B,
+            &checkout(""),
+            &slice,
+            external,
+            &headless,
+            &other,
+        ]);
+        assert_eq!(
+            desired.stats,
+            ModelStats {
+                services_seen: 5,
+                services_programmed: 2,
+                services_skipped_headless: 1,
+                services_skipped_external_name: 1,
+                services_skipped_other_proxy: 1,
+                frontends: 4,
+                frontends_without_backends: 0,
+                frontends_terminating_fallback: 1,
+                // kube-dns: .0.12, .0.13, .1.9 ready (.0.12 listed twice), .2.4 terminating; checkout: one
+                // terminating, one not ready.
+                endpoints_ready: 3,
+                endpoints_terminating: 2,
+                endpoints_not_ready: 1,
+            }
+        );
+    }
+
+    #[test]
+    fn build_is_build_with_default_options() {
+        let docs = [KUBE_DNS, KUBE_DNS_SLICE_A, KUBE_DNS_SLICE_B];
+        let objects = parse(&docs);
+        let default = build(&objects.services, &objects.slices);
+        assert_eq!(build_with(&objects.services, &objects.slices, &ModelOptions::default()), default);
+        // A node name alone changes nothing for Cluster policy.
+        assert_eq!(build_with(&objects.services, &objects.slices, &on_node("kind-worker")), default);
+    }
+
+    #[test]
+    fn constructors_for_callers() {
+        let service = ServiceName { namespace: "default".into(), name: "web".into() };
+        let backends = at_8080(&["10.244.1.5"]);
+        let fe = Frontend::new(
+            service.clone(),
+            "http",
+            Ipv4Addr::new(10, 96, 0, 20),
+            80,
+            Protocol::Tcp,
+            backends.clone(),
+        );
+        assert_eq!(
+            fe,
+            Frontend {
+                service,
+                port_name: "http".into(),
+                vip: Ipv4Addr::new(10, 96, 0, 20),
+                port: 80,
+                proto: Protocol::Tcp,
+                backends,
+                session_affinity_timeout: None,
+                local_only: false,
+                terminating_fallback: false,
+            }
+        );
+        let mut other = fe.clone();
+        other.vip = Ipv4Addr::new(10, 96, 0, 10);
+        let desired = Desired::new(vec![fe.clone(), other.clone()]);
+        assert_eq!(desired.frontends, [other, fe]);
+        assert_eq!(desired.stats, ModelStats::default());
+        assert!(desired.trigger_times.is_empty());
     }
 }

@@ -68,6 +68,8 @@ struct Programmed {
     rev_nat_id: u16,
     name: String,
     backend_ids: Vec<u32>,
+    flags: u16,
+    affinity_timeout_s: u32,
 }
 
 /// The service maps' contents as this process last wrote (or read) them.
@@ -110,8 +112,25 @@ impl Syncer {
         rev_nat: HashMap<MapData, u16, RevNatV4>,
         names: HashMap<MapData, u16, FrontendNameV4>,
     ) -> Result<Self> {
+        let mut syncer = Self {
+            services,
+            backends,
+            rev_nat,
+            names,
+            frontends: BTreeMap::new(),
+            backend_ids: BTreeMap::new(),
+            next_backend_id: 1,
+            next_rev_nat_id: 1,
+        };
+        syncer.reload()?;
+        Ok(syncer)
+    }
+
+    /// Forgets the mirror and reads the maps again, so the next apply repairs
+    /// anything changed behind this process's back (the periodic full resync).
+    pub fn reload(&mut self) -> Result<()> {
         let mut backend_ids = BTreeMap::new();
-        for entry in backends.iter() {
+        for entry in self.backends.iter() {
             let (id, b) = entry.context("reading the backends map")?;
             if let Some(proto) = Protocol::from_number(b.proto) {
                 let addr = BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) };
@@ -119,7 +138,7 @@ impl Syncer {
             }
         }
         let mut slots: BTreeMap<FrontendKey, BTreeMap<u16, ServiceValueV4>> = BTreeMap::new();
-        for entry in services.iter() {
+        for entry in self.services.iter() {
             let (key, value) = entry.context("reading the services map")?;
             let Some(proto) = Protocol::from_number(key.proto) else { continue };
             let fk = FrontendKey { vip: Ipv4Addr::from(key.vip), port: u16::from_be_bytes(key.port), proto };
@@ -130,22 +149,26 @@ impl Syncer {
             let Some(master) = slots.get(&0) else { continue };
             let backend_ids =
                 (1..=master.count).filter_map(|s| slots.get(&s).map(|v| v.backend_id)).collect();
-            let name = names.get(&master.rev_nat_id, 0).map(|n| n.as_str().to_owned()).unwrap_or_default();
-            frontends.insert(fk, Programmed { rev_nat_id: master.rev_nat_id, name, backend_ids });
+            let name =
+                self.names.get(&master.rev_nat_id, 0).map(|n| n.as_str().to_owned()).unwrap_or_default();
+            let programmed = Programmed {
+                rev_nat_id: master.rev_nat_id,
+                name,
+                backend_ids,
+                flags: master.flags,
+                affinity_timeout_s: master.affinity_timeout_s,
+            };
+            frontends.insert(fk, programmed);
         }
-        let next_backend_id = backend_ids.values().max().map_or(1, |m| m.wrapping_add(1).max(1));
-        let next_rev_nat_id =
-            frontends.values().map(|f| f.rev_nat_id).max().map_or(1, |m| m.wrapping_add(1).max(1));
-        Ok(Self {
-            services,
-            backends,
-            rev_nat,
-            names,
-            frontends,
-            backend_ids,
-            next_backend_id,
-            next_rev_nat_id,
-        })
+        self.next_backend_id = backend_ids.values().max().map_or(1, |m: &u32| m.wrapping_add(1).max(1));
+        self.next_rev_nat_id = frontends
+            .values()
+            .map(|f: &Programmed| f.rev_nat_id)
+            .max()
+            .map_or(1, |m| m.wrapping_add(1).max(1));
+        self.backend_ids = backend_ids;
+        self.frontends = frontends;
+        Ok(())
     }
 
     pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
@@ -246,8 +269,24 @@ impl Syncer {
             anyhow::bail!("{} endpoints exceed the 65535 slots of a frontend", ids.len());
         }
 
+        let mut flags = 0;
+        if frontend.session_affinity_timeout.is_some() {
+            flags |= SVC_FLAG_AFFINITY;
+        }
+        if frontend.local_only {
+            flags |= SVC_FLAG_LOCAL_ONLY;
+        }
+        if frontend.terminating_fallback {
+            flags |= SVC_FLAG_TERMINATING_FALLBACK;
+        }
+        let affinity_timeout_s = frontend.session_affinity_timeout.unwrap_or(0);
         let previous = self.frontends.get(&fk).cloned();
-        if previous.as_ref().is_some_and(|p| p.backend_ids == ids && p.name == name) {
+        if previous.as_ref().is_some_and(|p| {
+            p.backend_ids == ids
+                && p.name == name
+                && p.flags == flags
+                && p.affinity_timeout_s == affinity_timeout_s
+        }) {
             return Ok(());
         }
         let rev_nat_id = match &previous {
@@ -277,7 +316,13 @@ impl Syncer {
             let value = ServiceValueV4 { backend_id: *id, rev_nat_id, ..Default::default() };
             self.services.insert(fk.slot(slot), value, 0).map_err(map_full).context("services map (slot)")?;
         }
-        let master = ServiceValueV4 { count: ids.len() as u16, rev_nat_id, ..Default::default() };
+        let master = ServiceValueV4 {
+            count: ids.len() as u16,
+            rev_nat_id,
+            flags,
+            affinity_timeout_s,
+            ..Default::default()
+        };
         self.services.insert(fk.slot(0), master, 0).map_err(map_full).context("services map (slot 0)")?;
         let old_count = previous.as_ref().map_or(0, |p| p.backend_ids.len());
         for slot in ids.len() + 1..=old_count {
@@ -288,7 +333,8 @@ impl Syncer {
         } else {
             report.frontends_added += 1;
         }
-        self.frontends.insert(fk, Programmed { rev_nat_id, name, backend_ids: ids });
+        self.frontends
+            .insert(fk, Programmed { rev_nat_id, name, backend_ids: ids, flags, affinity_timeout_s });
         Ok(())
     }
 

@@ -17,6 +17,7 @@
 //! Everything here needs root and a few Debian packages; a missing one is reported with a hint
 //! to run `cargo xtask setup`.
 
+pub mod apiserver;
 mod cmd;
 mod sandbox;
 mod servers;

@@ -48,25 +48,23 @@ fn frontend(
     proto: Protocol,
     backends: &[([u8; 4], u16)],
 ) -> Frontend {
-    Frontend {
-        service: ServiceName { namespace: "default".into(), name: name.into() },
-        port_name: port_name.into(),
-        vip: Ipv4Addr::from(vip),
+    Frontend::new(
+        ServiceName { namespace: "default".into(), name: name.into() },
+        port_name,
+        Ipv4Addr::from(vip),
         port,
         proto,
-        backends: backends.iter().map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a), port: *p }).collect(),
-    }
+        backends.iter().map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a), port: *p }).collect(),
+    )
 }
 
 fn desired() -> Desired {
     let web: Vec<([u8; 4], u16)> = WEB_BACKENDS.iter().map(|a| (*a, 8080)).collect();
-    Desired {
-        frontends: vec![
-            frontend("dns", "dns", DNS_VIP, 53, Protocol::Udp, &[(DNS_BACKEND, 53)]),
-            frontend("web", "http", WEB_VIP, 80, Protocol::Tcp, &web),
-            frontend("empty", "http", [10, 96, 0, 200], 80, Protocol::Tcp, &[]),
-        ],
-    }
+    Desired::new(vec![
+        frontend("dns", "dns", DNS_VIP, 53, Protocol::Udp, &[(DNS_BACKEND, 53)]),
+        frontend("web", "http", WEB_VIP, 80, Protocol::Tcp, &web),
+        frontend("empty", "http", [10, 96, 0, 200], 80, Protocol::Tcp, &[]),
+    ])
 }
 
 impl Harness {
@@ -342,7 +340,7 @@ fn a_removed_backend_gets_no_new_flows_and_slots_shrink() {
         assert_ne!(destination(&out).0, WEB_BACKENDS[2]);
     }
     // Removing the Service stops translation.
-    let none = Desired { frontends: vec![] };
+    let none = Desired::new(vec![]);
     let report = h.syncer.apply(&none);
     assert_eq!(report.frontends_removed, 3);
     let syn = Packet::tcp(CLIENT, 50000, WEB_VIP, 80, TCP_SYN).frame();

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sandbox::{Pod, Sandbox, Spawned};
+use sandbox::{Pod, Sandbox, Spawned, apiserver::ApiServer};
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
 pub const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
@@ -45,8 +45,18 @@ fn unique_pin_dir() -> PathBuf {
     ))
 }
 
+/// Where the agent reads Services and EndpointSlices from.
+pub enum Mode {
+    /// `--manifests DIR` (a copy of examples/clusterip).
+    Files,
+    /// `--master URL` of an in-process API server inside the node namespace,
+    /// loaded with the same manifests.
+    Api,
+}
+
 pub struct Cluster {
     // Field order matters only for readability: Drop below tears down explicitly.
+    pub api: Option<ApiServer>,
     pub sandbox: Sandbox,
     pub client: Pod,
     pub web: Vec<Pod>,
@@ -68,6 +78,10 @@ impl Drop for TempDir {
 
 impl Cluster {
     pub fn start(tag: &str) -> Self {
+        Self::start_with(tag, Mode::Files)
+    }
+
+    pub fn start_with(tag: &str, mode: Mode) -> Self {
         let sandbox = Sandbox::new(tag).expect("building the sandbox (needs root; run `cargo xtask setup`)");
         let client = sandbox.add_pod("client", CLIENT_IP).unwrap();
         let web: Vec<Pod> = WEB_PODS
@@ -94,7 +108,19 @@ impl Cluster {
             let path = entry.unwrap().path();
             std::fs::copy(&path, manifest_dir.join(path.file_name().unwrap())).unwrap();
         }
+        let api = match mode {
+            Mode::Files => None,
+            Mode::Api => {
+                let api =
+                    ApiServer::start_in_netns(&sandbox.node_netns_path()).expect("in-process API server");
+                for entry in std::fs::read_dir(&manifest_dir).unwrap() {
+                    api.apply_yaml(&std::fs::read_to_string(entry.unwrap().path()).unwrap()).unwrap();
+                }
+                Some(api)
+            }
+        };
         let mut cluster = Cluster {
+            api,
             sandbox,
             client,
             web,
@@ -115,22 +141,37 @@ impl Cluster {
 
     pub fn start_agent(&mut self) {
         let bin = kproxy_bin();
-        let agent = self
+        let mut args: Vec<std::ffi::OsString> = vec![
+            bin.into(),
+            "--pin-dir".into(),
+            self.pin_dir.clone().into(),
+            "agent".into(),
+            "--interfaces".into(),
+            "veth*".into(),
+            "--poll-ms".into(),
+            "100".into(),
+            "--hostname-override".into(),
+            "node-1".into(),
+        ];
+        match &self.api {
+            Some(api) => args.extend(["--master".into(), api.url().into()]),
+            None => args.extend(["--manifests".into(), self.manifests.clone().into()]),
+        }
+        self.agent = Some(self.sandbox.node_spawn(args).unwrap());
+    }
+
+    pub fn api(&self) -> &ApiServer {
+        self.api.as_ref().expect("a cluster started with Mode::Api")
+    }
+
+    /// `curl` from the node namespace (health and metrics listen there).
+    pub fn node_curl(&self, url: &str) -> (u16, String) {
+        let out = self
             .sandbox
-            .node_spawn([
-                bin.as_os_str(),
-                "--pin-dir".as_ref(),
-                self.pin_dir.as_os_str(),
-                "agent".as_ref(),
-                "--manifests".as_ref(),
-                self.manifests.as_os_str(),
-                "--interfaces".as_ref(),
-                "veth*".as_ref(),
-                "--poll-ms".as_ref(),
-                "100".as_ref(),
-            ])
-            .unwrap();
-        self.agent = Some(agent);
+            .node_exec(["curl", "-sS", "--max-time", "5", "-w", "\n%{http_code}", url])
+            .unwrap_or_else(|e| panic!("curl {url}: {e:#}"));
+        let (body, code) = out.trim_end().rsplit_once('\n').unwrap_or(("", out.trim()));
+        (code.parse().unwrap_or(0), body.to_owned())
     }
 
     pub fn agent_log(&self) -> String {

@@ -1,0 +1,625 @@
+//! kube-proxy compatible health and metrics HTTP endpoints.
+//!
+//! * `--healthz-bind-address` (kube-proxy default `0.0.0.0:10256`): `/healthz`
+//!   and `/livez`, JSON bodies, 200 when healthy and 503 when not.
+//! * `--metrics-bind-address` (kube-proxy default `127.0.0.1:10249`):
+//!   `/metrics` (Prometheus text format) and `/proxyMode` (`ebpf`).
+//!
+//! Health follows kube-proxy's proxier health server: the proxy is unhealthy
+//! only while a queued change has waited longer than the health timeout
+//! (kube-proxy uses 2 × `--sync-period`) without a successful sync. Starting
+//! up with nothing queued is healthy.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::anyhow;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::metrics::{self, Metrics};
+
+/// Body of `/proxyMode`.
+pub const PROXY_MODE: &str = "ebpf";
+
+/// How long in-flight requests may take to finish after shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Slow or idle clients are dropped if they do not send headers in time.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Shared proxier health state; cheap to clone.
+#[derive(Clone)]
+pub struct Health {
+    inner: Arc<Mutex<HealthState>>,
+}
+
+struct HealthState {
+    health_timeout: Duration,
+    started: SystemTime,
+    /// Time of the last successful sync, if any.
+    last_updated: Option<SystemTime>,
+    /// When the oldest change not yet applied was queued.
+    oldest_pending: Option<SystemTime>,
+    /// Whether the node may receive traffic (kube-proxy: not being deleted
+    /// and not tainted ToBeDeletedByClusterAutoscaler). Only `/healthz` uses it.
+    node_eligible: bool,
+}
+
+/// Result of [`Health::check`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthReport {
+    pub healthy: bool,
+    /// Last successful sync, or the start time if there was none yet.
+    pub last_updated: SystemTime,
+    pub current_time: SystemTime,
+}
+
+impl Health {
+    /// Healthy until a change stays pending for longer than `health_timeout`.
+    /// The start time (reported as `last_updated` before the first sync) is now.
+    pub fn new(health_timeout: Duration) -> Self {
+        Health {
+            inner: Arc::new(Mutex::new(HealthState {
+                health_timeout,
+                started: SystemTime::now(),
+                last_updated: None,
+                oldest_pending: None,
+                node_eligible: true,
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HealthState> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A change arrived at `at` that the datapath does not carry yet. The
+    /// oldest pending time is kept until [`Health::updated`].
+    pub fn queued(&self, at: SystemTime) {
+        let mut state = self.lock();
+        state.oldest_pending = Some(match state.oldest_pending {
+            Some(oldest) => oldest.min(at),
+            None => at,
+        });
+    }
+
+    /// A sync completed successfully at `at`: every pending change is applied.
+    pub fn updated(&self, at: SystemTime) {
+        let mut state = self.lock();
+        state.last_updated = Some(at);
+        state.oldest_pending = None;
+    }
+
+    /// Mark whether this node should receive load-balancer traffic. While
+    /// false, `/healthz` answers 503 (`/livez` is unaffected). Defaults to true.
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.lock().node_eligible = eligible;
+    }
+
+    pub fn node_eligible(&self) -> bool {
+        self.lock().node_eligible
+    }
+
+    /// Health as of `now`: unhealthy iff a change has been pending for at
+    /// least the health timeout.
+    pub fn check(&self, now: SystemTime) -> HealthReport {
+        let state = self.lock();
+        let healthy = match state.oldest_pending {
+            None => true,
+            // A pending time in the future (clock step) counts as just queued.
+            Some(oldest) => now.duration_since(oldest).unwrap_or_default() < state.health_timeout,
+        };
+        HealthReport { healthy, last_updated: state.last_updated.unwrap_or(state.started), current_time: now }
+    }
+}
+
+/// Serve `/healthz` + `/livez` on `health_addr` and `/metrics` + `/proxyMode`
+/// on `metrics_addr` until `shutdown` resolves.
+pub async fn serve(
+    health_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    health: Health,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    bind(health_addr, metrics_addr).await?.serve(health, metrics, shutdown).await
+}
+
+/// Both listeners, bound; see [`bind`].
+pub struct Bound {
+    health: TcpListener,
+    metrics: TcpListener,
+    health_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+}
+
+/// Bind both listeners (port 0 picks a free port). Errors name the flag and
+/// address, e.g. `--healthz-bind-address 0.0.0.0:10256: Address in use`.
+pub async fn bind(health_addr: SocketAddr, metrics_addr: SocketAddr) -> anyhow::Result<Bound> {
+    let (health, health_addr) = listen("--healthz-bind-address", health_addr).await?;
+    let (metrics, metrics_addr) = listen("--metrics-bind-address", metrics_addr).await?;
+    Ok(Bound { health, metrics, health_addr, metrics_addr })
+}
+
+async fn listen(flag: &str, addr: SocketAddr) -> anyhow::Result<(TcpListener, SocketAddr)> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| anyhow!("{flag} {addr}: {e}"))?;
+    let local = listener.local_addr().map_err(|e| anyhow!("{flag} {addr}: {e}"))?;
+    Ok((listener, local))
+}
+
+impl Bound {
+    /// The bound health address (with the real port if 0 was asked for).
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health_addr
+    }
+
+    /// The bound metrics address (with the real port if 0 was asked for).
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
+    }
+
+    /// Serve until `shutdown` resolves; then stop accepting, let in-flight
+    /// requests finish (up to a few seconds) and return.
+    pub async fn serve(
+        self,
+        health: Health,
+        metrics: Metrics,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        tracing::info!(address = %self.health_addr, "serving /healthz and /livez");
+        tracing::info!(address = %self.metrics_addr, "serving /metrics and /proxyMode");
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let signal = async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        };
+        tokio::join!(
+            accept_loop(self.health, Router::Health(health), stop_rx.clone()),
+            accept_loop(self.metrics, Router::Metrics(metrics), stop_rx),
+            signal,
+        );
+        Ok(())
+    }
+}
+
+#[derive(Clone)]
+enum Router {
+    Health(Health),
+    Metrics(Metrics),
+}
+
+type Body = Full<Bytes>;
+
+impl Router {
+    fn respond(&self, path: &str) -> Response<Body> {
+        match (self, path) {
+            (Router::Health(health), "/healthz") => health_response(health, true),
+            (Router::Health(health), "/livez") => health_response(health, false),
+            (Router::Metrics(metrics), "/metrics") => {
+                text(StatusCode::OK, metrics::CONTENT_TYPE, metrics.render())
+            }
+            (Router::Metrics(_), "/proxyMode") => {
+                text(StatusCode::OK, "text/plain; charset=utf-8", PROXY_MODE.to_owned())
+            }
+            _ => text(StatusCode::NOT_FOUND, "text/plain; charset=utf-8", "404 page not found\n".to_owned()),
+        }
+    }
+}
+
+/// kube-proxy's `/healthz` (`with_node` = true) and `/livez` responses. As in
+/// kube-proxy, a healthy answer reports `lastUpdated` = `currentTime` (older
+/// releases reported the last sync loop run, which was always recent); an
+/// unhealthy one reports the last successful sync (or the start time).
+fn health_response(health: &Health, with_node: bool) -> Response<Body> {
+    let report = health.check(SystemTime::now());
+    let node_eligible = health.node_eligible();
+    let healthy = report.healthy && (!with_node || node_eligible);
+    let last_updated = if healthy { report.current_time } else { report.last_updated };
+    let mut body = format!(
+        r#"{{"lastUpdated": "{}","currentTime": "{}""#,
+        rfc3339(last_updated),
+        rfc3339(report.current_time)
+    );
+    if with_node {
+        body.push_str(&format!(r#", "nodeEligible": {node_eligible}"#));
+    }
+    body.push('}');
+    let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    text(status, "application/json", body)
+}
+
+fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(HeaderName::from_static("x-content-type-options"), HeaderValue::from_static("nosniff"));
+    response
+}
+
+async fn accept_loop(listener: TcpListener, router: Router, mut stop: watch::Receiver<bool>) {
+    let mut connections = JoinSet::new();
+    let for_connections = stop.clone();
+    loop {
+        tokio::select! {
+            _ = stopped(&mut stop) => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    let stop = for_connections.clone();
+                    connections.spawn(serve_connection(stream, router.clone(), stop));
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let drained =
+        tokio::time::timeout(SHUTDOWN_GRACE, async { while connections.join_next().await.is_some() {} })
+            .await;
+    if drained.is_err() {
+        connections.shutdown().await;
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone). Unlike
+/// `watch::Receiver::wait_for` it holds no lock guard across an await, so the
+/// server future stays `Send`.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    loop {
+        let done = *stop.borrow_and_update();
+        if done || stop.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn serve_connection(stream: TcpStream, router: Router, mut stop: watch::Receiver<bool>) {
+    let service = service_fn(move |request: Request<Incoming>| {
+        let response = router.respond(request.uri().path());
+        async move { Ok::<_, Infallible>(response) }
+    });
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        result = connection.as_mut() => {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "HTTP connection ended with an error");
+            }
+            return;
+        }
+        _ = stopped(&mut stop) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    if let Err(e) = connection.await {
+        tracing::debug!(error = %e, "HTTP connection ended with an error");
+    }
+}
+
+/// Format a time as RFC 3339 in UTC, e.g. `2023-11-14T22:13:20Z`, with the
+/// fraction of a second only when non-zero and without trailing zeros (like
+/// Go's `time.RFC3339Nano`).
+pub fn rfc3339(time: SystemTime) -> String {
+    let nanos: i128 = match time.duration_since(UNIX_EPOCH) {
+        Ok(since) => since.as_nanos() as i128,
+        Err(before) => -(before.duration().as_nanos() as i128),
+    };
+    let secs = nanos.div_euclid(1_000_000_000) as i64;
+    let subsec = nanos.rem_euclid(1_000_000_000) as u32;
+    let days = secs.div_euclid(86_400);
+    let of_day = secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let mut out = format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        of_day / 3600,
+        of_day / 60 % 60,
+        of_day % 60
+    );
+    if subsec != 0 {
+        let fraction = format!("{subsec:09}");
+        out.push('.');
+        out.push_str(fraction.trim_end_matches('0'));
+    }
+    out.push('Z');
+    out
+}
+
+/// Proleptic Gregorian (year, month, day) of a day count since 1970-01-01
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // [0, 146096]
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365], March-based
+    let mp = (5 * doy + 2) / 153; // [0, 11]
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn at(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn rfc3339_known_timestamps() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(at(951_782_400)), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(at(951_868_799)), "2000-02-29T23:59:59Z");
+        assert_eq!(rfc3339(at(951_868_800)), "2000-03-01T00:00:00Z");
+        assert_eq!(rfc3339(at(1_234_567_890)), "2009-02-13T23:31:30Z");
+        assert_eq!(rfc3339(at(1_700_000_000)), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(at(1_709_251_199)), "2024-02-29T23:59:59Z");
+        assert_eq!(rfc3339(at(4_102_444_799)), "2099-12-31T23:59:59Z");
+        assert_eq!(rfc3339(at(4_107_542_400)), "2100-03-01T00:00:00Z");
+        assert_eq!(rfc3339(at(253_402_300_799)), "9999-12-31T23:59:59Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_700_000_000_500_000_000)),
+            "2023-11-14T22:13:20.5Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_000_000_123)),
+            "1970-01-01T00:00:01.000000123Z"
+        );
+        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_secs(1)), "1969-12-31T23:59:59Z");
+        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_millis(1500)), "1969-12-31T23:59:58.5Z");
+        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_secs(86_400 * 365)), "1969-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn civil_from_days_round_trips_every_day_over_eight_centuries() {
+        // Walk day by day from 1600-03-01 and compare with a naive calendar.
+        let mut days = -135_080; // 1600-03-01
+        let (mut y, mut m, mut d) = (1600_i64, 3_u32, 1_u32);
+        let leap = |y: i64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+        while y < 2400 {
+            assert_eq!(civil_from_days(days), (y, m, d), "day {days}");
+            let month_len = match m {
+                2 if leap(y) => 29,
+                2 => 28,
+                4 | 6 | 9 | 11 => 30,
+                _ => 31,
+            };
+            days += 1;
+            d += 1;
+            if d > month_len {
+                d = 1;
+                m += 1;
+                if m > 12 {
+                    m = 1;
+                    y += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn healthy_initially_and_reports_start_time() {
+        let before = SystemTime::now();
+        let health = Health::new(Duration::from_secs(60));
+        let report = health.check(SystemTime::now() + Duration::from_secs(3600));
+        assert!(report.healthy, "nothing queued yet must be healthy");
+        assert!(report.last_updated >= before && report.last_updated <= SystemTime::now());
+        assert!(health.node_eligible());
+    }
+
+    #[test]
+    fn unhealthy_when_pending_past_timeout_then_healthy_after_update() {
+        let health = Health::new(Duration::from_secs(60));
+        let t0 = at(1_700_000_000);
+        health.queued(t0);
+        // Later changes do not move the oldest pending time forward...
+        health.queued(t0 + Duration::from_secs(50));
+        assert!(health.check(t0 + Duration::from_secs(59)).healthy);
+        let late = health.check(t0 + Duration::from_secs(60));
+        assert!(!late.healthy);
+        assert_eq!(late.current_time, t0 + Duration::from_secs(60));
+        // ...but an earlier-stamped one moves it back.
+        health.queued(t0 - Duration::from_secs(30));
+        assert!(!health.check(t0 + Duration::from_secs(35)).healthy);
+        // A clock step back is not a timeout.
+        assert!(health.check(t0 - Duration::from_secs(100)).healthy);
+
+        let synced = t0 + Duration::from_secs(61);
+        health.updated(synced);
+        let report = health.check(t0 + Duration::from_secs(1000));
+        assert!(report.healthy);
+        assert_eq!(report.last_updated, synced);
+
+        // The timeout restarts from the next queued change.
+        health.queued(t0 + Duration::from_secs(2000));
+        assert!(health.check(t0 + Duration::from_secs(2059)).healthy);
+        assert!(!health.check(t0 + Duration::from_secs(2061)).healthy);
+        assert_eq!(health.check(t0).last_updated, synced);
+    }
+
+    struct HttpResponse {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: String,
+    }
+
+    impl HttpResponse {
+        fn header(&self, name: &str) -> Option<&str> {
+            self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        }
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = String::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut raw))
+            .await
+            .expect("response in time")
+            .unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").expect("header/body separator");
+        let mut lines = head.split("\r\n");
+        let status_line = lines.next().unwrap();
+        let status = status_line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+        let headers = lines
+            .map(|l| {
+                let (k, v) = l.split_once(':').unwrap();
+                (k.trim().to_owned(), v.trim().to_owned())
+            })
+            .collect();
+        let response = HttpResponse { status, headers, body: body.to_owned() };
+        if let Some(length) = response.header("content-length") {
+            assert_eq!(length.parse::<usize>().unwrap(), response.body.len());
+        }
+        response
+    }
+
+    fn json(response: &HttpResponse) -> serde_json::Value {
+        assert_eq!(response.header("content-type"), Some("application/json"));
+        assert_eq!(response.header("x-content-type-options"), Some("nosniff"));
+        serde_json::from_str(&response.body).expect("JSON body")
+    }
+
+    fn is_rfc3339(value: &serde_json::Value) -> bool {
+        let s = value.as_str().unwrap_or_default();
+        s.len() >= 20 && s.as_bytes()[4] == b'-' && s.as_bytes()[10] == b'T' && s.ends_with('Z')
+    }
+
+    #[tokio::test]
+    async fn http_round_trip() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let bound = bind(loopback, loopback).await.unwrap();
+        let (health_addr, metrics_addr) = (bound.health_addr(), bound.metrics_addr());
+        assert_ne!(health_addr.port(), 0);
+        assert_ne!(metrics_addr.port(), 0);
+
+        let health = Health::new(Duration::from_secs(60));
+        let metrics = Metrics::new();
+        metrics.set_programmed(3, 9);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(bound.serve(health.clone(), metrics.clone(), async move {
+            let _ = stop_rx.await;
+        }));
+
+        // Healthy at start.
+        let healthz = get(health_addr, "/healthz").await;
+        assert_eq!(healthz.status, 200);
+        let body = json(&healthz);
+        assert!(is_rfc3339(&body["lastUpdated"]), "{body}");
+        assert!(is_rfc3339(&body["currentTime"]), "{body}");
+        assert_eq!(body["nodeEligible"], serde_json::Value::Bool(true));
+
+        let livez = get(health_addr, "/livez?verbose").await;
+        assert_eq!(livez.status, 200);
+        let body = json(&livez);
+        assert!(is_rfc3339(&body["lastUpdated"]) && is_rfc3339(&body["currentTime"]));
+        assert!(body.get("nodeEligible").is_none());
+
+        // A change pending for an hour with a 60 s timeout: 503 on both.
+        let queued = SystemTime::now() - Duration::from_secs(3600);
+        let synced = queued - Duration::from_secs(10);
+        health.updated(synced);
+        health.queued(queued);
+        for path in ["/healthz", "/livez"] {
+            let response = get(health_addr, path).await;
+            assert_eq!(response.status, 503, "{path}");
+            let body = json(&response);
+            assert_eq!(body["lastUpdated"], rfc3339(synced).as_str(), "{path}");
+            assert!(is_rfc3339(&body["currentTime"]));
+        }
+
+        // Synced again: 200.
+        health.updated(SystemTime::now());
+        assert_eq!(get(health_addr, "/healthz").await.status, 200);
+        assert_eq!(get(health_addr, "/livez").await.status, 200);
+
+        // An ineligible node fails /healthz only.
+        health.set_node_eligible(false);
+        let response = get(health_addr, "/healthz").await;
+        assert_eq!(response.status, 503);
+        assert_eq!(json(&response)["nodeEligible"], serde_json::Value::Bool(false));
+        assert_eq!(get(health_addr, "/livez").await.status, 200);
+        health.set_node_eligible(true);
+
+        // Metrics side.
+        let response = get(metrics_addr, "/metrics").await;
+        assert_eq!(response.status, 200);
+        assert_eq!(response.header("content-type"), Some("text/plain; version=0.0.4; charset=utf-8"));
+        assert!(response.body.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"));
+        assert!(response.body.contains("\nkproxy_frontends 3\n"));
+        assert!(response.body.contains("\nkproxy_backends 9\n"));
+
+        let response = get(metrics_addr, "/proxyMode").await;
+        assert_eq!(response.status, 200);
+        assert_eq!(response.body, "ebpf");
+
+        // Unknown paths, and each server's paths on the other one, are 404.
+        for (addr, path) in [
+            (health_addr, "/"),
+            (health_addr, "/metrics"),
+            (health_addr, "/healthz/extra"),
+            (metrics_addr, "/healthz"),
+            (metrics_addr, "/nope"),
+        ] {
+            let response = get(addr, path).await;
+            assert_eq!(response.status, 404, "{addr}{path}");
+            assert_eq!(response.body, "404 page not found\n");
+        }
+
+        // An idle keep-alive connection must not hold up shutdown.
+        let idle = TcpStream::connect(health_addr).await.unwrap();
+        stop_tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(3), server)
+            .await
+            .expect("server stops promptly")
+            .unwrap()
+            .unwrap();
+        drop(idle);
+        assert!(TcpStream::connect(health_addr).await.is_err());
+        assert!(TcpStream::connect(metrics_addr).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn bind_errors_name_the_flag_and_address() {
+        let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = taken.local_addr().unwrap();
+        let free: SocketAddr = "127.0.0.1:0".parse().unwrap();
+
+        let err = bind(addr, free).await.err().expect("health port is taken");
+        let message = err.to_string();
+        assert!(message.starts_with(&format!("--healthz-bind-address {addr}: ")), "{message}");
+
+        let err = serve(free, addr, Health::new(Duration::from_secs(1)), Metrics::new(), async {})
+            .await
+            .expect_err("metrics port is taken");
+        let message = err.to_string();
+        assert!(message.starts_with(&format!("--metrics-bind-address {addr}: ")), "{message}");
+    }
+}

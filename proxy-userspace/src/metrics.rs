@@ -1,0 +1,698 @@
+//! Prometheus metrics in kube-proxy's names, rendered in the text exposition
+//! format 0.0.4.
+//!
+//! The kube-proxy metric names (`kubeproxy_*`) are kept so that existing
+//! dashboards and alerts keep working when kproxy replaces kube-proxy; the
+//! `kproxy_*` metrics describe the eBPF datapath.
+//!
+//! There is no registry: [`Metrics`] is a fixed set of families behind one
+//! mutex, cheap to clone and to update from the sync loop, and [`Metrics::render`]
+//! writes the whole exposition at scrape time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// `Content-Type` of the Prometheus text exposition format served on `/metrics`.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+const SYNC_DURATION: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
+const NETWORK_PROGRAMMING: &str = "kubeproxy_network_programming_duration_seconds";
+const LAST_SYNC_TIMESTAMP: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
+const LAST_QUEUED_TIMESTAMP: &str = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds";
+const ENDPOINT_CHANGES_PENDING: &str = "kubeproxy_sync_proxy_rules_endpoint_changes_pending";
+const ENDPOINT_CHANGES_TOTAL: &str = "kubeproxy_sync_proxy_rules_endpoint_changes_total";
+const SERVICE_CHANGES_PENDING: &str = "kubeproxy_sync_proxy_rules_service_changes_pending";
+const SERVICE_CHANGES_TOTAL: &str = "kubeproxy_sync_proxy_rules_service_changes_total";
+const MAP_ENTRIES: &str = "kproxy_bpf_map_entries";
+const MAP_CAPACITY: &str = "kproxy_bpf_map_capacity";
+const DATAPATH_PACKETS: &str = "kproxy_datapath_packets_total";
+const SYNC_ERRORS: &str = "kproxy_sync_errors_total";
+const FRONTENDS: &str = "kproxy_frontends";
+const BACKENDS: &str = "kproxy_backends";
+
+/// kube-proxy's buckets for the rule sync duration: `0.001 × 2^i`, `i = 0..14`.
+pub fn sync_duration_buckets() -> Vec<f64> {
+    exponential_buckets(0.001, 2.0, 15)
+}
+
+/// kube-proxy's buckets for the network programming latency: 0.25 and 0.5,
+/// then 1..=59 by 1, 60..=115 by 5 and 120..=300 by 30 (seconds).
+pub fn network_programming_buckets() -> Vec<f64> {
+    let mut buckets = vec![0.25, 0.5];
+    buckets.extend((1..=59).map(f64::from));
+    buckets.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    buckets.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    buckets
+}
+
+/// `count` bucket bounds `start, start × factor, start × factor², …`, computed
+/// the way Prometheus client libraries do (repeated multiplication).
+pub fn exponential_buckets(start: f64, factor: f64, count: usize) -> Vec<f64> {
+    let mut buckets = Vec::with_capacity(count);
+    let mut bound = start;
+    for _ in 0..count {
+        buckets.push(bound);
+        bound *= factor;
+    }
+    buckets
+}
+
+/// A Prometheus histogram: observations counted in buckets with inclusive
+/// upper bounds (`le`), plus their sum and count. The implicit `+Inf` bucket
+/// is the count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Histogram {
+    bounds: Vec<f64>,
+    /// Observations per bucket (not cumulative); `counts[i]` is for
+    /// `bounds[i - 1] < v <= bounds[i]`.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// A histogram with these upper bounds. They are sorted, and NaN, infinite
+    /// and duplicate bounds are dropped (`+Inf` is always implied).
+    pub fn new(bounds: impl IntoIterator<Item = f64>) -> Self {
+        let mut bounds: Vec<f64> = bounds.into_iter().filter(|b| b.is_finite()).collect();
+        bounds.sort_by(f64::total_cmp);
+        bounds.dedup();
+        let counts = vec![0; bounds.len()];
+        Histogram { bounds, counts, sum: 0.0, count: 0 }
+    }
+
+    /// Record one observation. NaN is counted only in `+Inf` (and makes the
+    /// sum NaN), as Prometheus clients do.
+    pub fn observe(&mut self, value: f64) {
+        let index = self.bounds.partition_point(|bound| *bound < value);
+        if let Some(slot) = self.counts.get_mut(index) {
+            *slot += 1;
+        }
+        self.sum += value;
+        self.count += 1;
+    }
+
+    /// Record a duration in seconds.
+    pub fn observe_duration(&mut self, duration: Duration) {
+        self.observe(duration.as_secs_f64());
+    }
+
+    /// The finite upper bounds.
+    pub fn bounds(&self) -> &[f64] {
+        &self.bounds
+    }
+
+    /// `(upper bound, observations <= bound)` for every bucket including the
+    /// final `+Inf` one, as exposed on the wire.
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut total = 0;
+        let mut out: Vec<(f64, u64)> = self
+            .bounds
+            .iter()
+            .zip(&self.counts)
+            .map(|(bound, count)| {
+                total += count;
+                (*bound, total)
+            })
+            .collect();
+        out.push((f64::INFINITY, self.count));
+        out
+    }
+
+    /// Sum of all observations.
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Append the family (`HELP`, `TYPE`, `_bucket`, `_sum`, `_count`) to `out`.
+    pub fn render(&self, name: &str, help: &str, out: &mut String) {
+        header(out, name, help, "histogram");
+        for (bound, count) in self.cumulative() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {count}", format_float(bound));
+        }
+        let _ = writeln!(out, "{name}_sum {}", format_float(self.sum));
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+/// Shared, cheaply clonable metric set; every method locks briefly.
+#[derive(Clone, Default)]
+pub struct Metrics {
+    inner: Arc<Mutex<Inner>>,
+}
+
+struct Inner {
+    sync_duration: Histogram,
+    network_programming: Histogram,
+    last_sync_timestamp: f64,
+    last_queued_timestamp: f64,
+    endpoint_changes_pending: u64,
+    endpoint_changes_total: u64,
+    service_changes_pending: u64,
+    service_changes_total: u64,
+    sync_errors_total: u64,
+    /// map name → (entries, capacity)
+    maps: BTreeMap<String, (u64, u64)>,
+    /// reason → packets
+    datapath_packets: BTreeMap<String, u64>,
+    frontends: u64,
+    backends: u64,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Inner {
+            sync_duration: Histogram::new(sync_duration_buckets()),
+            network_programming: Histogram::new(network_programming_buckets()),
+            last_sync_timestamp: 0.0,
+            last_queued_timestamp: 0.0,
+            endpoint_changes_pending: 0,
+            endpoint_changes_total: 0,
+            service_changes_pending: 0,
+            service_changes_total: 0,
+            sync_errors_total: 0,
+            maps: BTreeMap::new(),
+            datapath_packets: BTreeMap::new(),
+            frontends: 0,
+            backends: 0,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the plain counters in a
+        // state worth refusing to report.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A rule sync took `duration` and finished successfully at `finished_at`.
+    pub fn observe_sync(&self, duration: Duration, finished_at: SystemTime) {
+        let mut inner = self.lock();
+        inner.sync_duration.observe_duration(duration);
+        inner.last_sync_timestamp = unix_seconds(finished_at);
+    }
+
+    /// Time from an endpoints change in the API server to the datapath
+    /// carrying it.
+    pub fn observe_network_programming(&self, latency: Duration) {
+        self.lock().network_programming.observe_duration(latency);
+    }
+
+    /// Changes received but not yet applied.
+    pub fn set_changes_pending(&self, endpoints: u64, services: u64) {
+        let mut inner = self.lock();
+        inner.endpoint_changes_pending = endpoints;
+        inner.service_changes_pending = services;
+    }
+
+    /// Count newly received changes.
+    pub fn add_changes(&self, endpoints: u64, services: u64) {
+        let mut inner = self.lock();
+        inner.endpoint_changes_total = inner.endpoint_changes_total.saturating_add(endpoints);
+        inner.service_changes_total = inner.service_changes_total.saturating_add(services);
+    }
+
+    /// A sync was queued at `at`.
+    pub fn set_last_queued(&self, at: SystemTime) {
+        self.lock().last_queued_timestamp = unix_seconds(at);
+    }
+
+    pub fn inc_sync_errors(&self, n: u64) {
+        let mut inner = self.lock();
+        inner.sync_errors_total = inner.sync_errors_total.saturating_add(n);
+    }
+
+    /// Occupancy of one BPF map.
+    pub fn set_map_usage(&self, map: &str, entries: u64, capacity: u64) {
+        self.lock().maps.insert(map.to_owned(), (entries, capacity));
+    }
+
+    /// Datapath packet counters by reason, as absolute totals (summed over
+    /// CPUs). Reasons not mentioned keep their previous value.
+    pub fn set_datapath_counters(&self, counters: &[(&str, u64)]) {
+        let mut inner = self.lock();
+        for (reason, value) in counters {
+            inner.datapath_packets.insert((*reason).to_owned(), *value);
+        }
+    }
+
+    /// Number of service frontends and backends currently programmed.
+    pub fn set_programmed(&self, frontends: u64, backends: u64) {
+        let mut inner = self.lock();
+        inner.frontends = frontends;
+        inner.backends = backends;
+    }
+
+    /// The exposition in Prometheus text format 0.0.4 (see [`CONTENT_TYPE`]).
+    pub fn render(&self) -> String {
+        let inner = self.lock();
+        let mut out = String::with_capacity(8192);
+
+        inner.sync_duration.render(SYNC_DURATION, "SyncProxyRules latency in seconds", &mut out);
+        inner.network_programming.render(
+            NETWORK_PROGRAMMING,
+            "In Cluster Network Programming Latency in seconds",
+            &mut out,
+        );
+        scalar(
+            &mut out,
+            LAST_SYNC_TIMESTAMP,
+            "The last time proxy rules were successfully synced",
+            "gauge",
+            &format_float(inner.last_sync_timestamp),
+        );
+        scalar(
+            &mut out,
+            LAST_QUEUED_TIMESTAMP,
+            "The last time a sync of proxy rules was queued",
+            "gauge",
+            &format_float(inner.last_queued_timestamp),
+        );
+        scalar(
+            &mut out,
+            ENDPOINT_CHANGES_PENDING,
+            "Pending proxy rules Endpoint changes",
+            "gauge",
+            &inner.endpoint_changes_pending.to_string(),
+        );
+        scalar(
+            &mut out,
+            ENDPOINT_CHANGES_TOTAL,
+            "Cumulative proxy rules Endpoint changes",
+            "counter",
+            &inner.endpoint_changes_total.to_string(),
+        );
+        scalar(
+            &mut out,
+            SERVICE_CHANGES_PENDING,
+            "Pending proxy rules Service changes",
+            "gauge",
+            &inner.service_changes_pending.to_string(),
+        );
+        scalar(
+            &mut out,
+            SERVICE_CHANGES_TOTAL,
+            "Cumulative proxy rules Service changes",
+            "counter",
+            &inner.service_changes_total.to_string(),
+        );
+
+        labelled(
+            &mut out,
+            MAP_ENTRIES,
+            "Entries currently in a kproxy BPF map",
+            "gauge",
+            "map",
+            inner.maps.iter().map(|(map, (entries, _))| (map, *entries)),
+        );
+        labelled(
+            &mut out,
+            MAP_CAPACITY,
+            "Maximum entries of a kproxy BPF map",
+            "gauge",
+            "map",
+            inner.maps.iter().map(|(map, (_, capacity))| (map, *capacity)),
+        );
+        labelled(
+            &mut out,
+            DATAPATH_PACKETS,
+            "Packets seen by the kproxy datapath, by outcome",
+            "counter",
+            "reason",
+            inner.datapath_packets.iter().map(|(reason, value)| (reason, *value)),
+        );
+        scalar(
+            &mut out,
+            SYNC_ERRORS,
+            "Failed datapath syncs",
+            "counter",
+            &inner.sync_errors_total.to_string(),
+        );
+        scalar(
+            &mut out,
+            FRONTENDS,
+            "Service frontends programmed in the datapath",
+            "gauge",
+            &inner.frontends.to_string(),
+        );
+        scalar(
+            &mut out,
+            BACKENDS,
+            "Service backends programmed in the datapath",
+            "gauge",
+            &inner.backends.to_string(),
+        );
+        out
+    }
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {}", escape_help(help));
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn scalar(out: &mut String, name: &str, help: &str, kind: &str, value: &str) {
+    header(out, name, help, kind);
+    let _ = writeln!(out, "{name} {value}");
+}
+
+fn labelled<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    kind: &str,
+    label: &str,
+    samples: impl Iterator<Item = (&'a String, u64)>,
+) {
+    header(out, name, help, kind);
+    for (value, sample) in samples {
+        let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {sample}", escape_label_value(value));
+    }
+}
+
+/// Escape a label value for the text format: `\` → `\\`, `"` → `\"`,
+/// newline → `\n`.
+pub fn escape_label_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Escape `HELP` text: `\` → `\\`, newline → `\n`.
+fn escape_help(help: &str) -> String {
+    help.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+/// A sample value or `le` bound: shortest round-trip decimal, with the text
+/// format's spellings of the non-finite values.
+pub fn format_float(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".to_owned()
+    } else if value == f64::INFINITY {
+        "+Inf".to_owned()
+    } else if value == f64::NEG_INFINITY {
+        "-Inf".to_owned()
+    } else {
+        format!("{value}")
+    }
+}
+
+/// Seconds since the Unix epoch (negative before it).
+fn unix_seconds(at: SystemTime) -> f64 {
+    match at.duration_since(UNIX_EPOCH) {
+        Ok(since) => since.as_secs_f64(),
+        Err(before) => -before.duration().as_secs_f64(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (name, labels, value)
+    type Sample = (String, Vec<(String, String)>, String);
+
+    /// One parsed exposition: families in order with HELP/TYPE, and samples.
+    #[derive(Debug, Default)]
+    struct Exposition {
+        help: BTreeMap<String, String>,
+        types: BTreeMap<String, String>,
+        /// (name, labels, value) in order of appearance.
+        samples: Vec<Sample>,
+    }
+
+    impl Exposition {
+        fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<&str> {
+            self.samples
+                .iter()
+                .find(|(n, l, _)| {
+                    n == name
+                        && l.len() == labels.len()
+                        && l.iter().zip(labels).all(|((k, v), (k2, v2))| k == k2 && v == v2)
+                })
+                .map(|(_, _, v)| v.as_str())
+        }
+    }
+
+    /// A strict-enough parser of the text format: every sample must belong to
+    /// a family whose HELP and TYPE were seen before it.
+    fn parse(text: &str) -> Exposition {
+        let mut exp = Exposition::default();
+        assert!(text.ends_with('\n'), "exposition must end with a newline");
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').expect("HELP text");
+                assert!(exp.help.insert(name.into(), help.into()).is_none(), "dup HELP {name}");
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("TYPE kind");
+                assert!(exp.help.contains_key(name), "TYPE before HELP for {name}");
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "bad type {kind}");
+                assert!(exp.types.insert(name.into(), kind.into()).is_none(), "dup TYPE {name}");
+            } else {
+                assert!(!line.starts_with('#') && !line.is_empty(), "bad line {line:?}");
+                let (series, value) = line.rsplit_once(' ').expect("sample value");
+                let (name, labels) = match series.split_once('{') {
+                    None => (series.to_owned(), Vec::new()),
+                    Some((name, rest)) => {
+                        let body = rest.strip_suffix('}').expect("closing brace");
+                        (name.to_owned(), parse_labels(body))
+                    }
+                };
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| {
+                        let base = name.strip_suffix(suffix)?;
+                        (exp.types.get(base).map(String::as_str) == Some("histogram"))
+                            .then(|| base.to_owned())
+                    })
+                    .unwrap_or_else(|| name.clone());
+                assert!(exp.types.contains_key(&family), "sample {name} without TYPE");
+                value
+                    .parse::<f64>()
+                    .or_else(|e| match value {
+                        "+Inf" | "-Inf" | "NaN" => Ok(0.0),
+                        _ => Err(e),
+                    })
+                    .unwrap_or_else(|_| panic!("bad value {value:?}"));
+                exp.samples.push((name, labels, value.to_owned()));
+            }
+        }
+        exp
+    }
+
+    /// `k="v",k2="v2"` with the text format's escapes.
+    fn parse_labels(body: &str) -> Vec<(String, String)> {
+        let mut labels = Vec::new();
+        let mut chars = body.chars().peekable();
+        while chars.peek().is_some() {
+            let key: String = chars.by_ref().take_while(|c| *c != '=').collect();
+            assert_eq!(chars.next(), Some('"'), "label value must be quoted");
+            let mut value = String::new();
+            loop {
+                match chars.next().expect("unterminated label value") {
+                    '"' => break,
+                    '\\' => match chars.next().expect("escape") {
+                        '\\' => value.push('\\'),
+                        '"' => value.push('"'),
+                        'n' => value.push('\n'),
+                        other => panic!("bad escape \\{other}"),
+                    },
+                    c => value.push(c),
+                }
+            }
+            labels.push((key, value));
+            match chars.next() {
+                None => break,
+                Some(',') => {}
+                Some(other) => panic!("unexpected {other:?} after label"),
+            }
+        }
+        labels
+    }
+
+    #[test]
+    fn kube_proxy_bucket_layouts() {
+        let sync = sync_duration_buckets();
+        assert_eq!(sync.len(), 15);
+        assert_eq!(format_float(sync[0]), "0.001");
+        assert_eq!(format_float(sync[3]), "0.008");
+        assert_eq!(format_float(sync[14]), "16.384");
+
+        let np = network_programming_buckets();
+        assert_eq!(np.len(), 2 + 59 + 12 + 7);
+        assert_eq!(&np[..4], &[0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(np[60], 59.0);
+        assert_eq!(&np[61..63], &[60.0, 65.0]);
+        assert_eq!(np[72], 115.0);
+        assert_eq!(&np[73..], &[120.0, 150.0, 180.0, 210.0, 240.0, 270.0, 300.0]);
+        assert!(np.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn histogram_bucket_math() {
+        let mut h = Histogram::new([5.0, 1.0, 2.0, 2.0, f64::INFINITY, f64::NAN]);
+        assert_eq!(h.bounds(), &[1.0, 2.0, 5.0]);
+        for v in [0.5, 1.0, 1.5, 2.0, 4.0, 5.0, 7.0, 100.0] {
+            h.observe(v);
+        }
+        assert_eq!(h.cumulative(), vec![(1.0, 2), (2.0, 4), (5.0, 6), (f64::INFINITY, 8)]);
+        assert_eq!(h.count(), 8);
+        assert_eq!(h.sum(), 121.0);
+
+        h.observe_duration(Duration::from_millis(1500));
+        assert_eq!(h.cumulative()[1], (2.0, 5));
+        assert_eq!(h.sum(), 122.5);
+
+        let empty = Histogram::new(Vec::new());
+        assert_eq!(empty.cumulative(), vec![(f64::INFINITY, 0)]);
+    }
+
+    #[test]
+    fn histogram_renders_cumulative_buckets() {
+        let mut h = Histogram::new([0.1, 1.0]);
+        h.observe(0.05);
+        h.observe(0.5);
+        h.observe(3.0);
+        let mut out = String::new();
+        h.render("x_seconds", "Some \\ help\nmore", &mut out);
+        assert_eq!(
+            out,
+            "# HELP x_seconds Some \\\\ help\\nmore\n\
+             # TYPE x_seconds histogram\n\
+             x_seconds_bucket{le=\"0.1\"} 1\n\
+             x_seconds_bucket{le=\"1\"} 2\n\
+             x_seconds_bucket{le=\"+Inf\"} 3\n\
+             x_seconds_sum 3.55\n\
+             x_seconds_count 3\n"
+        );
+    }
+
+    #[test]
+    fn label_and_float_formatting() {
+        assert_eq!(escape_label_value(r#"a"b\c"#), r#"a\"b\\c"#);
+        assert_eq!(escape_label_value("x\ny"), "x\\ny");
+        assert_eq!(format_float(1.0), "1");
+        assert_eq!(format_float(0.25), "0.25");
+        assert_eq!(format_float(f64::INFINITY), "+Inf");
+        assert_eq!(format_float(f64::NEG_INFINITY), "-Inf");
+        assert_eq!(format_float(f64::NAN), "NaN");
+    }
+
+    #[test]
+    fn empty_metrics_render_every_family() {
+        let exp = parse(&Metrics::new().render());
+        for (name, kind) in [
+            (SYNC_DURATION, "histogram"),
+            (NETWORK_PROGRAMMING, "histogram"),
+            (LAST_SYNC_TIMESTAMP, "gauge"),
+            (LAST_QUEUED_TIMESTAMP, "gauge"),
+            (ENDPOINT_CHANGES_PENDING, "gauge"),
+            (ENDPOINT_CHANGES_TOTAL, "counter"),
+            (SERVICE_CHANGES_PENDING, "gauge"),
+            (SERVICE_CHANGES_TOTAL, "counter"),
+            (MAP_ENTRIES, "gauge"),
+            (MAP_CAPACITY, "gauge"),
+            (DATAPATH_PACKETS, "counter"),
+            (SYNC_ERRORS, "counter"),
+            (FRONTENDS, "gauge"),
+            (BACKENDS, "gauge"),
+        ] {
+            assert_eq!(exp.types.get(name).map(String::as_str), Some(kind), "{name}");
+        }
+        let sync_buckets =
+            exp.samples.iter().filter(|(n, _, _)| n == &format!("{SYNC_DURATION}_bucket")).count();
+        assert_eq!(sync_buckets, 16);
+        let np_buckets =
+            exp.samples.iter().filter(|(n, _, _)| n == &format!("{NETWORK_PROGRAMMING}_bucket")).count();
+        assert_eq!(np_buckets, 81);
+        assert_eq!(exp.value(&format!("{SYNC_DURATION}_count"), &[]), Some("0"));
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &[]), Some("0"));
+    }
+
+    #[test]
+    fn rendered_text_reflects_updates() {
+        let m = Metrics::new();
+        let finished = UNIX_EPOCH + Duration::from_millis(1_700_000_000_500);
+        m.observe_sync(Duration::from_millis(3), finished);
+        m.observe_sync(Duration::from_millis(20), finished);
+        m.observe_sync(Duration::from_secs(60), finished);
+        m.observe_network_programming(Duration::from_millis(700));
+        m.observe_network_programming(Duration::from_secs(400));
+        m.set_changes_pending(4, 1);
+        m.add_changes(3, 2);
+        m.add_changes(2, 0);
+        m.set_last_queued(UNIX_EPOCH + Duration::from_secs(1_700_000_100));
+        m.inc_sync_errors(1);
+        m.inc_sync_errors(2);
+        m.set_map_usage("services", 10, 65536);
+        m.set_map_usage("odd\"name\\x", 1, 2);
+        m.set_map_usage("services", 12, 65536);
+        m.set_datapath_counters(&[("forwarded", 100), ("no_backend", 3)]);
+        m.set_datapath_counters(&[("forwarded", 150)]);
+        m.set_programmed(7, 21);
+
+        let text = m.render();
+        let exp = parse(&text);
+
+        // Sync duration: 3 ms lands in le=0.004, 20 ms in le=0.032, 60 s only in +Inf.
+        let bucket = |name: &str, le: &str| exp.value(&format!("{name}_bucket"), &[("le", le)]);
+        assert_eq!(bucket(SYNC_DURATION, "0.002"), Some("0"));
+        assert_eq!(bucket(SYNC_DURATION, "0.004"), Some("1"));
+        assert_eq!(bucket(SYNC_DURATION, "0.016"), Some("1"));
+        assert_eq!(bucket(SYNC_DURATION, "0.032"), Some("2"));
+        assert_eq!(bucket(SYNC_DURATION, "16.384"), Some("2"));
+        assert_eq!(bucket(SYNC_DURATION, "+Inf"), Some("3"));
+        assert_eq!(exp.value(&format!("{SYNC_DURATION}_count"), &[]), Some("3"));
+        let sum: f64 = exp.value(&format!("{SYNC_DURATION}_sum"), &[]).unwrap().parse().unwrap();
+        assert!((sum - 60.023).abs() < 1e-9, "{sum}");
+
+        assert_eq!(bucket(NETWORK_PROGRAMMING, "0.5"), Some("0"));
+        assert_eq!(bucket(NETWORK_PROGRAMMING, "1"), Some("1"));
+        assert_eq!(bucket(NETWORK_PROGRAMMING, "300"), Some("1"));
+        assert_eq!(bucket(NETWORK_PROGRAMMING, "+Inf"), Some("2"));
+
+        // Buckets are cumulative (non-decreasing) and end with +Inf == count.
+        for name in [SYNC_DURATION, NETWORK_PROGRAMMING] {
+            let series: Vec<_> =
+                exp.samples.iter().filter(|(n, _, _)| n == &format!("{name}_bucket")).collect();
+            let counts: Vec<u64> = series.iter().map(|(_, _, v)| v.parse().unwrap()).collect();
+            assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{name}");
+            assert_eq!(series.last().unwrap().1, vec![("le".into(), "+Inf".into())]);
+        }
+
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &[]), Some("1700000000.5"));
+        assert_eq!(exp.value(LAST_QUEUED_TIMESTAMP, &[]), Some("1700000100"));
+        assert_eq!(exp.value(ENDPOINT_CHANGES_PENDING, &[]), Some("4"));
+        assert_eq!(exp.value(SERVICE_CHANGES_PENDING, &[]), Some("1"));
+        assert_eq!(exp.value(ENDPOINT_CHANGES_TOTAL, &[]), Some("5"));
+        assert_eq!(exp.value(SERVICE_CHANGES_TOTAL, &[]), Some("2"));
+        assert_eq!(exp.value(SYNC_ERRORS, &[]), Some("3"));
+        assert_eq!(exp.value(MAP_ENTRIES, &[("map", "services")]), Some("12"));
+        assert_eq!(exp.value(MAP_CAPACITY, &[("map", "services")]), Some("65536"));
+        assert_eq!(exp.value(MAP_ENTRIES, &[("map", "odd\"name\\x")]), Some("1"));
+        assert!(text.contains(r#"kproxy_bpf_map_capacity{map="odd\"name\\x"} 2"#));
+        assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "forwarded")]), Some("150"));
+        assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "no_backend")]), Some("3"));
+        assert_eq!(exp.value(FRONTENDS, &[]), Some("7"));
+        assert_eq!(exp.value(BACKENDS, &[]), Some("21"));
+    }
+}
