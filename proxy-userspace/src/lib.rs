@@ -1,6 +1,7 @@
 //! The `kproxy` agent and operator commands.
 
 pub mod agent;
+pub mod cleanup;
 pub mod datapath;
 pub mod dump;
 pub mod health;

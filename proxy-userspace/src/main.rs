@@ -43,6 +43,14 @@ enum Command {
     /// Keep the datapath equal to the cluster's Services and EndpointSlices (from
     /// the API server, or from --manifests on disk) until SIGTERM or Ctrl-C.
     Agent(Box<AgentArgs>),
+    /// Remove kube-proxy's iptables and nftables rules (KUBE-SERVICES and
+    /// friends) after migrating to kproxy. Prints what it would remove unless
+    /// --apply is given.
+    CleanupKubeProxy {
+        /// Remove the rules instead of only listing them.
+        #[arg(long)]
+        apply: bool,
+    },
     /// Print a map.
     Dump {
         #[arg(value_enum)]
@@ -178,6 +186,9 @@ fn run(cli: Cli) -> Result<()> {
                 },
             };
             agent::run(config)?;
+        }
+        Command::CleanupKubeProxy { apply } => {
+            print!("{}", kproxy::cleanup::run(apply)?);
         }
         Command::Dump { what, json } => {
             let maps = Maps::from_pins(&pins)?;
