@@ -107,13 +107,47 @@ impl PinDir {
     }
 }
 
+/// Map sizes, fixed when the datapath is loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    /// Entries of the services map: one per frontend plus one per backend slot.
+    pub services: u32,
+    pub backends: u32,
+    /// Frontends (rev-NAT ids; also the names map).
+    pub rev_nat: u32,
+    /// Conntrack entries (two per translated flow); LRU evicts beyond it.
+    pub conntrack: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self {
+            services: SERVICES_V4_CAPACITY,
+            backends: BACKENDS_V4_CAPACITY,
+            rev_nat: REV_NAT_V4_CAPACITY,
+            conntrack: CONNTRACK_V4_CAPACITY,
+        }
+    }
+}
+
 /// Loads the embedded object without pinning anything: for BPF_PROG_TEST_RUN
 /// tests and benchmarks, which must not touch a running datapath.
 pub fn load_unpinned() -> Result<Ebpf> {
+    load_unpinned_with(&Capacities::default())
+}
+
+pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kproxy was built with AYA_BUILD_SKIP: it carries no eBPF programs");
     }
-    let mut ebpf = EbpfLoader::new().load(EBPF_OBJECT).context("loading the eBPF object")?;
+    let mut ebpf = EbpfLoader::new()
+        .map_max_entries(MAP_SERVICES_V4, capacities.services)
+        .map_max_entries(MAP_BACKENDS_V4, capacities.backends)
+        .map_max_entries(MAP_REV_NAT_V4, capacities.rev_nat)
+        .map_max_entries(MAP_FRONTEND_NAMES_V4, capacities.rev_nat)
+        .map_max_entries(MAP_CONNTRACK_V4, capacities.conntrack)
+        .load(EBPF_OBJECT)
+        .context("loading the eBPF object")?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier = ebpf
             .program_mut(hook.program())
@@ -153,6 +187,11 @@ pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
 /// Loads and pins programs and maps unless they are pinned already.
 /// Returns true when it loaded them now.
 pub fn load(pins: &PinDir) -> Result<bool> {
+    load_with(pins, &Capacities::default())
+}
+
+/// [`load`] with map sizes; pinned maps keep the sizes they were created with.
+pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
     ensure_bpffs(pins)?;
     if pins.is_loaded() {
         return Ok(false);
@@ -161,7 +200,7 @@ pub fn load(pins: &PinDir) -> Result<bool> {
         fs::create_dir_all(pins.root().join(dir))
             .with_context(|| format!("creating {}", pins.root().join(dir).display()))?;
     }
-    let mut ebpf = load_unpinned()?;
+    let mut ebpf = load_unpinned_with(capacities)?;
     for name in ALL_MAPS {
         let map = ebpf.map(name).ok_or_else(|| anyhow!("map {name} missing from the object"))?;
         let path = pins.map(name);

@@ -181,12 +181,14 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
 
 /// `(map, entries, capacity)` for every map with a fixed capacity.
 pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
-    use proxy_common::maps::*;
+    fn capacity<K: aya::Pod, V, M: aya::maps::IterableMap<K, V>>(map: &M) -> u64 {
+        map.map().info().map_or(0, |info| u64::from(info.max_entries()))
+    }
     vec![
-        ("services_v4", maps.services.keys().count() as u64, u64::from(SERVICES_V4_CAPACITY)),
-        ("backends_v4", maps.backends.keys().count() as u64, u64::from(BACKENDS_V4_CAPACITY)),
-        ("rev_nat_v4", maps.rev_nat.keys().count() as u64, u64::from(REV_NAT_V4_CAPACITY)),
-        ("conntrack_v4", maps.conntrack.keys().count() as u64, u64::from(CONNTRACK_V4_CAPACITY)),
+        ("services_v4", maps.services.keys().count() as u64, capacity(&maps.services)),
+        ("backends_v4", maps.backends.keys().count() as u64, capacity(&maps.backends)),
+        ("rev_nat_v4", maps.rev_nat.keys().count() as u64, capacity(&maps.rev_nat)),
+        ("conntrack_v4", maps.conntrack.keys().count() as u64, capacity(&maps.conntrack)),
     ]
 }
 
