@@ -4,6 +4,62 @@
 use crate::maps::{CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP};
 use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
+/// How long an entry may stay idle in each state, in nanoseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    pub tcp_syn_ns: u64,
+    pub tcp_established_ns: u64,
+    pub tcp_closing_ns: u64,
+    pub udp_ns: u64,
+}
+
+const SECOND: u64 = 1_000_000_000;
+
+impl Timeouts {
+    /// Cilium's and Calico's ranges: SYN 60 s, established 6 h, closing 10 s,
+    /// UDP and other 60 s.
+    pub const DEFAULT: Timeouts = Timeouts {
+        tcp_syn_ns: 60 * SECOND,
+        tcp_established_ns: 6 * 3600 * SECOND,
+        tcp_closing_ns: 10 * SECOND,
+        udp_ns: 60 * SECOND,
+    };
+
+    /// The timeouts in `config`, where zero means the default.
+    pub const fn from_config(config: &crate::maps::ConfigV4) -> Timeouts {
+        const fn or(value: u64, default: u64) -> u64 {
+            if value == 0 { default } else { value }
+        }
+        let d = Self::DEFAULT;
+        Timeouts {
+            tcp_syn_ns: or(config.timeout_tcp_syn_ns, d.tcp_syn_ns),
+            tcp_established_ns: or(config.timeout_tcp_established_ns, d.tcp_established_ns),
+            tcp_closing_ns: or(config.timeout_tcp_closing_ns, d.tcp_closing_ns),
+            udp_ns: or(config.timeout_udp_ns, d.udp_ns),
+        }
+    }
+
+    /// The idle timeout of an entry in `state`.
+    pub const fn for_state(&self, state: CtState) -> u64 {
+        match state {
+            CtState::SynSent | CtState::SynReceived => self.tcp_syn_ns,
+            CtState::Established => self.tcp_established_ns,
+            CtState::Closing | CtState::Closed => self.tcp_closing_ns,
+            CtState::Open => self.udp_ns,
+        }
+    }
+
+    /// Whether an entry last seen at `last_seen_ns` in raw `state` is dead at
+    /// `now_ns`. Unknown states expire like the shortest timeout.
+    pub const fn expired(&self, state: u8, last_seen_ns: u64, now_ns: u64) -> bool {
+        let timeout = match CtState::from_u8(state) {
+            Some(s) => self.for_state(s),
+            None => self.tcp_closing_ns,
+        };
+        now_ns.saturating_sub(last_seen_ns) > timeout
+    }
+}
+
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CtState {
@@ -141,6 +197,23 @@ mod tests {
         let s = CtState::initial(IPPROTO_TCP, TCP_ACK);
         assert_eq!(s, CtState::Open);
         assert_eq!(s.next(IPPROTO_TCP, TCP_ACK, REP), CtState::Established);
+    }
+
+    #[test]
+    fn timeouts_per_state_and_config_overrides() {
+        let t = Timeouts::DEFAULT;
+        assert_eq!(t.for_state(CtState::SynSent), 60 * SECOND);
+        assert_eq!(t.for_state(CtState::Established), 6 * 3600 * SECOND);
+        assert_eq!(t.for_state(CtState::Closing), 10 * SECOND);
+        assert_eq!(t.for_state(CtState::Open), 60 * SECOND);
+        assert!(!t.expired(CtState::Open as u8, 100, 100 + 60 * SECOND));
+        assert!(t.expired(CtState::Open as u8, 100, 101 + 60 * SECOND));
+        assert!(t.expired(0, 0, 11 * SECOND), "an unknown state expires like closing");
+        assert!(!t.expired(CtState::Established as u8, 500, 400), "a clock behind last_seen is not expiry");
+        let config = crate::maps::ConfigV4 { timeout_udp_ns: SECOND, ..Default::default() };
+        let custom = Timeouts::from_config(&config);
+        assert_eq!(custom.udp_ns, SECOND);
+        assert_eq!(custom.tcp_established_ns, t.tcp_established_ns);
     }
 
     #[test]

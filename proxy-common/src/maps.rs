@@ -8,6 +8,9 @@ pub const MAP_REV_NAT_V4: &str = "REV_NAT_V4";
 pub const MAP_CONNTRACK_V4: &str = "CONNTRACK_V4";
 pub const MAP_STATS: &str = "STATS";
 pub const MAP_FRONTEND_NAMES_V4: &str = "FRONTEND_NAMES_V4";
+pub const MAP_CONFIG: &str = "CONFIG";
+pub const MAP_AFFINITY_V4: &str = "AFFINITY_V4";
+pub const MAP_VIPS_V4: &str = "VIPS_V4";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
@@ -17,6 +20,8 @@ pub const SERVICES_V4_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V4_CAPACITY: u32 = 65_536;
 pub const REV_NAT_V4_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_V4_CAPACITY: u32 = 262_144;
+pub const AFFINITY_V4_CAPACITY: u32 = 65_536;
+pub const VIPS_V4_CAPACITY: u32 = 65_536;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -147,6 +152,56 @@ pub struct CtEntryV4 {
     pub _pad: u8,
 }
 
+/// Conntrack entry flags.
+/// The client reached itself through its Service: its source was rewritten
+/// to [`ConfigV4::hairpin_addr`] so the reply comes back through the node.
+pub const CT_FLAG_HAIRPIN: u8 = 1;
+
+/// The one entry of the CONFIG array: what the agent tells the datapath.
+/// Timeouts are in nanoseconds of `bpf_ktime_get_ns`; zero means the built-in
+/// default of [`crate::conntrack::Timeouts`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ConfigV4 {
+    pub timeout_tcp_syn_ns: u64,
+    pub timeout_tcp_established_ns: u64,
+    pub timeout_tcp_closing_ns: u64,
+    pub timeout_udp_ns: u64,
+    /// Source address for hairpin flows (a pod reaching itself via its
+    /// Service); link-local, never routed.
+    pub hairpin_addr: [u8; 4],
+    pub _pad: u32,
+}
+
+/// The default hairpin source, as Cilium's IPV4_LOOPBACK.
+pub const DEFAULT_HAIRPIN_ADDR: [u8; 4] = [169, 254, 42, 1];
+
+/// sessionAffinity: ClientIP — `(client, frontend)` → the backend it sticks to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct AffinityKeyV4 {
+    pub client: [u8; 4],
+    pub rev_nat_id: u16,
+    pub _pad: [u8; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AffinityValueV4 {
+    /// When a new connection last used this entry.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+
+/// `vip` → number of frontends on it: a packet to a known VIP on a port the
+/// Service does not have is refused, like one to a Service without endpoints.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct VipV4 {
+    pub frontends: u32,
+}
+
 /// `rev_nat_id` → "namespace/name:port", written by the agent so that dumps
 /// name Services without asking it. The datapath never reads it.
 #[repr(C)]
@@ -189,6 +244,10 @@ mod pod {
     unsafe impl aya::Pod for CtKeyV4 {}
     unsafe impl aya::Pod for CtEntryV4 {}
     unsafe impl aya::Pod for FrontendNameV4 {}
+    unsafe impl aya::Pod for ConfigV4 {}
+    unsafe impl aya::Pod for AffinityKeyV4 {}
+    unsafe impl aya::Pod for AffinityValueV4 {}
+    unsafe impl aya::Pod for VipV4 {}
 }
 
 #[cfg(test)]
@@ -207,6 +266,10 @@ mod tests {
         assert_eq!(size_of::<CtKeyV4>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
         assert_eq!(size_of::<CtEntryV4>(), 8 * 4 + 4 + 4 + 2 + 2 + 1 + 1 + 1 + 1);
         assert_eq!(align_of::<CtEntryV4>(), 8);
+        assert_eq!(size_of::<ConfigV4>(), 8 * 4 + 4 + 4);
+        assert_eq!(size_of::<AffinityKeyV4>(), 4 + 2 + 2);
+        assert_eq!(size_of::<AffinityValueV4>(), 8 + 4 + 4);
+        assert_eq!(size_of::<VipV4>(), 4);
     }
 
     #[test]

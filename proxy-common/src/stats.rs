@@ -29,10 +29,24 @@ pub enum Stat {
     ConntrackInsertFailed,
     /// A checksum or store helper failed; the packet was dropped.
     RewriteFailed,
+    /// TCP to a VIP without endpoints (or on a port it does not have): RST sent.
+    RejectTcp,
+    /// UDP to a VIP without endpoints (or port): ICMP port unreachable sent.
+    RejectUdp,
+    /// TCP that is not a SYN, to a VIP, with no conntrack entry: dropped.
+    DropInvalidTcp,
+    /// A flow whose backend is gone was sent to another backend.
+    Rebalanced,
+    /// An expired conntrack entry was replaced by a new flow.
+    ConntrackExpired,
+    /// A new flow followed sessionAffinity to its client's backend.
+    AffinityHit,
+    /// A pod reached itself through its Service (source rewritten).
+    Hairpin,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 20;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -48,6 +62,13 @@ impl Stat {
         Stat::SlotMiss,
         Stat::ConntrackInsertFailed,
         Stat::RewriteFailed,
+        Stat::RejectTcp,
+        Stat::RejectUdp,
+        Stat::DropInvalidTcp,
+        Stat::Rebalanced,
+        Stat::ConntrackExpired,
+        Stat::AffinityHit,
+        Stat::Hairpin,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -65,6 +86,13 @@ impl Stat {
             Stat::SlotMiss => "slot_miss",
             Stat::ConntrackInsertFailed => "conntrack_insert_failed",
             Stat::RewriteFailed => "rewrite_failed",
+            Stat::RejectTcp => "reject_tcp_rst",
+            Stat::RejectUdp => "reject_udp_icmp",
+            Stat::DropInvalidTcp => "drop_invalid_tcp",
+            Stat::Rebalanced => "rebalanced_backend_gone",
+            Stat::ConntrackExpired => "conntrack_expired",
+            Stat::AffinityHit => "affinity_hit",
+            Stat::Hairpin => "hairpin",
         }
     }
 }

@@ -1,6 +1,6 @@
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{maps::*, stats::Stat};
 
@@ -26,3 +26,14 @@ pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 
 #[map(name = "FRONTEND_NAMES_V4")]
 pub static FRONTEND_NAMES_V4: HashMap<u16, FrontendNameV4> =
     HashMap::with_max_entries(REV_NAT_V4_CAPACITY, 0);
+
+/// Written by the agent: timeouts and the hairpin address.
+#[map(name = "CONFIG")]
+pub static CONFIG: Array<ConfigV4> = Array::with_max_entries(1, 0);
+
+#[map(name = "AFFINITY_V4")]
+pub static AFFINITY_V4: LruHashMap<AffinityKeyV4, AffinityValueV4> =
+    LruHashMap::with_max_entries(AFFINITY_V4_CAPACITY, 0);
+
+#[map(name = "VIPS_V4")]
+pub static VIPS_V4: HashMap<[u8; 4], VipV4> = HashMap::with_max_entries(VIPS_V4_CAPACITY, 0);

@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray},
     programs::{
         SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -30,8 +30,17 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 6] =
-    [MAP_SERVICES_V4, MAP_BACKENDS_V4, MAP_REV_NAT_V4, MAP_CONNTRACK_V4, MAP_STATS, MAP_FRONTEND_NAMES_V4];
+const ALL_MAPS: [&str; 9] = [
+    MAP_SERVICES_V4,
+    MAP_BACKENDS_V4,
+    MAP_REV_NAT_V4,
+    MAP_CONNTRACK_V4,
+    MAP_STATS,
+    MAP_FRONTEND_NAMES_V4,
+    MAP_CONFIG,
+    MAP_AFFINITY_V4,
+    MAP_VIPS_V4,
+];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hook {
@@ -117,6 +126,8 @@ pub struct Capacities {
     pub rev_nat: u32,
     /// Conntrack entries (two per translated flow); LRU evicts beyond it.
     pub conntrack: u32,
+    /// sessionAffinity entries (client × frontend); LRU.
+    pub affinity: u32,
 }
 
 impl Default for Capacities {
@@ -126,6 +137,7 @@ impl Default for Capacities {
             backends: BACKENDS_V4_CAPACITY,
             rev_nat: REV_NAT_V4_CAPACITY,
             conntrack: CONNTRACK_V4_CAPACITY,
+            affinity: AFFINITY_V4_CAPACITY,
         }
     }
 }
@@ -146,6 +158,8 @@ pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
         .map_max_entries(MAP_REV_NAT_V4, capacities.rev_nat)
         .map_max_entries(MAP_FRONTEND_NAMES_V4, capacities.rev_nat)
         .map_max_entries(MAP_CONNTRACK_V4, capacities.conntrack)
+        .map_max_entries(MAP_AFFINITY_V4, capacities.affinity)
+        .map_max_entries(MAP_VIPS_V4, capacities.rev_nat)
         .load(EBPF_OBJECT)
         .context("loading the eBPF object")?;
     for hook in Hook::ALL {
@@ -385,6 +399,9 @@ pub struct Maps {
     pub names: HashMap<MapData, u16, FrontendNameV4>,
     pub conntrack: HashMap<MapData, CtKeyV4, CtEntryV4>,
     pub stats: PerCpuArray<MapData, u64>,
+    pub config: Array<MapData, ConfigV4>,
+    pub affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4>,
+    pub vips: HashMap<MapData, [u8; 4], VipV4>,
 }
 
 impl Maps {
@@ -401,6 +418,9 @@ impl Maps {
             names: HashMap::try_from(Map::HashMap(open(MAP_FRONTEND_NAMES_V4)?))?,
             conntrack: HashMap::try_from(Map::LruHashMap(open(MAP_CONNTRACK_V4)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open(MAP_STATS)?))?,
+            config: Array::try_from(Map::Array(open(MAP_CONFIG)?))?,
+            affinity: HashMap::try_from(Map::LruHashMap(open(MAP_AFFINITY_V4)?))?,
+            vips: HashMap::try_from(Map::HashMap(open(MAP_VIPS_V4)?))?,
         })
     }
 
@@ -414,6 +434,9 @@ impl Maps {
             names: HashMap::try_from(take(MAP_FRONTEND_NAMES_V4)?)?,
             conntrack: HashMap::try_from(take(MAP_CONNTRACK_V4)?)?,
             stats: PerCpuArray::try_from(take(MAP_STATS)?)?,
+            config: Array::try_from(take(MAP_CONFIG)?)?,
+            affinity: HashMap::try_from(take(MAP_AFFINITY_V4)?)?,
+            vips: HashMap::try_from(take(MAP_VIPS_V4)?)?,
         })
     }
 }

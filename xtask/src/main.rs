@@ -1,4 +1,5 @@
 //! Developer commands, run as `cargo xtask <command>` (alias in .cargo/config.toml).
+mod bench;
 mod demo;
 mod setup;
 
@@ -34,6 +35,9 @@ enum Cmd {
     },
     /// Setup, build release, then run the ClusterIP demo in a network-namespace sandbox.
     Demo,
+    /// Setup, build release, then measure the datapath, end-to-end rates and the control plane
+    /// beside their baselines; writes docs/bench/ (README.md, PNG charts).
+    Bench(bench::Args),
     /// Build release, then `kproxy load ARGS...`.
     Load {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -204,6 +208,7 @@ fn main() -> ExitCode {
             let bin = build_kproxy(&root, true)?;
             demo::run(&bin, &root.join("examples"))
         }),
+        Cmd::Bench(args) => bench::run(&root, &args),
         Cmd::Load { args } => run_kproxy(&root, "load", &args),
         Cmd::Unload { args } => run_kproxy(&root, "unload", &args),
         Cmd::Dump { args } => run_kproxy(&root, "dump", &args),
