@@ -7,6 +7,7 @@ pub mod checksum;
 pub mod conntrack;
 pub mod maps;
 pub mod packet;
+pub mod reject;
 pub mod slots;
 pub mod stats;
 

@@ -1,11 +1,11 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     conntrack::CtState,
-    maps::{BackendV4, CT_DIR_REPLY, CtEntryV4, CtKeyV4},
+    maps::{CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtEntryV4, CtKeyV4},
     stats::Stat,
 };
 
-use crate::{Verdict, maps::CONNTRACK_V4, parse::Flow};
+use crate::{Verdict, config::Config, lb::Choice, maps::CONNTRACK_V4, parse::Flow};
 
 #[inline(always)]
 pub fn now() -> u64 {
@@ -16,6 +16,39 @@ pub fn now() -> u64 {
 #[inline(always)]
 pub fn lookup(key: &CtKeyV4) -> Option<*mut CtEntryV4> {
     CONNTRACK_V4.get_ptr_mut(key)
+}
+
+/// The key of the reply entry of a forward entry.
+#[inline(always)]
+fn reply_key(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) -> CtKeyV4 {
+    let mut key = forward_key.reply_of(forward.nat_addr, forward.nat_port);
+    if forward.flags & CT_FLAG_HAIRPIN != 0 {
+        key.daddr = *hairpin_addr;
+    }
+    key
+}
+
+/// Whether a flow has been idle past its state's timeout. Only when the
+/// forward direction looks idle is the reply direction consulted: a flow
+/// where only the server talks is alive.
+#[inline(always)]
+pub fn expired(forward_key: &CtKeyV4, forward: &CtEntryV4, config: &Config, now: u64) -> bool {
+    let timeouts = &config.timeouts;
+    if !timeouts.expired(forward.state, forward.last_seen_ns, now) {
+        return false;
+    }
+    match lookup(&reply_key(forward_key, forward, &config.hairpin_addr)) {
+        // SAFETY: a valid map value for this program run.
+        Some(reply) => timeouts.expired(forward.state, unsafe { (*reply).last_seen_ns }, now),
+        None => true,
+    }
+}
+
+/// Deletes a flow's two entries (so a new flow can take the tuple).
+#[inline(always)]
+pub fn remove_pair(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) {
+    let _ = CONNTRACK_V4.remove(reply_key(forward_key, forward, hairpin_addr));
+    let _ = CONNTRACK_V4.remove(*forward_key);
 }
 
 /// Records one more packet of the flow and advances its state.
@@ -39,34 +72,41 @@ pub unsafe fn touch(entry: *mut CtEntryV4, flow: &Flow, direction: u8, now: u64)
 }
 
 /// Creates the reply entry, then the forward entry, so that no reply can
-/// arrive for a flow whose un-NAT is not yet known.
+/// arrive for a flow whose un-NAT is not yet known. A hairpin flow's reply
+/// comes back addressed to `hairpin`.
 #[inline(always)]
 pub fn create(
     flow: &Flow,
     forward_key: &CtKeyV4,
-    backend_id: u32,
-    backend: &BackendV4,
+    choice: &Choice,
     rev_nat_id: u16,
     now: u64,
+    hairpin: Option<[u8; 4]>,
 ) -> Result<(), Verdict> {
     let state = CtState::initial(flow.proto, flow.tcp_flags) as u8;
-    let reply_key = forward_key.reply_of(backend.addr, backend.port);
+    let mut reply_key = forward_key.reply_of(choice.backend.addr, choice.backend.port);
+    let mut flags = 0;
+    if let Some(addr) = hairpin {
+        reply_key.daddr = addr;
+        flags = CT_FLAG_HAIRPIN;
+    }
     let reply = CtEntryV4 {
         created_ns: now,
         last_seen_ns: now,
-        backend_id,
+        backend_id: choice.backend_id,
         nat_addr: flow.daddr,
         nat_port: flow.dport,
         rev_nat_id,
         state,
+        flags,
         ..Default::default()
     };
     CONNTRACK_V4.insert(reply_key, reply, 0).map_err(|_| Verdict::Pass(Stat::ConntrackInsertFailed))?;
     let forward = CtEntryV4 {
         packets: 1,
         bytes: u64::from(flow.ip_total_len),
-        nat_addr: backend.addr,
-        nat_port: backend.port,
+        nat_addr: choice.backend.addr,
+        nat_port: choice.backend.port,
         tcp_flags_seen: flow.tcp_flags,
         ..reply
     };

@@ -1,11 +1,19 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    maps::{BackendV4, SCOPE_CLUSTER_IP, ServiceKeyV4, ServiceValueV4},
+    maps::{
+        AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CtEntryV4, SCOPE_CLUSTER_IP,
+        SVC_FLAG_AFFINITY, ServiceKeyV4, ServiceValueV4,
+    },
     slots::select_slot,
     stats::Stat,
 };
 
-use crate::{Verdict, maps::BACKENDS_V4, maps::SERVICES_V4, parse::Flow};
+use crate::{
+    Verdict,
+    maps::{AFFINITY_V4, BACKENDS_V4, SERVICES_V4, VIPS_V4},
+    parse::Flow,
+    stats,
+};
 
 #[inline(always)]
 pub fn lookup_frontend(flow: &Flow) -> Option<&'static ServiceValueV4> {
@@ -15,9 +23,49 @@ pub fn lookup_frontend(flow: &Flow) -> Option<&'static ServiceValueV4> {
     unsafe { SERVICES_V4.get(key) }
 }
 
-/// Picks one of the frontend's active backends with equal probability.
+/// Whether `addr` is a Service's cluster IP (on any port).
 #[inline(always)]
-pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4) -> Result<(u32, BackendV4), Verdict> {
+pub fn is_vip(addr: &[u8; 4]) -> bool {
+    VIPS_V4.get_ptr(addr).is_some()
+}
+
+/// Whether the backend a conntrack entry points at still exists with the
+/// address the flow was sent to (ids may be reused after a removal).
+#[inline(always)]
+pub fn backend_is_current(entry: &CtEntryV4) -> bool {
+    // SAFETY: as in `lookup_frontend`.
+    match unsafe { BACKENDS_V4.get(entry.backend_id) } {
+        Some(b) => b.addr == entry.nat_addr && b.port == entry.nat_port,
+        None => false,
+    }
+}
+
+pub struct Choice {
+    pub backend_id: u32,
+    pub backend: BackendV4,
+}
+
+/// The backend for a new flow: the client's sticky one while its affinity
+/// entry is fresh, otherwise one of the active backends with equal probability.
+#[inline(always)]
+pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4, now: u64) -> Result<Choice, Verdict> {
+    let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
+    let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.rev_nat_id, _pad: [0; 2] };
+    if affinity && let Some(sticky) = AFFINITY_V4.get_ptr_mut(affinity_key) {
+        // SAFETY: as in `lookup_frontend`; the value is ours to update.
+        unsafe {
+            let timeout_ns = u64::from(frontend.affinity_timeout_s) * 1_000_000_000;
+            if now.saturating_sub((*sticky).last_used_ns) <= timeout_ns
+                && let Some(backend) = BACKENDS_V4.get((*sticky).backend_id)
+                && backend.flags & BACKEND_FLAG_TERMINATING == 0
+            {
+                (*sticky).last_used_ns = now;
+                stats::count(Stat::AffinityHit);
+                return Ok(Choice { backend_id: (*sticky).backend_id, backend: *backend });
+            }
+        }
+    }
+
     // SAFETY: a helper without side effects.
     let random = unsafe { bpf_get_prandom_u32() };
     let slot = select_slot(random, frontend.count).ok_or(Verdict::Pass(Stat::NoBackend))?;
@@ -27,5 +75,10 @@ pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4) -> Result<(u32, Ba
         unsafe { SERVICES_V4.get(key) }.map(|v| v.backend_id).ok_or(Verdict::Pass(Stat::SlotMiss))?;
     // SAFETY: as above; the value is copied out.
     let backend = unsafe { BACKENDS_V4.get(backend_id) }.copied().ok_or(Verdict::Pass(Stat::SlotMiss))?;
-    Ok((backend_id, backend))
+    if affinity {
+        let value = AffinityValueV4 { last_used_ns: now, backend_id, _pad: 0 };
+        // A full LRU evicts an old client; a failure only costs stickiness.
+        let _ = AFFINITY_V4.insert(affinity_key, value, 0);
+    }
+    Ok(Choice { backend_id, backend })
 }

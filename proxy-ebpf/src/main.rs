@@ -1,23 +1,26 @@
 //! kproxy's tc programs. `kproxy_ingress` runs on packets leaving a pod (tc
-//! ingress of its host-side veth) and DNATs Service traffic to a backend;
+//! ingress of its host-side veth): it DNATs Service traffic to a backend,
+//! refuses traffic to Services without endpoints, and handles hairpin flows;
 //! `kproxy_egress` runs on packets entering a pod and un-NATs replies back to
 //! the VIP. Both are thin: parse → look up → rewrite; the decisions they share
 //! with userspace live in proxy-common.
 #![no_std]
 #![no_main]
 
+mod config;
 mod conntrack;
 mod lb;
 mod maps;
 mod nat;
 mod parse;
+mod reject;
 mod stats;
 
-use aya_ebpf::{macros::classifier, programs::TcContext};
+use aya_ebpf::{helpers::bpf_redirect, macros::classifier, programs::TcContext};
 use proxy_common::{
     conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CtKeyV4, IPPROTO_TCP},
-    packet::{TCP_FIN, TCP_RST, TCP_SYN},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtKeyV4, IPPROTO_TCP},
+    packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     stats::Stat,
 };
 
@@ -25,70 +28,148 @@ use proxy_common::{
 const TC_NEXT: i32 = -1;
 const TC_DROP: i32 = 2;
 
-#[classifier]
-pub fn kproxy_ingress(ctx: TcContext) -> i32 {
-    match ingress(&ctx) {
-        Ok(()) => TC_NEXT,
-        Err(Verdict::Pass(stat)) => {
-            stats::count(stat);
-            TC_NEXT
-        }
-        Err(Verdict::Drop(stat)) => {
-            stats::count(stat);
-            TC_DROP
-        }
-    }
-}
-
-#[classifier]
-pub fn kproxy_egress(ctx: TcContext) -> i32 {
-    match egress(&ctx) {
-        Ok(()) => TC_NEXT,
-        Err(Verdict::Pass(stat)) => {
-            stats::count(stat);
-            TC_NEXT
-        }
-        Err(Verdict::Drop(stat)) => {
-            stats::count(stat);
-            TC_DROP
-        }
-    }
+/// What to do with a packet the program handled.
+pub enum Done {
+    /// Continue on its way (rewritten or not).
+    Next,
+    /// Send it back out of the interface it came in on (reject replies and
+    /// hairpin flows, which must not be routed by the node).
+    Bounce,
 }
 
 /// Why a program stopped early.
 pub enum Verdict {
     /// Leave the packet as it is.
     Pass(Stat),
-    /// The packet was partly rewritten and must not leave half-translated.
+    /// Drop the packet: it was partly rewritten, or must not get through.
     Drop(Stat),
 }
 
-fn ingress(ctx: &TcContext) -> Result<(), Verdict> {
+#[inline(always)]
+fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
+    match result {
+        Ok(Done::Next) => TC_NEXT,
+        Ok(Done::Bounce) => {
+            // SAFETY: reading the context field the kernel filled in.
+            let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+            // SAFETY: a helper taking plain values.
+            unsafe { bpf_redirect(ifindex, 0) as i32 }
+        }
+        Err(Verdict::Pass(stat)) => {
+            stats::count(stat);
+            TC_NEXT
+        }
+        Err(Verdict::Drop(stat)) => {
+            stats::count(stat);
+            TC_DROP
+        }
+    }
+}
+
+#[classifier]
+pub fn kproxy_ingress(ctx: TcContext) -> i32 {
+    let result = ingress(&ctx);
+    finish(&ctx, result)
+}
+
+#[classifier]
+pub fn kproxy_egress(ctx: TcContext) -> i32 {
+    let result = egress(&ctx);
+    finish(&ctx, result)
+}
+
+fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
-    let frontend = lb::lookup_frontend(&flow).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let config = config::get();
+    if flow.daddr == config.hairpin_addr {
+        return hairpin_reply(ctx, &flow);
+    }
+    let Some(frontend) = lb::lookup_frontend(&flow) else {
+        if lb::is_vip(&flow.daddr) {
+            // A port the Service does not have.
+            return reject::refuse(ctx, &flow);
+        }
+        return Err(Verdict::Pass(Stat::PassNoService));
+    };
     let key = flow.ct_key(CT_DIR_FORWARD);
     let now = conntrack::now();
 
+    let mut rebalance = false;
     if let Some(entry) = conntrack::lookup(&key) {
         // SAFETY: map values stay valid for the program's run; concurrent
         // writers only race on counters and timestamps.
-        let (backend_addr, backend_port) = unsafe {
-            conntrack::touch(entry, &flow, CT_DIR_FORWARD, now);
-            ((*entry).nat_addr, (*entry).nat_port)
-        };
-        nat::rewrite_destination(ctx, &flow, backend_addr, backend_port)?;
-        stats::count(Stat::DnatEstablished);
-        return Ok(());
+        let entry_copy = unsafe { *entry };
+        if conntrack::expired(&key, &entry_copy, &config, now) {
+            conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
+            stats::count(Stat::ConntrackExpired);
+        } else if lb::backend_is_current(&entry_copy) {
+            // SAFETY: as above.
+            unsafe { conntrack::touch(entry, &flow, CT_DIR_FORWARD, now) };
+            let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
+            nat::rewrite_destination(ctx, &flow, entry_copy.nat_addr, entry_copy.nat_port)?;
+            stats::count(Stat::DnatEstablished);
+            if hairpin {
+                nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
+                return Ok(Done::Bounce);
+            }
+            return Ok(Done::Next);
+        } else {
+            // The backend is gone: send the flow elsewhere. UDP simply moves;
+            // a TCP segment reaches a backend without the connection, which
+            // answers with a RST, so the client learns at once.
+            conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
+            stats::count(Stat::Rebalanced);
+            rebalance = true;
+        }
     }
 
-    let (backend_id, backend) = lb::select_backend(&flow, frontend)?;
-    conntrack::create(&flow, &key, backend_id, &backend, frontend.rev_nat_id, now)?;
-    nat::rewrite_destination(ctx, &flow, backend.addr, backend.port)?;
+    if flow.proto == IPPROTO_TCP && !rebalance && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN {
+        // No connection is known for this segment: translating it would start
+        // a flow mid-stream, and passing it would leak it to the VIP.
+        return Err(Verdict::Drop(Stat::DropInvalidTcp));
+    }
+    if frontend.count == 0 {
+        return reject::refuse(ctx, &flow);
+    }
+    let choice = lb::select_backend(&flow, frontend, now)?;
+    let hairpin = choice.backend.addr == flow.saddr;
+    conntrack::create(
+        &flow,
+        &key,
+        &choice,
+        frontend.rev_nat_id,
+        now,
+        hairpin.then_some(config.hairpin_addr),
+    )?;
+    nat::rewrite_destination(ctx, &flow, choice.backend.addr, choice.backend.port)?;
     stats::count(Stat::DnatNew);
-    Ok(())
+    if hairpin {
+        nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
+        stats::count(Stat::Hairpin);
+        return Ok(Done::Bounce);
+    }
+    Ok(Done::Next)
 }
 
-fn egress(ctx: &TcContext) -> Result<(), Verdict> {
+/// A pod's reply to its own hairpin connection, addressed to the hairpin
+/// address: the source goes back to the VIP and the destination back to the
+/// pod, and the packet returns to the pod.
+fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let now = conntrack::now();
+    // SAFETY: as in `ingress`.
+    let (vip, vip_port) = unsafe {
+        conntrack::touch(entry, flow, CT_DIR_REPLY, now);
+        ((*entry).nat_addr, (*entry).nat_port)
+    };
+    nat::rewrite_source(ctx, flow, vip, vip_port)?;
+    nat::rewrite_destination_addr(ctx, flow, flow.daddr, flow.saddr)?;
+    stats::count(Stat::ReverseNat);
+    Ok(Done::Bounce)
+}
+
+fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
     let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
@@ -125,7 +206,7 @@ fn egress(ctx: &TcContext) -> Result<(), Verdict> {
     }
     nat::rewrite_source(ctx, &flow, vip, vip_port)?;
     stats::count(Stat::ReverseNat);
-    Ok(())
+    Ok(Done::Next)
 }
 
 #[cfg(not(test))]

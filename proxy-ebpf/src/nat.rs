@@ -70,3 +70,20 @@ pub fn rewrite_source(ctx: &TcContext, flow: &Flow, addr: [u8; 4], port: [u8; 2]
     rewrite_addr(ctx, flow, IP_OFF_SADDR, flow.saddr, addr)?;
     rewrite_port(ctx, flow, L4_OFF_SPORT, flow.sport, port)
 }
+
+/// Hairpin SNAT: only the source address changes; the port stays.
+#[inline(always)]
+pub fn rewrite_source_addr(ctx: &TcContext, flow: &Flow, old: [u8; 4], new: [u8; 4]) -> Result<(), Verdict> {
+    rewrite_addr(ctx, flow, IP_OFF_SADDR, old, new)
+}
+
+/// Hairpin reply: the destination address goes back to the pod.
+#[inline(always)]
+pub fn rewrite_destination_addr(
+    ctx: &TcContext,
+    flow: &Flow,
+    old: [u8; 4],
+    new: [u8; 4],
+) -> Result<(), Verdict> {
+    rewrite_addr(ctx, flow, IP_OFF_DADDR, old, new)
+}

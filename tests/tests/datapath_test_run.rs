@@ -4,119 +4,19 @@
 
 mod common;
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::collections::BTreeMap;
 
-use aya::{
-    Ebpf,
-    maps::{HashMap, MapData, PerCpuArray},
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+use common::{
+    Packet, checksums_valid,
+    harness::{CLIENT, DNS_BACKEND, DNS_VIP, Harness, PASS, WEB_BACKENDS, WEB_VIP, ct_key, desired},
 };
-use common::{Packet, checksums_valid};
-use kproxy::{
-    datapath,
-    model::{BackendAddr, Desired, Frontend, Protocol, ServiceName},
-    sync::Syncer,
-};
+use kproxy::model::Desired;
 use proxy_common::{
     conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP},
     packet::{TCP_ACK, TCP_SYN},
     stats::Stat,
 };
-
-/// TC_ACT_UNSPEC: "next program / pass".
-const PASS: u32 = u32::MAX;
-
-const CLIENT: [u8; 4] = [10, 244, 0, 2];
-const WEB_VIP: [u8; 4] = [10, 96, 0, 100];
-const DNS_VIP: [u8; 4] = [10, 96, 0, 10];
-const WEB_BACKENDS: [[u8; 4]; 3] = [[10, 244, 0, 11], [10, 244, 0, 12], [10, 244, 0, 13]];
-const DNS_BACKEND: [u8; 4] = [10, 244, 0, 21];
-
-struct Harness {
-    ebpf: Ebpf,
-    syncer: Syncer,
-    conntrack: HashMap<MapData, CtKeyV4, CtEntryV4>,
-    stats: PerCpuArray<MapData, u64>,
-}
-
-fn frontend(
-    name: &str,
-    port_name: &str,
-    vip: [u8; 4],
-    port: u16,
-    proto: Protocol,
-    backends: &[([u8; 4], u16)],
-) -> Frontend {
-    Frontend::new(
-        ServiceName { namespace: "default".into(), name: name.into() },
-        port_name,
-        Ipv4Addr::from(vip),
-        port,
-        proto,
-        backends.iter().map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a), port: *p }).collect(),
-    )
-}
-
-fn desired() -> Desired {
-    let web: Vec<([u8; 4], u16)> = WEB_BACKENDS.iter().map(|a| (*a, 8080)).collect();
-    Desired::new(vec![
-        frontend("dns", "dns", DNS_VIP, 53, Protocol::Udp, &[(DNS_BACKEND, 53)]),
-        frontend("web", "http", WEB_VIP, 80, Protocol::Tcp, &web),
-        frontend("empty", "http", [10, 96, 0, 200], 80, Protocol::Tcp, &[]),
-    ])
-}
-
-impl Harness {
-    fn new() -> Self {
-        let mut ebpf =
-            datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
-        let maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
-        let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names).unwrap();
-        let report = syncer.apply(&desired());
-        assert!(report.errors.is_empty(), "{:?}", report.errors);
-        Self { ebpf, syncer, conntrack: maps.conntrack, stats: maps.stats }
-    }
-
-    fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
-        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..Default::default() })
-            .map_err(|e: ProgramError| format!("{e:?}"))
-            .unwrap_or_else(|e| panic!("test run of a {}-byte frame {frame:02x?}: {e}", frame.len()));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
-    }
-
-    fn ingress(&self, frame: &[u8]) -> (u32, Vec<u8>) {
-        self.run("kproxy_ingress", frame)
-    }
-
-    fn egress(&self, frame: &[u8]) -> (u32, Vec<u8>) {
-        self.run("kproxy_egress", frame)
-    }
-
-    fn stat(&self, stat: Stat) -> u64 {
-        self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
-    }
-
-    fn ct(&self, key: &CtKeyV4) -> Option<CtEntryV4> {
-        self.conntrack.get(key, 0).ok()
-    }
-}
-
-fn ct_key(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, proto: u8, direction: u8) -> CtKeyV4 {
-    CtKeyV4 {
-        saddr: src,
-        daddr: dst,
-        sport: sport.to_be_bytes(),
-        dport: dport.to_be_bytes(),
-        proto,
-        direction,
-        _pad: [0; 2],
-    }
-}
 
 /// Which backend a DNATed frame was sent to.
 fn destination(frame: &[u8]) -> ([u8; 4], u16) {
@@ -299,16 +199,6 @@ fn other_traffic_passes_untouched() {
     }
     assert_eq!(h.stat(Stat::DnatNew), 0);
     assert_eq!(h.conntrack.keys().count(), 0, "no conntrack entry for untranslated traffic");
-}
-
-#[test]
-fn a_frontend_without_backends_is_not_translated() {
-    let h = Harness::new();
-    let syn = Packet::tcp(CLIENT, 4242, [10, 96, 0, 200], 80, TCP_SYN).frame();
-    let (ret, out) = h.ingress(&syn);
-    assert_eq!(ret, PASS);
-    assert_eq!(out, syn);
-    assert_eq!(h.stat(Stat::NoBackend), 1);
 }
 
 #[test]
