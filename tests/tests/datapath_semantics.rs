@@ -161,7 +161,6 @@ fn every_tcp_state_transition() {
 fn an_expired_flow_starts_over() {
     let mut h = Harness::new();
     h.config.set(0, ConfigV4 { timeout_udp_ns: 1, ..Default::default() }, 0).unwrap();
-    let _ = &mut h;
     let query = Packet::udp(CLIENT, 40700, [10, 96, 0, 10], 53, b"q").frame();
     h.ingress(&query);
     let key = ct_key(CLIENT, 40700, [10, 96, 0, 10], 53, IPPROTO_UDP, CT_DIR_FORWARD);
@@ -177,9 +176,6 @@ fn an_expired_flow_starts_over() {
 #[test]
 fn a_flow_whose_backend_is_gone_moves_to_another() {
     let mut h = Harness::new();
-    let query = |sport| Packet::udp(CLIENT, sport, WEB_VIP, 80, b"x").frame();
-    // Find a UDP... the web frontend is TCP: use the TCP SYN and then data.
-    let _ = query;
     let (_, out) = h.ingress(&Packet::tcp(CLIENT, 40800, WEB_VIP, 80, TCP_SYN).frame());
     let (old, _) = destination(&out);
     let mut d = desired();
@@ -207,7 +203,7 @@ fn a_flow_whose_backend_is_gone_moves_to_another() {
 fn session_affinity_sticks_until_its_timeout() {
     let mut d = desired();
     d.frontends.iter_mut().find(|f| f.service.name == "web").unwrap().session_affinity_timeout = Some(60);
-    let h = Harness::with(&d);
+    let mut h = Harness::with(&d);
     let mut seen = BTreeSet::new();
     for sport in 0..30 {
         let (_, out) = h.ingress(&Packet::tcp(CLIENT, 41000 + sport, WEB_VIP, 80, TCP_SYN).frame());
@@ -220,12 +216,11 @@ fn session_affinity_sticks_until_its_timeout() {
     let mut backends = BTreeSet::new();
     let rev_nat_id =
         h.ct(&ct_key(CLIENT, 41000, WEB_VIP, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap().rev_nat_id;
-    let mut affinity = h.affinity;
     let key = AffinityKeyV4 { client: CLIENT, rev_nat_id, _pad: [0; 2] };
     for sport in 0..40 {
-        let mut entry = affinity.get(&key, 0).unwrap();
+        let mut entry = h.affinity.get(&key, 0).unwrap();
         entry.last_used_ns = 1;
-        affinity.insert(key, entry, 0).unwrap();
+        h.affinity.insert(key, entry, 0).unwrap();
         let (_, out) = h.ingress(&Packet::tcp(CLIENT, 42000 + sport, WEB_VIP, 80, TCP_SYN).frame());
         backends.insert(destination(&out).0);
     }
