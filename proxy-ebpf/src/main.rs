@@ -50,6 +50,11 @@ fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
     match result {
         Ok(Done::Next) => TC_NEXT,
         Ok(Done::Bounce) => {
+            // Back to the sender: the frame must be addressed to its MAC.
+            if swap_macs(ctx).is_err() {
+                stats::count(Stat::RewriteFailed);
+                return TC_DROP;
+            }
             // SAFETY: reading the context field the kernel filled in.
             let ifindex = unsafe { (*ctx.skb.skb).ifindex };
             // SAFETY: a helper taking plain values.
@@ -64,6 +69,15 @@ fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
             TC_DROP
         }
     }
+}
+
+#[inline(always)]
+fn swap_macs(ctx: &TcContext) -> Result<(), i64> {
+    let macs: [u8; 12] = ctx.load(0)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    ctx.store(0, &swapped, 0)
 }
 
 #[classifier]

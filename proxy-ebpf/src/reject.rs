@@ -1,6 +1,6 @@
 //! Refusing a connection: the offending packet is overwritten with a TCP RST
 //! or an ICMP port unreachable (built by proxy_common::reject) and bounced
-//! back to the pod that sent it.
+//! back to the pod that sent it (`Done::Bounce` swaps the MAC addresses).
 use aya_ebpf::{helpers::bpf_skb_change_tail, programs::TcContext};
 use proxy_common::{
     maps::IPPROTO_TCP,
@@ -10,16 +10,6 @@ use proxy_common::{
 };
 
 use crate::{Done, Verdict, parse::Flow, stats};
-
-#[inline(always)]
-fn swap_macs(ctx: &TcContext) -> Result<(), Verdict> {
-    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
-    let macs: [u8; 12] = ctx.load(0).map_err(failed)?;
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
-    ctx.store(0, &swapped, 0).map_err(failed)
-}
 
 #[inline(always)]
 fn resize(ctx: &TcContext, len: usize) -> Result<(), Verdict> {
@@ -50,7 +40,6 @@ pub fn refuse(ctx: &TcContext, flow: &Flow) -> Result<Done, Verdict> {
         resize(ctx, ETH_HLEN + reject::ICMP_UNREACHABLE_LEN)?;
         ctx.store(ETH_HLEN, &reply, 0).map_err(failed)?;
     }
-    swap_macs(ctx)?;
     stats::count(stat);
     Ok(Done::Bounce)
 }

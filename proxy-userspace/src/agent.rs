@@ -13,13 +13,19 @@ use std::{
 use anyhow::{Context as _, Result};
 use tokio::signal::unix::{SignalKind, signal};
 
+use proxy_common::{
+    conntrack::Timeouts,
+    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR},
+};
+
 use crate::{
-    datapath::{self, InterfaceSelector, Maps, PinDir},
+    datapath::{self, Capacities, InterfaceSelector, Maps, PinDir},
+    gc,
     health::{self, Health},
     metrics::Metrics,
-    model::{self, ModelOptions},
+    model::{self, ModelOptions, Protocol},
     source::{self, Changes, KubeOptions},
-    sync::Syncer,
+    sync::{SyncReport, Syncer},
 };
 
 pub enum Source {
@@ -42,6 +48,63 @@ pub struct AgentConfig {
     pub healthz_bind: Option<SocketAddr>,
     pub metrics_bind: Option<SocketAddr>,
     pub model: ModelOptions,
+    pub conntrack: ConntrackOptions,
+}
+
+/// Conntrack timeouts, table size and garbage collection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackOptions {
+    pub timeouts: Timeouts,
+    /// CONNTRACK_V4 entries (two per flow); only used when this agent loads a
+    /// fresh datapath: a pinned map keeps its size.
+    pub max: u32,
+    /// First interval of the adaptive GC.
+    pub gc_interval: Duration,
+}
+
+impl Default for ConntrackOptions {
+    fn default() -> Self {
+        Self {
+            timeouts: Timeouts::DEFAULT,
+            max: proxy_common::maps::CONNTRACK_V4_CAPACITY,
+            gc_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ConntrackOptions {
+    /// CONFIG[0] for these options.
+    pub fn config(&self) -> ConfigV4 {
+        ConfigV4 {
+            timeout_tcp_syn_ns: self.timeouts.tcp_syn_ns,
+            timeout_tcp_established_ns: self.timeouts.tcp_established_ns,
+            timeout_tcp_closing_ns: self.timeouts.tcp_closing_ns,
+            timeout_udp_ns: self.timeouts.udp_ns,
+            hairpin_addr: DEFAULT_HAIRPIN_ADDR,
+            _pad: 0,
+        }
+    }
+}
+
+/// Writes CONFIG[0] unless it already holds `wanted`. Returns whether it wrote.
+pub fn write_config(maps: &mut Maps, wanted: &ConfigV4) -> Result<bool> {
+    if maps.config.get(&0, 0).ok().as_ref() == Some(wanted) {
+        return Ok(false);
+    }
+    maps.config.set(0, *wanted, 0).context("writing CONFIG[0]")?;
+    Ok(true)
+}
+
+/// Deletes at once the conntrack entries of the UDP backends a sync removed
+/// (TCP flows are left to the datapath's rebalance; see [`gc::purge_backends`]).
+pub fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Result<u64> {
+    let udp: Vec<u32> = report
+        .removed_backends
+        .iter()
+        .filter(|(_, proto)| *proto == Protocol::Udp)
+        .map(|(id, _)| *id)
+        .collect();
+    gc::purge_backends(maps, &udp)
 }
 
 pub fn run(config: AgentConfig) -> Result<()> {
@@ -55,11 +118,28 @@ pub fn run(config: AgentConfig) -> Result<()> {
 
 async fn run_async(config: AgentConfig) -> Result<()> {
     let selector = InterfaceSelector::new(&config.interfaces)?;
-    if datapath::load(&config.pins)? {
+    let capacities = Capacities { conntrack: config.conntrack.max, ..Default::default() };
+    if datapath::load_with(&config.pins, &capacities)? {
         tracing::info!(pins = %config.pins.root().display(), "loaded and pinned the datapath");
     } else {
         tracing::info!(pins = %config.pins.root().display(), "reusing the pinned datapath");
     }
+    let mut maps = Maps::from_pins(&config.pins)?;
+    {
+        use aya::maps::IterableMap as _;
+        let pinned = maps.conntrack.map().info().map(|i| i.max_entries()).unwrap_or(0);
+        if pinned != config.conntrack.max {
+            tracing::warn!(
+                pinned,
+                wanted = config.conntrack.max,
+                "the pinned conntrack map keeps its size; --conntrack-max applies after `kproxy unload`"
+            );
+        }
+    }
+    if write_config(&mut maps, &config.conntrack.config())? {
+        tracing::info!(timeouts = ?config.conntrack.timeouts, "wrote the datapath configuration");
+    }
+    drop(maps);
     let mut syncer = Syncer::from_maps(Maps::from_pins(&config.pins)?).context("reading the pinned maps")?;
     tracing::info!(
         frontends = syncer.frontend_count(),
@@ -110,11 +190,17 @@ async fn run_async(config: AgentConfig) -> Result<()> {
 
     tokio::spawn(attach_loop(config.pins.clone(), selector, config.poll));
     tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
+    tokio::spawn(gc_loop(config.pins.clone(), config.conntrack, metrics.clone()));
 
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut loop_state =
-        SyncLoop { syncer: &mut syncer, metrics: &metrics, health: &health, logged: BTreeSet::new() };
+    let mut loop_state = SyncLoop {
+        syncer: &mut syncer,
+        metrics: &metrics,
+        health: &health,
+        logged: BTreeSet::new(),
+        pins: config.pins.clone(),
+    };
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
     loop {
@@ -157,6 +243,7 @@ struct SyncLoop<'a> {
     health: &'a Health,
     /// Errors already logged: a bad object is reported once per version.
     logged: BTreeSet<String>,
+    pins: PinDir,
 }
 
 impl SyncLoop<'_> {
@@ -166,6 +253,24 @@ impl SyncLoop<'_> {
         let snapshot = changes.snapshot();
         let (desired, model_errors) = model::build_with(&snapshot.services(), &snapshot.slices(), options);
         let report = self.syncer.apply(&desired);
+        if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
+            // At once, so a UDP client that keeps its source port reaches a live
+            // backend with its next packet (the CoreDNS problem).
+            match Maps::from_pins(&self.pins)
+                .and_then(|mut maps| purge_removed_udp_backends(&mut maps, &report))
+            {
+                Ok(purged) => {
+                    self.metrics.add_conntrack_purged(purged);
+                    if purged > 0 {
+                        tracing::info!(
+                            entries = purged,
+                            "purged the conntrack entries of removed UDP backends"
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "purging conntrack entries failed"),
+            }
+        }
         let finished = SystemTime::now();
 
         let errors: BTreeSet<String> = snapshot
@@ -206,6 +311,7 @@ impl SyncLoop<'_> {
                 removed = report.frontends_removed,
                 backends_added = report.backends_added,
                 backends_removed = report.backends_removed,
+                backends_updated = report.backends_updated,
                 errors = self.logged.len(),
                 elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
                 "synced"
@@ -258,6 +364,41 @@ async fn datapath_metrics_loop(pins: PinDir, metrics: Metrics) {
     }
 }
 
+/// Conntrack and affinity garbage collection at an adaptive interval
+/// ([`gc::Interval`]); each run is blocking map I/O, off the async workers.
+async fn gc_loop(pins: PinDir, options: ConntrackOptions, metrics: Metrics) {
+    let mut interval = gc::Interval::new(options.gc_interval);
+    metrics.set_gc_interval(interval.current);
+    loop {
+        tokio::time::sleep(interval.current).await;
+        let p = pins.clone();
+        let result = tokio::task::spawn_blocking(move || -> Result<gc::GcReport> {
+            let mut maps = Maps::from_pins(&p)?;
+            // Re-assert CONFIG (a reloaded datapath starts with zeros).
+            write_config(&mut maps, &options.config())?;
+            gc::run(&mut maps)
+        })
+        .await;
+        match result {
+            Ok(Ok(report)) => {
+                let deleted = report.deleted_total();
+                let next = interval.next(deleted, report.scanned, report.remaining, report.capacity);
+                metrics.observe_gc(&report.deleted, report.affinity_deleted, next);
+                tracing::debug!(
+                    scanned = report.scanned,
+                    deleted,
+                    affinity_deleted = report.affinity_deleted,
+                    remaining = report.remaining,
+                    next_s = next.as_secs_f64(),
+                    "conntrack gc"
+                );
+            }
+            Ok(Err(e)) => tracing::warn!(error = %format!("{e:#}"), "conntrack gc failed"),
+            Err(e) => tracing::warn!(error = %e, "conntrack gc task failed"),
+        }
+    }
+}
+
 /// Go-style durations as kube-proxy's flags take them: `250ms`, `1s`, `1m30s`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
@@ -302,5 +443,19 @@ mod tests {
         assert!(parse_duration("10").is_err());
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn config_carries_the_timeouts_and_the_hairpin_address() {
+        let options = ConntrackOptions {
+            timeouts: Timeouts { udp_ns: 5_000_000_000, ..Timeouts::DEFAULT },
+            ..Default::default()
+        };
+        let config = options.config();
+        assert_eq!(config.timeout_udp_ns, 5_000_000_000);
+        assert_eq!(config.timeout_tcp_established_ns, Timeouts::DEFAULT.tcp_established_ns);
+        assert_eq!(config.hairpin_addr, DEFAULT_HAIRPIN_ADDR);
+        assert_eq!(Timeouts::from_config(&config), options.timeouts);
+        assert_eq!(ConntrackOptions::default().config().timeout_tcp_syn_ns, 60_000_000_000);
     }
 }

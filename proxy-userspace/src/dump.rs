@@ -4,8 +4,11 @@ use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use anyhow::{Context as _, Result};
 use proxy_common::{
-    conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY},
+    conntrack::{CtState, Timeouts},
+    maps::{
+        AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
+        CtEntryV4, CtKeyV4, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
+    },
     stats::Stat,
 };
 use serde::Serialize;
@@ -21,6 +24,8 @@ pub struct ServiceRow {
     pub rev_nat_id: u16,
     /// Slot 0: number of active backends; other slots: 0.
     pub count: u16,
+    /// Slot 0: number of terminating backends (slots after the active ones).
+    pub terminating_count: u16,
     /// Slots > 0: the backend id and address.
     pub backend_id: Option<u32>,
     pub backend: Option<String>,
@@ -50,6 +55,29 @@ pub struct ConntrackRow {
     pub bytes_out: u64,
     pub packets_reply: u64,
     pub bytes_reply: u64,
+    /// Seconds before the flow expires: its state's timeout (CONFIG) minus
+    /// the time since either direction was last seen; 0 when expired.
+    pub time_left_seconds: f64,
+    /// The client reached itself through its Service; its source was
+    /// rewritten to the hairpin address.
+    pub hairpin: bool,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+pub struct AffinityRow {
+    pub client: String,
+    /// `vip:port` of the frontend, when its rev-NAT entry still exists.
+    pub frontend: String,
+    pub protocol: &'static str,
+    pub service: String,
+    pub rev_nat_id: u16,
+    pub backend_id: u32,
+    /// `addr:port`, or "(gone)" when the backend was deleted.
+    pub backend: String,
+    pub last_used_seconds_ago: f64,
+    /// The frontend's affinity timeout minus the time since last use (0 when
+    /// expired); `None` when the frontend is gone or has no affinity now.
+    pub time_left_seconds: Option<f64>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -79,6 +107,9 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
             None
         } else {
             Some(match maps.backends.get(&value.backend_id, 0) {
+                Ok(b) if b.flags & proxy_common::maps::BACKEND_FLAG_TERMINATING != 0 => {
+                    format!("{} (terminating)", endpoint(b.addr, b.port))
+                }
                 Ok(b) => endpoint(b.addr, b.port),
                 Err(_) => "(missing)".to_owned(),
             })
@@ -90,6 +121,7 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
             service: names.get(&value.rev_nat_id).cloned().unwrap_or_default(),
             rev_nat_id: value.rev_nat_id,
             count: if key.slot == 0 { value.count } else { 0 },
+            terminating_count: if key.slot == 0 { value.terminating_count } else { 0 },
             backend_id: (key.slot != 0).then_some(value.backend_id),
             backend,
         });
@@ -138,29 +170,42 @@ pub fn monotonic_ns() -> u64 {
 
 pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let names = names(maps);
+    let config = crate::gc::read_config(maps);
     let now = monotonic_ns();
-    let mut forward = Vec::new();
-    let mut reply = std::collections::HashMap::new();
+    let mut entries = Vec::new();
     for entry in maps.conntrack.iter() {
-        let (key, value) = entry.context("reading the conntrack map")?;
-        match key.direction {
-            CT_DIR_FORWARD => forward.push((key, value)),
-            CT_DIR_REPLY => {
-                reply.insert(key, value);
-            }
-            _ => {}
+        match entry {
+            Ok(pair) => entries.push(pair),
+            Err(aya::maps::MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).context("reading the conntrack map"),
         }
     }
+    Ok(conntrack_rows(&entries, &names, &config, now))
+}
+
+/// The rows of `kproxy dump conntrack`: one per forward entry, with its reply
+/// entry's counters (found through the hairpin address for hairpin flows).
+pub fn conntrack_rows(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    names: &BTreeMap<u16, String>,
+    config: &ConfigV4,
+    now: u64,
+) -> Vec<ConntrackRow> {
+    let timeouts = Timeouts::from_config(config);
+    let hairpin_addr = crate::gc::hairpin_addr(config);
+    let reply: std::collections::HashMap<CtKeyV4, &CtEntryV4> =
+        entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
+    let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
     let mut rows = Vec::new();
-    for (key, fwd) in forward {
-        let back = reply.get(&key.reply_of(fwd.nat_addr, fwd.nat_port));
-        let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
-        let last_seen = back.map_or(fwd.last_seen_ns, |r| r.last_seen_ns.max(fwd.last_seen_ns));
+    for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
+        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr)).copied();
+        let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
+        let source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
         rows.push(ConntrackRow {
             original: format!("{} -> {}", endpoint(key.saddr, key.sport), endpoint(key.daddr, key.dport)),
             translated: format!(
                 "{} -> {}",
-                endpoint(key.saddr, key.sport),
+                endpoint(source.0, source.1),
                 endpoint(fwd.nat_addr, fwd.nat_port)
             ),
             protocol: proto_name(key.proto),
@@ -168,15 +213,83 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             backend_id: fwd.backend_id,
             state: CtState::from_u8(fwd.state).map_or("?", CtState::name),
             age_seconds: seconds(fwd.created_ns),
-            idle_seconds: seconds(last_seen),
+            idle_seconds: seconds(crate::gc::pair_last_seen(fwd, back)),
             packets_out: fwd.packets,
             bytes_out: fwd.bytes,
             packets_reply: back.map_or(0, |r| r.packets),
             bytes_reply: back.map_or(0, |r| r.bytes),
+            time_left_seconds: crate::gc::time_left_ns(&timeouts, fwd, back, now) as f64 / 1e9,
+            hairpin,
         });
     }
     rows.sort_by(|a, b| a.original.cmp(&b.original));
-    Ok(rows)
+    rows
+}
+
+pub fn affinity(maps: &Maps) -> Result<Vec<AffinityRow>> {
+    let names = names(maps);
+    let mut frontends = BTreeMap::new();
+    for entry in maps.services.iter() {
+        let (key, value) = entry.context("reading the services map")?;
+        if key.slot == 0 {
+            frontends.insert(value.rev_nat_id, value);
+        }
+    }
+    let rev_nat: BTreeMap<u16, RevNatV4> = maps.rev_nat.iter().filter_map(|e| e.ok()).collect();
+    let backends: BTreeMap<u32, BackendV4> = maps.backends.iter().filter_map(|e| e.ok()).collect();
+    let entries: Vec<(AffinityKeyV4, AffinityValueV4)> =
+        maps.affinity.iter().filter_map(|e| e.ok()).collect();
+    Ok(affinity_rows(&entries, &AffinityContext { names, frontends, rev_nat, backends }, monotonic_ns()))
+}
+
+/// What affinity rows are resolved against.
+#[derive(Default)]
+pub struct AffinityContext {
+    pub names: BTreeMap<u16, String>,
+    /// rev-NAT id → the frontend's slot 0.
+    pub frontends: BTreeMap<u16, ServiceValueV4>,
+    pub rev_nat: BTreeMap<u16, RevNatV4>,
+    pub backends: BTreeMap<u32, BackendV4>,
+}
+
+pub fn affinity_rows(
+    entries: &[(AffinityKeyV4, AffinityValueV4)],
+    ctx: &AffinityContext,
+    now: u64,
+) -> Vec<AffinityRow> {
+    let mut rows: Vec<AffinityRow> = entries
+        .iter()
+        .map(|(key, value)| {
+            let idle_ns = now.saturating_sub(value.last_used_ns);
+            let rev = ctx.rev_nat.get(&key.rev_nat_id);
+            let time_left_seconds =
+                ctx.frontends.get(&key.rev_nat_id).filter(|f| f.flags & SVC_FLAG_AFFINITY != 0).map(|f| {
+                    (u64::from(f.affinity_timeout_s) * 1_000_000_000).saturating_sub(idle_ns) as f64 / 1e9
+                });
+            AffinityRow {
+                client: Ipv4Addr::from(key.client).to_string(),
+                frontend: rev.map_or_else(String::new, |r| endpoint(r.vip, r.port)),
+                protocol: rev.map_or("?", |r| proto_name(r.proto)),
+                service: ctx.names.get(&key.rev_nat_id).cloned().unwrap_or_default(),
+                rev_nat_id: key.rev_nat_id,
+                backend_id: value.backend_id,
+                backend: ctx
+                    .backends
+                    .get(&value.backend_id)
+                    .map_or_else(|| "(gone)".to_owned(), |b| endpoint(b.addr, b.port)),
+                last_used_seconds_ago: idle_ns as f64 / 1e9,
+                time_left_seconds,
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        (Ipv4Addr::from(parse_ip(&a.frontend)), a.rev_nat_id, a.client.parse::<Ipv4Addr>().ok()).cmp(&(
+            Ipv4Addr::from(parse_ip(&b.frontend)),
+            b.rev_nat_id,
+            b.client.parse::<Ipv4Addr>().ok(),
+        ))
+    });
+    rows
 }
 
 /// `(map, entries, capacity)` for every map with a fixed capacity.
@@ -189,6 +302,8 @@ pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
         ("backends_v4", maps.backends.keys().count() as u64, capacity(&maps.backends)),
         ("rev_nat_v4", maps.rev_nat.keys().count() as u64, capacity(&maps.rev_nat)),
         ("conntrack_v4", maps.conntrack.keys().count() as u64, capacity(&maps.conntrack)),
+        ("affinity_v4", maps.affinity.keys().count() as u64, capacity(&maps.affinity)),
+        ("vips_v4", maps.vips.keys().count() as u64, capacity(&maps.vips)),
     ]
 }
 
@@ -228,6 +343,9 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
         .map(|r| {
             let target = match (&r.backend_id, &r.backend) {
                 (Some(id), Some(addr)) => format!("backend {id} {addr}"),
+                _ if r.terminating_count > 0 => {
+                    format!("{} backends, {} terminating", r.count, r.terminating_count)
+                }
                 _ => format!("{} backends", r.count),
             };
             vec![
@@ -261,6 +379,8 @@ pub fn conntrack_table(rows: &[ConntrackRow]) -> String {
                 r.translated.clone(),
                 r.state.to_owned(),
                 format!("{:.1}s", r.age_seconds),
+                format!("{:.1}s", r.time_left_seconds),
+                if r.hairpin { "hairpin".to_owned() } else { "-".to_owned() },
                 format!("{}/{}", r.packets_out, r.packets_reply),
                 format!("{}/{}", r.bytes_out, r.bytes_reply),
                 r.backend_id.to_string(),
@@ -275,6 +395,8 @@ pub fn conntrack_table(rows: &[ConntrackRow]) -> String {
             "TRANSLATED",
             "STATE",
             "AGE",
+            "LEFT",
+            "FLAGS",
             "PKTS OUT/REPLY",
             "BYTES OUT/REPLY",
             "BACKEND",
@@ -282,6 +404,24 @@ pub fn conntrack_table(rows: &[ConntrackRow]) -> String {
         ],
         &cells,
     )
+}
+
+pub fn affinity_table(rows: &[AffinityRow]) -> String {
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.client.clone(),
+                if r.frontend.is_empty() { format!("revnat {}", r.rev_nat_id) } else { r.frontend.clone() },
+                r.protocol.to_owned(),
+                r.service.clone(),
+                format!("{} {}", r.backend_id, r.backend),
+                format!("{:.1}s", r.last_used_seconds_ago),
+                r.time_left_seconds.map_or_else(|| "-".to_owned(), |s| format!("{s:.1}s")),
+            ]
+        })
+        .collect();
+    table(&["CLIENT", "FRONTEND", "PROTO", "SERVICE", "BACKEND", "LAST USED", "LEFT"], &cells)
 }
 
 pub fn stats_table(rows: &[StatRow]) -> String {
@@ -298,5 +438,114 @@ mod tests {
     fn table_aligns_columns() {
         let t = table(&["A", "LONGER"], &[vec!["xyz".into(), "1".into()], vec!["q".into(), "22".into()]]);
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    fn ct_key(s: [u8; 4], sp: u16, d: [u8; 4], dp: u16, direction: u8) -> CtKeyV4 {
+        CtKeyV4 {
+            saddr: s,
+            daddr: d,
+            sport: sp.to_be_bytes(),
+            dport: dp.to_be_bytes(),
+            proto: proxy_common::maps::IPPROTO_TCP,
+            direction,
+            _pad: [0; 2],
+        }
+    }
+
+    #[test]
+    fn conntrack_rows_show_time_left_and_hairpin() {
+        let now = 100_000 * S;
+        let pod = [10, 244, 0, 5];
+        let vip = [10, 96, 0, 100];
+        let fwd = CtEntryV4 {
+            created_ns: now - 100 * S,
+            last_seen_ns: now - 50 * S,
+            packets: 3,
+            backend_id: 2,
+            nat_addr: pod,
+            nat_port: 8080u16.to_be_bytes(),
+            rev_nat_id: 1,
+            state: CtState::SynSent as u8,
+            flags: CT_FLAG_HAIRPIN,
+            ..Default::default()
+        };
+        let fkey = ct_key(pod, 40000, vip, 80, CT_DIR_FORWARD);
+        let hairpin = [169, 254, 42, 1];
+        let rkey = ct_key(pod, 8080, hairpin, 40000, CT_DIR_REPLY);
+        let reply = CtEntryV4 { last_seen_ns: now - 20 * S, packets: 2, nat_addr: vip, ..fwd };
+        // A plain flow, idle past its timeout.
+        let other = CtEntryV4 { flags: 0, last_seen_ns: now - 70 * S, ..fwd };
+        let okey = ct_key([10, 244, 0, 6], 40001, vip, 80, CT_DIR_FORWARD);
+        let names: BTreeMap<u16, String> = [(1, "default/web:http".to_owned())].into();
+        let config = ConfigV4 { timeout_tcp_syn_ns: 30 * S, ..Default::default() };
+        let rows = conntrack_rows(&[(fkey, fwd), (rkey, reply), (okey, other)], &names, &config, now);
+        assert_eq!(rows.len(), 2);
+        let r = &rows[0];
+        assert!(r.hairpin);
+        assert_eq!(r.translated, "169.254.42.1:40000 -> 10.244.0.5:8080");
+        assert_eq!(r.packets_reply, 2, "the reply entry is found under the hairpin address");
+        assert_eq!(r.idle_seconds, 20.0);
+        assert_eq!(r.time_left_seconds, 10.0);
+        assert_eq!(r.service, "default/web:http");
+        let o = &rows[1];
+        assert!(!o.hairpin);
+        assert_eq!(o.time_left_seconds, 0.0);
+        let table = conntrack_table(&rows);
+        assert!(table.lines().next().unwrap().contains("LEFT"));
+        assert!(table.lines().nth(1).unwrap().contains("hairpin"));
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(json[0]["hairpin"], true);
+        assert_eq!(json[0]["time_left_seconds"], 10.0);
+    }
+
+    #[test]
+    fn affinity_rows_resolve_frontend_backend_and_time_left() {
+        let now = 100_000 * S;
+        let key = |client: u8, rev_nat_id: u16| AffinityKeyV4 {
+            client: [10, 244, 0, client],
+            rev_nat_id,
+            _pad: [0; 2],
+        };
+        let value =
+            |ago: u64, backend_id: u32| AffinityValueV4 { last_used_ns: now - ago * S, backend_id, _pad: 0 };
+        let ctx = AffinityContext {
+            names: [(1, "default/web:http".to_owned())].into(),
+            frontends: [(
+                1,
+                ServiceValueV4 {
+                    flags: SVC_FLAG_AFFINITY,
+                    affinity_timeout_s: 125,
+                    rev_nat_id: 1,
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            rev_nat: [(1, RevNatV4 { vip: [10, 96, 0, 100], port: 80u16.to_be_bytes(), proto: 6, _pad: 0 })]
+                .into(),
+            backends: [(
+                4,
+                BackendV4 { addr: [10, 244, 1, 7], port: 8080u16.to_be_bytes(), proto: 6, flags: 0 },
+            )]
+            .into(),
+        };
+        let rows = affinity_rows(&[(key(9, 1), value(25, 4)), (key(3, 2), value(1, 5))], &ctx, now);
+        assert_eq!(rows.len(), 2);
+        // The frontend that is gone sorts first (no VIP) and has no time left.
+        assert_eq!(rows[0].rev_nat_id, 2);
+        assert_eq!(rows[0].time_left_seconds, None);
+        assert_eq!(rows[0].backend, "(gone)");
+        let r = &rows[1];
+        assert_eq!(r.client, "10.244.0.9");
+        assert_eq!(r.frontend, "10.96.0.100:80");
+        assert_eq!(r.protocol, "TCP");
+        assert_eq!(r.service, "default/web:http");
+        assert_eq!(r.backend, "10.244.1.7:8080");
+        assert_eq!(r.last_used_seconds_ago, 25.0);
+        assert_eq!(r.time_left_seconds, Some(100.0));
+        let table = affinity_table(&rows);
+        assert!(table.contains("revnat 2"), "{table}");
+        assert!(table.contains("100.0s"), "{table}");
     }
 }

@@ -4,9 +4,13 @@ pub mod agent;
 pub mod cleanup;
 pub mod datapath;
 pub mod dump;
+pub mod gc;
 pub mod health;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
 pub mod source;
 pub mod sync;
+
+#[cfg(test)]
+mod deploy_manifests;

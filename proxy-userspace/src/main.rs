@@ -3,9 +3,9 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use kproxy::{
-    agent::{self, AgentConfig, Source},
+    agent::{self, AgentConfig, ConntrackOptions, Source},
     datapath::{self, InterfaceSelector, Maps, PinDir},
-    dump,
+    dump, gc,
     model::ModelOptions,
     source::KubeOptions,
 };
@@ -51,6 +51,11 @@ enum Command {
         #[arg(long)]
         apply: bool,
     },
+    /// Operate on the conntrack table.
+    Conntrack {
+        #[command(subcommand)]
+        action: ConntrackAction,
+    },
     /// Print a map.
     Dump {
         #[arg(value_enum)]
@@ -58,6 +63,18 @@ enum Command {
         /// JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConntrackAction {
+    /// Delete every conntrack entry, or those of one Service's flows. Established
+    /// TCP connections affected lose their translation (their next packet is
+    /// dropped as invalid); UDP flows pick a backend again.
+    Flush {
+        /// Only the flows of this Service (namespace/name).
+        #[arg(long)]
+        service: Option<String>,
     },
 }
 
@@ -97,6 +114,56 @@ struct AgentArgs {
     /// /metrics and /proxyMode.
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_bind_address: String,
+    /// Idle timeout of a TCP flow whose handshake is not complete.
+    #[arg(long, default_value = "60s", value_parser = kproxy::agent::parse_duration)]
+    conntrack_tcp_timeout_syn: Duration,
+    /// Idle timeout of an established TCP flow.
+    #[arg(long, default_value = "6h", value_parser = kproxy::agent::parse_duration)]
+    conntrack_tcp_timeout_established: Duration,
+    /// Idle timeout of a TCP flow after a FIN or RST.
+    #[arg(long, default_value = "10s", value_parser = kproxy::agent::parse_duration)]
+    conntrack_tcp_timeout_close: Duration,
+    /// Idle timeout of a UDP flow.
+    #[arg(long, default_value = "60s", value_parser = kproxy::agent::parse_duration)]
+    conntrack_udp_timeout: Duration,
+    /// Conntrack table size in entries (two per flow; the LRU evicts beyond it).
+    /// Applies when the agent loads the datapath; a pinned table keeps its size.
+    #[arg(long, default_value_t = proxy_common::maps::CONNTRACK_V4_CAPACITY,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    conntrack_max: u32,
+    /// First conntrack garbage collection interval; it then adapts between
+    /// 5s and 5m (halved when a run deletes over 25 % or the table is over
+    /// 90 % full, grown 1.5x when a run deletes under 5 %).
+    #[arg(long, default_value = "30s", value_parser = kproxy::agent::parse_duration)]
+    conntrack_gc_interval: Duration,
+}
+
+impl AgentArgs {
+    fn conntrack(&self) -> Result<ConntrackOptions> {
+        let ns = |flag: &str, d: Duration| -> Result<u64> {
+            let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+            if ns == 0 {
+                anyhow::bail!("--{flag} must be above zero");
+            }
+            Ok(ns)
+        };
+        if self.conntrack_gc_interval.is_zero() {
+            anyhow::bail!("--conntrack-gc-interval must be above zero");
+        }
+        Ok(ConntrackOptions {
+            timeouts: proxy_common::conntrack::Timeouts {
+                tcp_syn_ns: ns("conntrack-tcp-timeout-syn", self.conntrack_tcp_timeout_syn)?,
+                tcp_established_ns: ns(
+                    "conntrack-tcp-timeout-established",
+                    self.conntrack_tcp_timeout_established,
+                )?,
+                tcp_closing_ns: ns("conntrack-tcp-timeout-close", self.conntrack_tcp_timeout_close)?,
+                udp_ns: ns("conntrack-udp-timeout", self.conntrack_udp_timeout)?,
+            },
+            max: self.conntrack_max,
+            gc_interval: self.conntrack_gc_interval,
+        })
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -104,6 +171,7 @@ enum DumpWhat {
     Services,
     Backends,
     Conntrack,
+    Affinity,
     Stats,
 }
 
@@ -161,6 +229,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Agent(args) => {
             let args = *args;
+            let conntrack = args.conntrack()?;
             let source = match args.manifests {
                 Some(path) => Source::Files(path),
                 None => Source::Cluster(KubeOptions { kubeconfig: args.kubeconfig, master: args.master }),
@@ -184,11 +253,20 @@ fn run(cli: Cli) -> Result<()> {
                     node_name: args.hostname_override,
                     service_proxy_name: args.service_proxy_name,
                 },
+                conntrack,
             };
             agent::run(config)?;
         }
         Command::CleanupKubeProxy { apply } => {
             print!("{}", kproxy::cleanup::run(apply)?);
+        }
+        Command::Conntrack { action: ConntrackAction::Flush { service } } => {
+            let mut maps = Maps::from_pins(&pins)?;
+            let deleted = gc::flush(&mut maps, service.as_deref())?;
+            match service {
+                Some(service) => println!("deleted {deleted} conntrack entries of Service {service}"),
+                None => println!("deleted {deleted} conntrack entries"),
+            }
         }
         Command::Dump { what, json } => {
             let maps = Maps::from_pins(&pins)?;
@@ -196,6 +274,7 @@ fn run(cli: Cli) -> Result<()> {
                 DumpWhat::Services => render(dump::services(&maps)?, json, dump::services_table)?,
                 DumpWhat::Backends => render(dump::backends(&maps)?, json, dump::backends_table)?,
                 DumpWhat::Conntrack => render(dump::conntrack(&maps)?, json, dump::conntrack_table)?,
+                DumpWhat::Affinity => render(dump::affinity(&maps)?, json, dump::affinity_table)?,
                 DumpWhat::Stats => render(dump::stats(&maps)?, json, dump::stats_table)?,
             };
             print!("{text}");

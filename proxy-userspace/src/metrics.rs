@@ -31,6 +31,16 @@ const DATAPATH_PACKETS: &str = "kproxy_datapath_packets_total";
 const SYNC_ERRORS: &str = "kproxy_sync_errors_total";
 const FRONTENDS: &str = "kproxy_frontends";
 const BACKENDS: &str = "kproxy_backends";
+const CT_GC_RUNS: &str = "kproxy_conntrack_gc_runs_total";
+const CT_GC_DELETED: &str = "kproxy_conntrack_gc_deleted_total";
+const CT_GC_INTERVAL: &str = "kproxy_conntrack_gc_interval_seconds";
+const CT_PURGED: &str = "kproxy_conntrack_purged_total";
+const CT_CREATED: &str = "kproxy_conntrack_created_total";
+const CT_EVICTED: &str = "kproxy_conntrack_evicted_total";
+const AFFINITY_GC_DELETED: &str = "kproxy_affinity_gc_deleted_total";
+/// The datapath counter of new translated flows (two entries each).
+const NEW_FLOW_REASON: &str = "dnat_new_flow";
+const CONNTRACK_MAP: &str = "conntrack_v4";
 
 /// kube-proxy's buckets for the rule sync duration: `0.001 × 2^i`, `i = 0..14`.
 pub fn sync_duration_buckets() -> Vec<f64> {
@@ -164,6 +174,13 @@ struct Inner {
     datapath_packets: BTreeMap<String, u64>,
     frontends: u64,
     backends: u64,
+    gc_runs_total: u64,
+    /// conntrack state → entries deleted by GC
+    gc_deleted: BTreeMap<String, u64>,
+    gc_interval_seconds: f64,
+    /// entries deleted at once for removed UDP backends
+    purged_total: u64,
+    affinity_gc_deleted_total: u64,
 }
 
 impl Default for Inner {
@@ -182,6 +199,11 @@ impl Default for Inner {
             datapath_packets: BTreeMap::new(),
             frontends: 0,
             backends: 0,
+            gc_runs_total: 0,
+            gc_deleted: BTreeMap::new(),
+            gc_interval_seconds: 0.0,
+            purged_total: 0,
+            affinity_gc_deleted_total: 0,
         }
     }
 }
@@ -253,6 +275,30 @@ impl Metrics {
         let mut inner = self.lock();
         inner.frontends = frontends;
         inner.backends = backends;
+    }
+
+    /// One conntrack GC run: entries deleted by state, affinity entries
+    /// deleted, and the interval until the next run.
+    pub fn observe_gc(&self, deleted: &BTreeMap<&str, u64>, affinity_deleted: u64, next_interval: Duration) {
+        let mut inner = self.lock();
+        inner.gc_runs_total = inner.gc_runs_total.saturating_add(1);
+        for (state, n) in deleted {
+            let total = inner.gc_deleted.entry((*state).to_owned()).or_default();
+            *total = total.saturating_add(*n);
+        }
+        inner.affinity_gc_deleted_total = inner.affinity_gc_deleted_total.saturating_add(affinity_deleted);
+        inner.gc_interval_seconds = next_interval.as_secs_f64();
+    }
+
+    /// The current conntrack GC interval.
+    pub fn set_gc_interval(&self, interval: Duration) {
+        self.lock().gc_interval_seconds = interval.as_secs_f64();
+    }
+
+    /// Conntrack entries purged for deleted UDP backends.
+    pub fn add_conntrack_purged(&self, entries: u64) {
+        let mut inner = self.lock();
+        inner.purged_total = inner.purged_total.saturating_add(entries);
     }
 
     /// The exposition in Prometheus text format 0.0.4 (see [`CONTENT_TYPE`]).
@@ -353,6 +399,63 @@ impl Metrics {
             "Service backends programmed in the datapath",
             "gauge",
             &inner.backends.to_string(),
+        );
+
+        scalar(
+            &mut out,
+            CT_GC_RUNS,
+            "Conntrack garbage collection runs",
+            "counter",
+            &inner.gc_runs_total.to_string(),
+        );
+        labelled(
+            &mut out,
+            CT_GC_DELETED,
+            "Conntrack entries deleted by garbage collection, by the flow's state",
+            "counter",
+            "state",
+            inner.gc_deleted.iter().map(|(state, n)| (state, *n)),
+        );
+        scalar(
+            &mut out,
+            CT_GC_INTERVAL,
+            "Current (adaptive) interval between conntrack garbage collection runs",
+            "gauge",
+            &format_float(inner.gc_interval_seconds),
+        );
+        scalar(
+            &mut out,
+            CT_PURGED,
+            "Conntrack entries deleted at once because their UDP backend was removed",
+            "counter",
+            &inner.purged_total.to_string(),
+        );
+        let created = inner.datapath_packets.get(NEW_FLOW_REASON).copied().unwrap_or(0);
+        scalar(
+            &mut out,
+            CT_CREATED,
+            "Translated flows created by the datapath (two conntrack entries each)",
+            "counter",
+            &created.to_string(),
+        );
+        let current = inner.maps.get(CONNTRACK_MAP).map_or(0, |(entries, _)| *entries);
+        let gc_deleted: u64 = inner.gc_deleted.values().sum();
+        let evicted = crate::gc::evicted_estimate(created, gc_deleted, inner.purged_total, current);
+        scalar(
+            &mut out,
+            CT_EVICTED,
+            "Estimate of conntrack entries evicted by the LRU: 2 x created - GC-deleted - purged - \
+             current entries, clamped at 0 (an estimate: the agent's counters restart with it, the \
+             datapath's do not, and flushes and datapath replacements are not subtracted)",
+            "counter",
+            &evicted.to_string(),
+        );
+        scalar(
+            &mut out,
+            AFFINITY_GC_DELETED,
+            "sessionAffinity entries deleted by garbage collection",
+            "counter",
+            &inner.affinity_gc_deleted_total.to_string(),
         );
         out
     }
@@ -615,6 +718,13 @@ mod tests {
             (SYNC_ERRORS, "counter"),
             (FRONTENDS, "gauge"),
             (BACKENDS, "gauge"),
+            (CT_GC_RUNS, "counter"),
+            (CT_GC_DELETED, "counter"),
+            (CT_GC_INTERVAL, "gauge"),
+            (CT_PURGED, "counter"),
+            (CT_CREATED, "counter"),
+            (CT_EVICTED, "counter"),
+            (AFFINITY_GC_DELETED, "counter"),
         ] {
             assert_eq!(exp.types.get(name).map(String::as_str), Some(kind), "{name}");
         }
@@ -694,5 +804,27 @@ mod tests {
         assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "no_backend")]), Some("3"));
         assert_eq!(exp.value(FRONTENDS, &[]), Some("7"));
         assert_eq!(exp.value(BACKENDS, &[]), Some("21"));
+    }
+
+    #[test]
+    fn conntrack_gc_metrics_and_the_eviction_estimate() {
+        let m = Metrics::new();
+        m.set_gc_interval(Duration::from_secs(30));
+        assert_eq!(parse(&m.render()).value(CT_GC_INTERVAL, &[]), Some("30"));
+        m.observe_gc(&[("OPEN", 4), ("ESTABLISHED", 2)].into(), 1, Duration::from_secs(15));
+        m.observe_gc(&[("OPEN", 2)].into(), 0, Duration::from_secs_f64(7.5));
+        m.add_conntrack_purged(6);
+        m.set_datapath_counters(&[(NEW_FLOW_REASON, 50)]);
+        m.set_map_usage(CONNTRACK_MAP, 40, 262144);
+        let exp = parse(&m.render());
+        assert_eq!(exp.value(CT_GC_RUNS, &[]), Some("2"));
+        assert_eq!(exp.value(CT_GC_DELETED, &[("state", "OPEN")]), Some("6"));
+        assert_eq!(exp.value(CT_GC_DELETED, &[("state", "ESTABLISHED")]), Some("2"));
+        assert_eq!(exp.value(CT_GC_INTERVAL, &[]), Some("7.5"));
+        assert_eq!(exp.value(CT_PURGED, &[]), Some("6"));
+        assert_eq!(exp.value(CT_CREATED, &[]), Some("50"));
+        // 2 × 50 − 8 − 6 − 40
+        assert_eq!(exp.value(CT_EVICTED, &[]), Some("46"));
+        assert_eq!(exp.value(AFFINITY_GC_DELETED, &[]), Some("1"));
     }
 }

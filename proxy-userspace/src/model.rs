@@ -103,6 +103,11 @@ pub struct Frontend {
     pub local_only: bool,
     /// `backends` are terminating endpoints that still serve, used because no endpoint is ready.
     pub terminating_fallback: bool,
+    /// Serving-and-terminating endpoints that are not in `backends` (sorted): they get no new connection
+    /// but keep the ones they have, so the datapath must still know them (as terminating backends) and
+    /// must not send their established flows elsewhere. Empty when the terminating fallback is used
+    /// (then they are the `backends`).
+    pub terminating_backends: Vec<BackendAddr>,
 }
 
 impl Frontend {
@@ -125,6 +130,7 @@ impl Frontend {
             session_affinity_timeout: None,
             local_only: false,
             terminating_fallback: false,
+            terminating_backends: Vec::new(),
         }
     }
 }
@@ -240,7 +246,7 @@ pub fn build_with(
         }
         let mut programmed = false;
         for port in &plan.ports {
-            let (backends, terminating_fallback) = backends_for(plan, port, slices);
+            let (backends, terminating_fallback, terminating_backends) = backends_for(plan, port, slices);
             for &vip in &plan.vips {
                 let key = (vip, port.port, port.proto);
                 if let Some(other) = taken.get(&key) {
@@ -271,6 +277,7 @@ pub fn build_with(
                     session_affinity_timeout: plan.affinity_timeout,
                     local_only: plan.local_only,
                     terminating_fallback,
+                    terminating_backends: terminating_backends.clone(),
                 });
             }
         }
@@ -718,10 +725,15 @@ fn use_slice<'a>(
     Some((service, SliceUse { ports, endpoints, trigger_time }))
 }
 
-/// The backends of one Service port, and whether they come from the terminating fallback. Slice ports are
-/// matched by name (absent and empty are equal) and must have the same protocol; the slice port's number is
-/// the target port of that slice's endpoints.
-fn backends_for(plan: &ServicePlan, port: &PortPlan, slices: &[SliceUse]) -> (Vec<BackendAddr>, bool) {
+/// The backends of one Service port, whether they come from the terminating fallback, and the
+/// serving-and-terminating endpoints left out of them (they keep their flows). Slice ports are matched by
+/// name (absent and empty are equal) and must have the same protocol; the slice port's number is the target
+/// port of that slice's endpoints.
+fn backends_for(
+    plan: &ServicePlan,
+    port: &PortPlan,
+    slices: &[SliceUse],
+) -> (Vec<BackendAddr>, bool, Vec<BackendAddr>) {
     let mut merged = BTreeMap::new();
     for slice in slices {
         for (name, target, proto) in &slice.ports {
@@ -743,12 +755,12 @@ fn backends_for(plan: &ServicePlan, port: &PortPlan, slices: &[SliceUse]) -> (Ve
         eligible.iter().filter(|(_, state)| keep(*state)).map(|(backend, _)| *backend).collect()
     };
     let ready = pick(|state| state.ready);
+    let fallback = pick(|state| !state.ready && state.fallback());
     if !ready.is_empty() {
-        return (ready, false);
+        return (ready, false, fallback);
     }
-    let fallback = pick(EndpointState::fallback);
     let used = !fallback.is_empty();
-    (fallback, used)
+    (fallback, used, Vec::new())
 }
 
 /// Adds a programmed Service's distinct endpoint addresses to the stats, each in its best state.
@@ -1648,6 +1660,9 @@ ports:
         let fe = checkout_frontend(&desired);
         assert_eq!(fe.backends, at_8080(&["10.244.2.8"]));
         assert!(!fe.terminating_fallback);
+        // The old pod that still serves keeps its connections (no new ones); the one that stopped serving
+        // and the unready one are gone from the datapath.
+        assert_eq!(fe.terminating_backends, at_8080(&["10.244.1.17"]));
         assert_eq!(
             (
                 desired.stats.endpoints_ready,
@@ -1673,6 +1688,7 @@ ports:
         let fe = checkout_frontend(&desired);
         assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.3"]));
         assert!(fe.terminating_fallback);
+        assert!(fe.terminating_backends.is_empty(), "under the fallback they are the backends");
         assert_eq!(desired.stats.frontends_terminating_fallback, 1);
         assert_eq!(desired.stats.frontends_without_backends, 0);
 
@@ -1689,7 +1705,42 @@ ports:
         let fe = checkout_frontend(&desired);
         assert!(fe.backends.is_empty());
         assert!(!fe.terminating_fallback);
+        assert!(fe.terminating_backends.is_empty());
         assert_eq!(desired.stats.frontends_without_backends, 1);
+    }
+
+    #[test]
+    fn terminating_backends_follow_conditions_policy_and_publish_not_ready() {
+        let endpoints = [
+            pod("10.244.1.17", "kind-worker", READY),
+            pod("10.244.1.20", "kind-worker", TERMINATING),
+            pod("10.244.2.3", "kind-worker2", TERMINATING),
+            pod("10.244.2.9", "kind-worker2", TERMINATING_NOT_SERVING),
+            pod("10.244.2.4", "kind-worker2", "{ready: true, serving: true, terminating: true}"),
+        ];
+        let slice = checkout_slice("checkout-7wq2d", None, &endpoints);
+        let desired = build_ok(&[&checkout(""), &slice]);
+        let fe = checkout_frontend(&desired);
+        // Ready wins, even when terminating: such an endpoint is a backend, never in both lists.
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.4"]));
+        assert_eq!(fe.terminating_backends, at_8080(&["10.244.1.20", "10.244.2.3"]));
+        assert!(fe.backends.iter().all(|b| !fe.terminating_backends.contains(b)));
+
+        // internalTrafficPolicy: Local keeps only this node's terminating endpoints too.
+        let local = checkout("  internalTrafficPolicy: Local\n  sessionAffinity: None\n");
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker"));
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
+        assert_eq!(fe.terminating_backends, at_8080(&["10.244.1.20"]));
+
+        // publishNotReadyAddresses makes every endpoint ready: nothing is left terminating.
+        let publish = checkout(
+            "  internalTrafficPolicy: Cluster\n  publishNotReadyAddresses: true\n  sessionAffinity: None\n",
+        );
+        let desired = build_ok(&[&publish, &slice]);
+        let fe = checkout_frontend(&desired);
+        assert_eq!(fe.backends.len(), 5);
+        assert!(fe.terminating_backends.is_empty());
     }
 
     #[test]
@@ -2152,6 +2203,7 @@ ports:
                 session_affinity_timeout: None,
                 local_only: false,
                 terminating_fallback: false,
+                terminating_backends: vec![],
             }
         );
         let mut other = fe.clone();

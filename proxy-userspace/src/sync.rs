@@ -1,8 +1,15 @@
 //! Keeps the service maps equal to the desired state, in an order that drops
-//! no packet: new backends → rev-NAT entries → slots 1..N → slot 0 (the new
-//! count) → slots above the count → removed frontends → orphan backends. The
-//! datapath never reads a slot above slot 0's count, so every intermediate
+//! no packet: backends turning active → VIP entry (a new VIP) → new backends →
+//! rev-NAT entries → slots 1..N+T → slot 0 (the new counts) → slots above the
+//! total → backends turning terminating → removed frontends → VIP counts
+//! (a VIP without frontends last) → orphan backends. The datapath never
+//! picks a slot above slot 0's count for a new flow, so every intermediate
 //! state is one a packet may safely see.
+//!
+//! Slots `1..=count` hold the backends new connections use; slots
+//! `count+1..=count+terminating_count` the serving-and-terminating ones,
+//! which keep their flows (their BACKENDS_V4 entry stays, flagged
+//! [`BACKEND_FLAG_TERMINATING`]) but get no new ones.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -67,19 +74,125 @@ impl Protocol {
 struct Programmed {
     rev_nat_id: u16,
     name: String,
+    /// Slots `1..=count`: backends for new connections.
     backend_ids: Vec<u32>,
+    /// Slots `count+1..=count+terminating_count`: backends that keep their
+    /// flows but get no new ones.
+    terminating_ids: Vec<u32>,
     flags: u16,
     affinity_timeout_s: u32,
 }
 
+impl Programmed {
+    fn slot_count(&self) -> usize {
+        self.backend_ids.len() + self.terminating_ids.len()
+    }
+
+    fn slot_ids(&self) -> impl Iterator<Item = &u32> {
+        self.backend_ids.iter().chain(&self.terminating_ids)
+    }
+}
+
+/// A backend as the mirror knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BackendEntry {
+    id: u32,
+    flags: u8,
+}
+
+/// The map operations the syncer needs: [`BpfStore`] on the real maps, and a
+/// recording in-memory store in the unit tests (the apply order is tested
+/// without BPF). Deleting a missing key is not an error.
+pub trait Store {
+    fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>>;
+    fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>>;
+    /// Empty when the store does not manage VIPS_V4.
+    fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>>;
+    fn read_name(&self, rev_nat_id: u16) -> Option<String>;
+    fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()>;
+    fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()>;
+    fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()>;
+    fn del_backend(&mut self, id: u32) -> Result<()>;
+    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()>;
+    fn del_rev_nat(&mut self, id: u16) -> Result<()>;
+    fn put_name(&mut self, id: u16, name: &str) -> Result<()>;
+    fn del_name(&mut self, id: u16) -> Result<()>;
+    fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()>;
+    fn del_vip(&mut self, vip: [u8; 4]) -> Result<()>;
+}
+
+/// The pinned (or freshly loaded) BPF maps.
+pub struct BpfStore {
+    pub services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
+    pub backends: HashMap<MapData, u32, BackendV4>,
+    pub rev_nat: HashMap<MapData, u16, RevNatV4>,
+    pub names: HashMap<MapData, u16, FrontendNameV4>,
+    /// `None`: VIPS_V4 is not maintained (callers of [`Syncer::new`] that did
+    /// not add it with [`Syncer::with_vips`]).
+    pub vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
+}
+
+impl Store for BpfStore {
+    fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
+        self.services.iter().map(|e| e.context("reading the services map")).collect()
+    }
+    fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
+        self.backends.iter().map(|e| e.context("reading the backends map")).collect()
+    }
+    fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
+        match &self.vips {
+            Some(vips) => vips.iter().map(|e| e.context("reading the VIPs map")).collect(),
+            None => Ok(Vec::new()),
+        }
+    }
+    fn read_name(&self, rev_nat_id: u16) -> Option<String> {
+        self.names.get(&rev_nat_id, 0).ok().map(|n| n.as_str().to_owned())
+    }
+    fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
+        self.services.insert(key, value, 0).map_err(map_full)
+    }
+    fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
+        ignore_missing(self.services.remove(key))
+    }
+    fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
+        self.backends.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_backend(&mut self, id: u32) -> Result<()> {
+        ignore_missing(self.backends.remove(&id))
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+        self.rev_nat.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+        ignore_missing(self.rev_nat.remove(&id))
+    }
+    fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+        self.names.insert(id, FrontendNameV4::new(name), 0).map_err(map_full)
+    }
+    fn del_name(&mut self, id: u16) -> Result<()> {
+        ignore_missing(self.names.remove(&id))
+    }
+    fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
+        match &mut self.vips {
+            Some(vips) => vips.insert(vip, value, 0).map_err(map_full),
+            None => Ok(()),
+        }
+    }
+    fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
+        match &mut self.vips {
+            Some(vips) => ignore_missing(vips.remove(&vip)),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The service maps' contents as this process last wrote (or read) them.
-pub struct Syncer {
-    services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
-    backends: HashMap<MapData, u32, BackendV4>,
-    rev_nat: HashMap<MapData, u16, RevNatV4>,
-    names: HashMap<MapData, u16, FrontendNameV4>,
+pub struct Syncer<S: Store = BpfStore> {
+    store: S,
     frontends: BTreeMap<FrontendKey, Programmed>,
-    backend_ids: BTreeMap<(BackendAddr, Protocol), u32>,
+    backends: BTreeMap<(BackendAddr, Protocol), BackendEntry>,
+    /// VIP → frontends on it, as written to VIPS_V4.
+    vips: BTreeMap<Ipv4Addr, u32>,
     next_backend_id: u32,
     next_rev_nat_id: u16,
 }
@@ -92,6 +205,11 @@ pub struct SyncReport {
     pub frontends_removed: usize,
     pub backends_added: usize,
     pub backends_removed: usize,
+    /// Backends whose flags changed in place (active ↔ terminating).
+    pub backends_updated: usize,
+    /// Ids of the backends deleted by this sync, with their protocol: the
+    /// agent purges the conntrack entries of the UDP ones.
+    pub removed_backends: Vec<(u32, Protocol)>,
     /// Frontends left as they were because a map refused a write.
     pub errors: Vec<String>,
 }
@@ -99,26 +217,109 @@ pub struct SyncReport {
 impl SyncReport {
     pub fn changed(&self) -> bool {
         self.frontends_added + self.frontends_updated + self.frontends_removed > 0
-            || self.backends_added + self.backends_removed > 0
+            || self.backends_added + self.backends_removed + self.backends_updated > 0
     }
 }
 
-impl Syncer {
+/// The flag each backend of `frontends` should carry: active when any
+/// frontend sends new connections to it, terminating when frontends only keep
+/// its existing flows. (With `publishNotReadyAddresses` one Service may see
+/// an endpoint as ready that another sees as terminating; active wins, since
+/// the flag only stops new connections from following affinity to it.)
+pub fn desired_backend_flags<'a>(
+    frontends: impl IntoIterator<Item = &'a Frontend>,
+) -> BTreeMap<(BackendAddr, Protocol), u8> {
+    let mut flags = BTreeMap::new();
+    for fe in frontends {
+        for b in &fe.backends {
+            flags.insert((*b, fe.proto), BACKEND_FLAG_ACTIVE);
+        }
+        for b in &fe.terminating_backends {
+            flags.entry((*b, fe.proto)).or_insert(BACKEND_FLAG_TERMINATING);
+        }
+    }
+    flags
+}
+
+/// Slot 0 and slots `1..=active+terminating` of a frontend: active backends
+/// first (the datapath picks among `1..=count`), then the terminating ones.
+pub fn slot_layout(
+    active: &[u32],
+    terminating: &[u32],
+    rev_nat_id: u16,
+    flags: u16,
+    affinity_timeout_s: u32,
+) -> Result<Vec<(u16, ServiceValueV4)>> {
+    let total = active.len() + terminating.len();
+    if total > usize::from(u16::MAX) {
+        anyhow::bail!("{total} endpoints exceed the 65535 slots of a frontend");
+    }
+    let mut slots = Vec::with_capacity(total + 1);
+    slots.push((
+        0,
+        ServiceValueV4 {
+            count: active.len() as u16,
+            terminating_count: terminating.len() as u16,
+            rev_nat_id,
+            flags,
+            affinity_timeout_s,
+            ..Default::default()
+        },
+    ));
+    for (i, id) in active.iter().chain(terminating).enumerate() {
+        slots.push((i as u16 + 1, ServiceValueV4 { backend_id: *id, rev_nat_id, ..Default::default() }));
+    }
+    Ok(slots)
+}
+
+/// Slot 0 flags of a frontend.
+pub fn frontend_flags(frontend: &Frontend) -> u16 {
+    let mut flags = 0;
+    if frontend.session_affinity_timeout.is_some() {
+        flags |= SVC_FLAG_AFFINITY;
+    }
+    if frontend.local_only {
+        flags |= SVC_FLAG_LOCAL_ONLY;
+    }
+    if frontend.terminating_fallback {
+        flags |= SVC_FLAG_TERMINATING_FALLBACK;
+    }
+    flags
+}
+
+impl Syncer<BpfStore> {
     /// Adopts what the maps already hold (a previous agent's work), so a
-    /// restart rewrites nothing that is still wanted.
+    /// restart rewrites nothing that is still wanted. VIPS_V4 is not
+    /// maintained unless added with [`Syncer::with_vips`] ([`Syncer::from_maps`]
+    /// does).
     pub fn new(
         services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
         backends: HashMap<MapData, u32, BackendV4>,
         rev_nat: HashMap<MapData, u16, RevNatV4>,
         names: HashMap<MapData, u16, FrontendNameV4>,
     ) -> Result<Self> {
+        Self::with_store(BpfStore { services, backends, rev_nat, names, vips: None })
+    }
+
+    /// Also keeps VIPS_V4 (VIP → number of frontends) in step.
+    pub fn with_vips(mut self, vips: HashMap<MapData, [u8; 4], VipV4>) -> Result<Self> {
+        self.store.vips = Some(vips);
+        self.reload()?;
+        Ok(self)
+    }
+
+    pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
+        Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?.with_vips(maps.vips)
+    }
+}
+
+impl<S: Store> Syncer<S> {
+    pub fn with_store(store: S) -> Result<Self> {
         let mut syncer = Self {
-            services,
-            backends,
-            rev_nat,
-            names,
+            store,
             frontends: BTreeMap::new(),
-            backend_ids: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            vips: BTreeMap::new(),
             next_backend_id: 1,
             next_rev_nat_id: 1,
         };
@@ -126,20 +327,22 @@ impl Syncer {
         Ok(syncer)
     }
 
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
     /// Forgets the mirror and reads the maps again, so the next apply repairs
     /// anything changed behind this process's back (the periodic full resync).
     pub fn reload(&mut self) -> Result<()> {
-        let mut backend_ids = BTreeMap::new();
-        for entry in self.backends.iter() {
-            let (id, b) = entry.context("reading the backends map")?;
+        let mut backends = BTreeMap::new();
+        for (id, b) in self.store.read_backends()? {
             if let Some(proto) = Protocol::from_number(b.proto) {
                 let addr = BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) };
-                backend_ids.insert((addr, proto), id);
+                backends.insert((addr, proto), BackendEntry { id, flags: b.flags });
             }
         }
         let mut slots: BTreeMap<FrontendKey, BTreeMap<u16, ServiceValueV4>> = BTreeMap::new();
-        for entry in self.services.iter() {
-            let (key, value) = entry.context("reading the services map")?;
+        for (key, value) in self.store.read_services()? {
             let Some(proto) = Protocol::from_number(key.proto) else { continue };
             let fk = FrontendKey { vip: Ipv4Addr::from(key.vip), port: u16::from_be_bytes(key.port), proto };
             slots.entry(fk).or_default().insert(key.slot, value);
@@ -147,36 +350,42 @@ impl Syncer {
         let mut frontends = BTreeMap::new();
         for (fk, slots) in slots {
             let Some(master) = slots.get(&0) else { continue };
-            let backend_ids =
-                (1..=master.count).filter_map(|s| slots.get(&s).map(|v| v.backend_id)).collect();
-            let name =
-                self.names.get(&master.rev_nat_id, 0).map(|n| n.as_str().to_owned()).unwrap_or_default();
+            let ids = |range: std::ops::RangeInclusive<u32>| -> Vec<u32> {
+                range
+                    .filter_map(|s| u16::try_from(s).ok())
+                    .filter_map(|s| slots.get(&s).map(|v| v.backend_id))
+                    .collect()
+            };
+            let count = u32::from(master.count);
+            let backend_ids = ids(1..=count);
+            let terminating_ids = ids(count + 1..=count + u32::from(master.terminating_count));
+            let name = self.store.read_name(master.rev_nat_id).unwrap_or_default();
             let programmed = Programmed {
                 rev_nat_id: master.rev_nat_id,
                 name,
                 backend_ids,
+                terminating_ids,
                 flags: master.flags,
                 affinity_timeout_s: master.affinity_timeout_s,
             };
             frontends.insert(fk, programmed);
         }
-        self.next_backend_id = backend_ids.values().max().map_or(1, |m: &u32| m.wrapping_add(1).max(1));
+        self.vips =
+            self.store.read_vips()?.into_iter().map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends)).collect();
+        self.next_backend_id =
+            backends.values().map(|b: &BackendEntry| b.id).max().map_or(1, |m| m.wrapping_add(1).max(1));
         self.next_rev_nat_id = frontends
             .values()
             .map(|f: &Programmed| f.rev_nat_id)
             .max()
             .map_or(1, |m| m.wrapping_add(1).max(1));
-        self.backend_ids = backend_ids;
+        self.backends = backends;
         self.frontends = frontends;
         Ok(())
     }
 
-    pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
-        Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-    }
-
     fn allocate_backend_id(&mut self) -> u32 {
-        let used: BTreeSet<u32> = self.backend_ids.values().copied().collect();
+        let used: BTreeSet<u32> = self.backends.values().map(|b| b.id).collect();
         while self.next_backend_id == 0 || used.contains(&self.next_backend_id) {
             self.next_backend_id = self.next_backend_id.wrapping_add(1);
         }
@@ -200,25 +409,42 @@ impl Syncer {
 
     /// Makes the maps hold exactly `desired`. A frontend whose write fails is
     /// reported and left as it was; the others are still applied.
+    ///
+    /// Order: backends turning active (flag rewritten in place, same id) →
+    /// per frontend [VIP entry if the VIP is new → new backends → rev-NAT →
+    /// changed slots → slot 0 → slots above the total] → backends turning
+    /// terminating → removed frontends → VIP counts (a VIP without frontends
+    /// is deleted last) → orphan backends.
     pub fn apply(&mut self, desired: &Desired) -> SyncReport {
         let mut report = SyncReport::default();
         let wanted: BTreeMap<FrontendKey, &Frontend> =
             desired.frontends.iter().map(|f| (FrontendKey::of(f), f)).collect();
+        let flags = desired_backend_flags(wanted.values().copied());
 
+        self.update_backend_flags(&flags, BACKEND_FLAG_ACTIVE, &mut report);
+
+        let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+        for fk in wanted.keys() {
+            *per_vip.entry(fk.vip).or_default() += 1;
+        }
         for (fk, frontend) in &wanted {
             let name = format!("{}:{}", frontend.service, frontend.port_name);
-            match self.apply_frontend(*fk, frontend, name, &mut report) {
-                Ok(()) => {}
-                Err(e) => report.errors.push(format!(
+            let result = self
+                .ensure_vip(fk.vip, per_vip[&fk.vip])
+                .and_then(|()| self.apply_frontend(*fk, frontend, name, &flags, &mut report));
+            if let Err(e) = result {
+                report.errors.push(format!(
                     "Service {} port {}/{} ({}:{}): not programmed: {e:#}",
                     frontend.service,
                     frontend.port,
                     fk.proto.name(),
                     fk.vip,
                     fk.port
-                )),
+                ));
             }
         }
+
+        self.update_backend_flags(&flags, BACKEND_FLAG_TERMINATING, &mut report);
 
         let stale: Vec<FrontendKey> =
             self.frontends.keys().filter(|k| !wanted.contains_key(k)).copied().collect();
@@ -230,8 +456,93 @@ impl Syncer {
                 }
             }
         }
+        self.reconcile_vips(&mut report);
         self.remove_orphan_backends(&mut report);
         report
+    }
+
+    /// Rewrites in place the backends that should now carry `target`.
+    fn update_backend_flags(
+        &mut self,
+        flags: &BTreeMap<(BackendAddr, Protocol), u8>,
+        target: u8,
+        report: &mut SyncReport,
+    ) {
+        for (key, flag) in flags {
+            if *flag != target {
+                continue;
+            }
+            let Some(entry) = self.backends.get(key).copied() else { continue };
+            if entry.flags == target {
+                continue;
+            }
+            let value = backend_value(key.0, key.1, target);
+            match self.store.put_backend(entry.id, value) {
+                Ok(()) => {
+                    self.backends.insert(*key, BackendEntry { id: entry.id, flags: target });
+                    report.backends_updated += 1;
+                }
+                Err(e) => report.errors.push(format!("updating backend {}/{}: {e:#}", key.0, key.1.name())),
+            }
+        }
+    }
+
+    /// Writes the VIP entry before the first frontend on it appears.
+    fn ensure_vip(&mut self, vip: Ipv4Addr, frontends: u32) -> Result<()> {
+        if self.vips.contains_key(&vip) {
+            return Ok(());
+        }
+        self.store.put_vip(vip.octets(), VipV4 { frontends }).context("VIPs map")?;
+        self.vips.insert(vip, frontends);
+        Ok(())
+    }
+
+    /// Makes VIPS_V4 count the frontends programmed now; deletes VIPs left
+    /// without any (after their frontends' slot 0 are gone).
+    fn reconcile_vips(&mut self, report: &mut SyncReport) {
+        let mut counts: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+        for fk in self.frontends.keys() {
+            *counts.entry(fk.vip).or_default() += 1;
+        }
+        for (vip, count) in &counts {
+            if self.vips.get(vip) == Some(count) {
+                continue;
+            }
+            match self.store.put_vip(vip.octets(), VipV4 { frontends: *count }) {
+                Ok(()) => {
+                    self.vips.insert(*vip, *count);
+                }
+                Err(e) => report.errors.push(format!("VIP {vip}: {e:#}")),
+            }
+        }
+        let gone: Vec<Ipv4Addr> = self.vips.keys().filter(|v| !counts.contains_key(v)).copied().collect();
+        for vip in gone {
+            match self.store.del_vip(vip.octets()) {
+                Ok(()) => {
+                    self.vips.remove(&vip);
+                }
+                Err(e) => report.errors.push(format!("removing VIP {vip}: {e:#}")),
+            }
+        }
+    }
+
+    fn backend_id(
+        &mut self,
+        backend: BackendAddr,
+        proto: Protocol,
+        flag: u8,
+        report: &mut SyncReport,
+    ) -> Result<u32> {
+        if let Some(entry) = self.backends.get(&(backend, proto)) {
+            return Ok(entry.id);
+        }
+        let id = self.allocate_backend_id();
+        self.store
+            .put_backend(id, backend_value(backend, proto, flag))
+            .with_context(|| format!("backend {}:{}", backend.addr, backend.port))?;
+        self.backends.insert((backend, proto), BackendEntry { id, flags: flag });
+        report.backends_added += 1;
+        Ok(id)
     }
 
     fn apply_frontend(
@@ -239,50 +550,26 @@ impl Syncer {
         fk: FrontendKey,
         frontend: &Frontend,
         name: String,
+        wanted_flags: &BTreeMap<(BackendAddr, Protocol), u8>,
         report: &mut SyncReport,
     ) -> Result<()> {
+        let flag_of =
+            |b: &BackendAddr| wanted_flags.get(&(*b, fk.proto)).copied().unwrap_or(BACKEND_FLAG_ACTIVE);
         let mut ids = Vec::with_capacity(frontend.backends.len());
         for backend in &frontend.backends {
-            let key = (*backend, fk.proto);
-            let id = match self.backend_ids.get(&key) {
-                Some(id) => *id,
-                None => {
-                    let id = self.allocate_backend_id();
-                    let value = BackendV4 {
-                        addr: backend.addr.octets(),
-                        port: backend.port.to_be_bytes(),
-                        proto: fk.proto.number(),
-                        flags: BACKEND_FLAG_ACTIVE,
-                    };
-                    self.backends
-                        .insert(id, value, 0)
-                        .map_err(map_full)
-                        .with_context(|| format!("backend {}:{}", backend.addr, backend.port))?;
-                    self.backend_ids.insert(key, id);
-                    report.backends_added += 1;
-                    id
-                }
-            };
-            ids.push(id);
+            ids.push(self.backend_id(*backend, fk.proto, flag_of(backend), report)?);
         }
-        if ids.len() > usize::from(u16::MAX) {
-            anyhow::bail!("{} endpoints exceed the 65535 slots of a frontend", ids.len());
+        let mut terminating_ids = Vec::with_capacity(frontend.terminating_backends.len());
+        for backend in &frontend.terminating_backends {
+            terminating_ids.push(self.backend_id(*backend, fk.proto, flag_of(backend), report)?);
         }
 
-        let mut flags = 0;
-        if frontend.session_affinity_timeout.is_some() {
-            flags |= SVC_FLAG_AFFINITY;
-        }
-        if frontend.local_only {
-            flags |= SVC_FLAG_LOCAL_ONLY;
-        }
-        if frontend.terminating_fallback {
-            flags |= SVC_FLAG_TERMINATING_FALLBACK;
-        }
+        let flags = frontend_flags(frontend);
         let affinity_timeout_s = frontend.session_affinity_timeout.unwrap_or(0);
         let previous = self.frontends.get(&fk).cloned();
         if previous.as_ref().is_some_and(|p| {
             p.backend_ids == ids
+                && p.terminating_ids == terminating_ids
                 && p.name == name
                 && p.flags == flags
                 && p.affinity_timeout_s == affinity_timeout_s
@@ -293,6 +580,7 @@ impl Syncer {
             Some(p) => p.rev_nat_id,
             None => self.allocate_rev_nat_id().context("all 65535 rev-NAT ids are in use")?,
         };
+        let slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
         if previous.is_none() {
             let rev = RevNatV4 {
                 vip: fk.vip.octets(),
@@ -300,72 +588,63 @@ impl Syncer {
                 proto: fk.proto.number(),
                 _pad: 0,
             };
-            self.rev_nat.insert(rev_nat_id, rev, 0).map_err(map_full).context("rev_nat map")?;
+            self.store.put_rev_nat(rev_nat_id, rev).context("rev_nat map")?;
         }
         if previous.as_ref().is_none_or(|p| p.name != name) {
-            self.names
-                .insert(rev_nat_id, FrontendNameV4::new(&name), 0)
-                .map_err(map_full)
-                .context("names map")?;
+            self.store.put_name(rev_nat_id, &name).context("names map")?;
         }
-        for (i, id) in ids.iter().enumerate() {
-            let slot = i as u16 + 1;
-            if previous.as_ref().and_then(|p| p.backend_ids.get(i)) == Some(id) {
+        let old_ids: Vec<u32> =
+            previous.as_ref().map(|p| p.slot_ids().copied().collect()).unwrap_or_default();
+        for (slot, value) in &slots[1..] {
+            if old_ids.get(usize::from(*slot) - 1) == Some(&value.backend_id) {
                 continue;
             }
-            let value = ServiceValueV4 { backend_id: *id, rev_nat_id, ..Default::default() };
-            self.services.insert(fk.slot(slot), value, 0).map_err(map_full).context("services map (slot)")?;
+            self.store.put_service(fk.slot(*slot), *value).context("services map (slot)")?;
         }
-        let master = ServiceValueV4 {
-            count: ids.len() as u16,
-            rev_nat_id,
-            flags,
-            affinity_timeout_s,
-            ..Default::default()
-        };
-        self.services.insert(fk.slot(0), master, 0).map_err(map_full).context("services map (slot 0)")?;
-        let old_count = previous.as_ref().map_or(0, |p| p.backend_ids.len());
-        for slot in ids.len() + 1..=old_count {
-            ignore_missing(self.services.remove(&fk.slot(slot as u16)))?;
+        self.store.put_service(fk.slot(0), slots[0].1).context("services map (slot 0)")?;
+        for slot in slots.len()..=old_ids.len() {
+            self.store.del_service(&fk.slot(slot as u16))?;
         }
         if previous.is_some() {
             report.frontends_updated += 1;
         } else {
             report.frontends_added += 1;
         }
-        self.frontends
-            .insert(fk, Programmed { rev_nat_id, name, backend_ids: ids, flags, affinity_timeout_s });
+        self.frontends.insert(
+            fk,
+            Programmed { rev_nat_id, name, backend_ids: ids, terminating_ids, flags, affinity_timeout_s },
+        );
         Ok(())
     }
 
     fn remove_frontend(&mut self, fk: FrontendKey) -> Result<()> {
         let Some(programmed) = self.frontends.get(&fk).cloned() else { return Ok(()) };
-        ignore_missing(self.services.remove(&fk.slot(0)))?;
-        for slot in 1..=programmed.backend_ids.len() {
-            ignore_missing(self.services.remove(&fk.slot(slot as u16)))?;
+        self.store.del_service(&fk.slot(0))?;
+        for slot in 1..=programmed.slot_count() {
+            self.store.del_service(&fk.slot(slot as u16))?;
         }
         // Established flows keep their VIP in the conntrack reply entry, so
         // dropping the rev-NAT entry only loses the name in dumps.
-        ignore_missing(self.rev_nat.remove(&programmed.rev_nat_id))?;
-        ignore_missing(self.names.remove(&programmed.rev_nat_id))?;
+        self.store.del_rev_nat(programmed.rev_nat_id)?;
+        self.store.del_name(programmed.rev_nat_id)?;
         self.frontends.remove(&fk);
         Ok(())
     }
 
     fn remove_orphan_backends(&mut self, report: &mut SyncReport) {
-        let referenced: BTreeSet<u32> =
-            self.frontends.values().flat_map(|f| f.backend_ids.iter().copied()).collect();
+        let referenced: BTreeSet<u32> = self.frontends.values().flat_map(|f| f.slot_ids().copied()).collect();
         let orphans: Vec<((BackendAddr, Protocol), u32)> = self
-            .backend_ids
+            .backends
             .iter()
-            .filter(|(_, id)| !referenced.contains(id))
-            .map(|(k, id)| (*k, *id))
+            .filter(|(_, b)| !referenced.contains(&b.id))
+            .map(|(k, b)| (*k, b.id))
             .collect();
         for (key, id) in orphans {
-            match ignore_missing(self.backends.remove(&id)) {
+            match self.store.del_backend(id) {
                 Ok(()) => {
-                    self.backend_ids.remove(&key);
+                    self.backends.remove(&key);
                     report.backends_removed += 1;
+                    report.removed_backends.push((id, key.1));
                 }
                 Err(e) => {
                     report.errors.push(format!("removing backend {}:{}: {e:#}", key.0.addr, key.0.port))
@@ -374,14 +653,17 @@ impl Syncer {
         }
     }
 
-    /// Frontend name by rev-NAT id, for logs.
     pub fn frontend_count(&self) -> usize {
         self.frontends.len()
     }
 
     pub fn backend_count(&self) -> usize {
-        self.backend_ids.len()
+        self.backends.len()
     }
+}
+
+fn backend_value(backend: BackendAddr, proto: Protocol, flags: u8) -> BackendV4 {
+    BackendV4 { addr: backend.addr.octets(), port: backend.port.to_be_bytes(), proto: proto.number(), flags }
 }
 
 fn map_full(e: MapError) -> anyhow::Error {
@@ -398,5 +680,316 @@ fn ignore_missing(result: Result<(), MapError>) -> Result<()> {
         Err(MapError::KeyNotFound) => Ok(()),
         Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other.map_err(anyhow::Error::new),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ServiceName;
+
+    /// The maps as BTreeMaps; every write is logged, and writes can be made
+    /// to fail (a full map).
+    #[derive(Default)]
+    struct FakeStore {
+        services: BTreeMap<ServiceKeyV4Ord, ServiceValueV4>,
+        backends: BTreeMap<u32, BackendV4>,
+        rev_nat: BTreeMap<u16, RevNatV4>,
+        names: BTreeMap<u16, String>,
+        vips: BTreeMap<[u8; 4], VipV4>,
+        log: Vec<String>,
+        /// Refuse inserting new backends once this many exist.
+        backend_capacity: Option<usize>,
+    }
+
+    /// ServiceKeyV4 has no Ord; (vip, port, proto, slot).
+    type ServiceKeyV4Ord = ([u8; 4], u16, u8, u16);
+
+    fn ord(key: &ServiceKeyV4) -> ServiceKeyV4Ord {
+        (key.vip, u16::from_be_bytes(key.port), key.proto, key.slot)
+    }
+
+    fn ip(vip: [u8; 4]) -> Ipv4Addr {
+        Ipv4Addr::from(vip)
+    }
+
+    impl Store for FakeStore {
+        fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
+            Ok(self
+                .services
+                .iter()
+                .map(|((vip, port, proto, slot), v)| {
+                    (ServiceKeyV4::new(*vip, port.to_be_bytes(), *proto, SCOPE_CLUSTER_IP, *slot), *v)
+                })
+                .collect())
+        }
+        fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
+            Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+        }
+        fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
+            Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
+        }
+        fn read_name(&self, id: u16) -> Option<String> {
+            self.names.get(&id).cloned()
+        }
+        fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
+            let (vip, port, _, slot) = ord(&key);
+            self.log.push(format!("put slot {}:{port}#{slot}", ip(vip)));
+            self.services.insert(ord(&key), value);
+            Ok(())
+        }
+        fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
+            let (vip, port, _, slot) = ord(key);
+            if self.services.remove(&ord(key)).is_some() {
+                self.log.push(format!("del slot {}:{port}#{slot}", ip(vip)));
+            }
+            Ok(())
+        }
+        fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
+            if !self.backends.contains_key(&id)
+                && self.backend_capacity.is_some_and(|cap| self.backends.len() >= cap)
+            {
+                anyhow::bail!("the map is full");
+            }
+            self.log.push(format!("put backend {id} flags {}", value.flags));
+            self.backends.insert(id, value);
+            Ok(())
+        }
+        fn del_backend(&mut self, id: u32) -> Result<()> {
+            self.log.push(format!("del backend {id}"));
+            self.backends.remove(&id);
+            Ok(())
+        }
+        fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+            self.log.push(format!("put revnat {id}"));
+            self.rev_nat.insert(id, value);
+            Ok(())
+        }
+        fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+            self.log.push(format!("del revnat {id}"));
+            self.rev_nat.remove(&id);
+            Ok(())
+        }
+        fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+            self.names.insert(id, name.to_owned());
+            Ok(())
+        }
+        fn del_name(&mut self, id: u16) -> Result<()> {
+            self.names.remove(&id);
+            Ok(())
+        }
+        fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
+            self.log.push(format!("put vip {} {}", ip(vip), value.frontends));
+            self.vips.insert(vip, value);
+            Ok(())
+        }
+        fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
+            self.log.push(format!("del vip {}", ip(vip)));
+            self.vips.remove(&vip);
+            Ok(())
+        }
+    }
+
+    const VIP: [u8; 4] = [10, 96, 0, 100];
+
+    fn be(addr: [u8; 4], port: u16) -> BackendAddr {
+        BackendAddr { addr: Ipv4Addr::from(addr), port }
+    }
+
+    fn web(port: u16, proto: Protocol, active: &[u8], terminating: &[u8]) -> Frontend {
+        let mut fe = Frontend::new(
+            ServiceName { namespace: "default".into(), name: "web".into() },
+            format!("p{port}"),
+            Ipv4Addr::from(VIP),
+            port,
+            proto,
+            active.iter().map(|last| be([10, 244, 0, *last], 8080)).collect(),
+        );
+        fe.terminating_backends = terminating.iter().map(|last| be([10, 244, 0, *last], 8080)).collect();
+        fe
+    }
+
+    fn slot0(store: &FakeStore, port: u16, proto: Protocol) -> ServiceValueV4 {
+        store.services[&(VIP, port, proto.number(), 0)]
+    }
+
+    fn slot_backends(store: &FakeStore, port: u16, proto: Protocol) -> Vec<[u8; 4]> {
+        let master = slot0(store, port, proto);
+        (1..=master.count + master.terminating_count)
+            .map(|s| store.backends[&store.services[&(VIP, port, proto.number(), s)].backend_id].addr)
+            .collect()
+    }
+
+    fn flags_of(store: &FakeStore, last: u8) -> u8 {
+        store.backends.values().find(|b| b.addr == [10, 244, 0, last]).expect("backend present").flags
+    }
+
+    fn id_of(store: &FakeStore, last: u8) -> u32 {
+        *store.backends.iter().find(|(_, b)| b.addr == [10, 244, 0, last]).unwrap().0
+    }
+
+    fn position(log: &[String], entry: &str) -> usize {
+        log.iter().position(|l| l == entry).unwrap_or_else(|| panic!("{entry:?} not in {log:#?}"))
+    }
+
+    #[test]
+    fn terminating_backends_get_slots_after_the_count_and_their_flag() {
+        let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+        let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[3])]));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        assert_eq!(report.backends_added, 3);
+        let store = syncer.store();
+        let master = slot0(store, 80, Protocol::Tcp);
+        assert_eq!((master.count, master.terminating_count), (2, 1));
+        assert_eq!(
+            slot_backends(store, 80, Protocol::Tcp),
+            [[10, 244, 0, 1], [10, 244, 0, 2], [10, 244, 0, 3]]
+        );
+        assert_eq!(flags_of(store, 1), BACKEND_FLAG_ACTIVE);
+        assert_eq!(flags_of(store, 3), BACKEND_FLAG_TERMINATING);
+        assert_eq!(store.vips[&VIP].frontends, 1);
+        // The VIP entry exists before slot 0 of its first frontend.
+        assert!(
+            position(&store.log, "put vip 10.96.0.100 1") < position(&store.log, "put slot 10.96.0.100:80#0")
+        );
+
+        // A restarted agent adopts the terminating slots: nothing is rewritten.
+        let store = std::mem::take(&mut syncer.store);
+        let mut syncer = Syncer::with_store(FakeStore { log: vec![], ..store }).unwrap();
+        let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[3])]));
+        assert!(!report.changed(), "{report:?}");
+        assert!(syncer.store().log.is_empty(), "{:?}", syncer.store().log);
+        assert_eq!(syncer.backend_count(), 3);
+    }
+
+    #[test]
+    fn a_backend_changing_state_keeps_its_id_and_flips_its_flag_in_place() {
+        let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+        syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[])]));
+        let id2 = id_of(syncer.store(), 2);
+
+        // Pod .2 starts terminating: it leaves the active slots, stays as a terminating one.
+        syncer.store.log.clear();
+        let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[2])]));
+        assert_eq!((report.backends_added, report.backends_removed, report.backends_updated), (0, 0, 1));
+        assert!(report.removed_backends.is_empty());
+        let store = syncer.store();
+        assert_eq!(id_of(store, 2), id2);
+        assert_eq!(flags_of(store, 2), BACKEND_FLAG_TERMINATING);
+        let master = slot0(store, 80, Protocol::Tcp);
+        assert_eq!((master.count, master.terminating_count), (1, 1));
+        // Flag goes terminating only after slot 0 no longer counts it as active.
+        let flip = position(&store.log, &format!("put backend {id2} flags {BACKEND_FLAG_TERMINATING}"));
+        assert!(position(&store.log, "put slot 10.96.0.100:80#0") < flip, "{:#?}", store.log);
+
+        // ... and back (readiness restored): active before any slot names it for new flows.
+        syncer.store.log.clear();
+        let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[])]));
+        assert_eq!(report.backends_updated, 1);
+        let store = syncer.store();
+        assert_eq!(id_of(store, 2), id2);
+        assert_eq!(flags_of(store, 2), BACKEND_FLAG_ACTIVE);
+        let flip = position(&store.log, &format!("put backend {id2} flags {BACKEND_FLAG_ACTIVE}"));
+        assert!(flip < position(&store.log, "put slot 10.96.0.100:80#0"), "{:#?}", store.log);
+        assert_eq!(slot0(store, 80, Protocol::Tcp).terminating_count, 0);
+        assert_eq!(store.services.len(), 3, "no slot above the total is left");
+    }
+
+    #[test]
+    fn active_wins_when_two_frontends_disagree_about_a_backend() {
+        let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+        let a = web(80, Protocol::Tcp, &[1], &[2]);
+        let b = web(81, Protocol::Tcp, &[2], &[]);
+        let report = syncer.apply(&Desired::new(vec![a, b]));
+        assert!(report.errors.is_empty());
+        assert_eq!(syncer.backend_count(), 2);
+        assert_eq!(flags_of(syncer.store(), 2), BACKEND_FLAG_ACTIVE);
+        assert_eq!(syncer.store().vips[&VIP].frontends, 2);
+    }
+
+    #[test]
+    fn removed_backends_are_reported_with_their_protocol() {
+        let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+        syncer.apply(&Desired::new(vec![
+            web(53, Protocol::Udp, &[1, 2], &[]),
+            web(80, Protocol::Tcp, &[1], &[3]),
+        ]));
+        let udp2 = *syncer.backends.get(&(be([10, 244, 0, 2], 8080), Protocol::Udp)).map(|b| &b.id).unwrap();
+        let tcp3 = *syncer.backends.get(&(be([10, 244, 0, 3], 8080), Protocol::Tcp)).map(|b| &b.id).unwrap();
+        // .2 is deleted; .3 finished terminating and disappears.
+        let report = syncer
+            .apply(&Desired::new(vec![web(53, Protocol::Udp, &[1], &[]), web(80, Protocol::Tcp, &[1], &[])]));
+        let mut removed = report.removed_backends.clone();
+        removed.sort();
+        let mut expected = vec![(udp2, Protocol::Udp), (tcp3, Protocol::Tcp)];
+        expected.sort();
+        assert_eq!(removed, expected);
+        assert_eq!(report.backends_removed, 2);
+        // A terminating backend stays referenced (not an orphan) while listed.
+        let report = syncer
+            .apply(&Desired::new(vec![web(53, Protocol::Udp, &[], &[1]), web(80, Protocol::Tcp, &[1], &[])]));
+        assert!(report.removed_backends.is_empty(), "{report:?}");
+    }
+
+    #[test]
+    fn vips_count_frontends_and_go_after_the_last_one() {
+        let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+        syncer
+            .apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[]), web(80, Protocol::Udp, &[], &[])]));
+        assert_eq!(syncer.store().vips[&VIP].frontends, 2);
+        syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+        assert_eq!(syncer.store().vips[&VIP].frontends, 1);
+
+        syncer.store.log.clear();
+        syncer.apply(&Desired::new(vec![]));
+        let store = syncer.store();
+        assert!(store.vips.is_empty());
+        assert!(
+            position(&store.log, "del slot 10.96.0.100:80#0") < position(&store.log, "del vip 10.96.0.100")
+        );
+        assert!(store.services.is_empty() && store.backends.is_empty() && store.rev_nat.is_empty());
+
+        // Drift is repaired by a reload: a VIP entry removed behind our back comes back.
+        syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+        syncer.store.vips.clear();
+        syncer.reload().unwrap();
+        syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+        assert_eq!(syncer.store().vips[&VIP].frontends, 1);
+    }
+
+    #[test]
+    fn a_frontend_that_cannot_be_written_leaves_no_vip_behind() {
+        let store = FakeStore { backend_capacity: Some(0), ..Default::default() };
+        let mut syncer = Syncer::with_store(store).unwrap();
+        let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        assert!(report.errors[0].contains("default/web"), "{}", report.errors[0]);
+        assert!(syncer.store().vips.is_empty());
+        assert_eq!(syncer.frontend_count(), 0);
+    }
+
+    #[test]
+    fn slot_layout_and_flags() {
+        let slots = slot_layout(&[7, 8], &[9], 3, SVC_FLAG_AFFINITY, 60).unwrap();
+        assert_eq!(slots.len(), 4);
+        assert_eq!(slots[0].1.count, 2);
+        assert_eq!(slots[0].1.terminating_count, 1);
+        assert_eq!(slots[0].1.affinity_timeout_s, 60);
+        assert_eq!(
+            slots.iter().skip(1).map(|(s, v)| (*s, v.backend_id)).collect::<Vec<_>>(),
+            [(1, 7), (2, 8), (3, 9)]
+        );
+        assert!(slots.iter().all(|(_, v)| v.rev_nat_id == 3));
+        assert!(slot_layout(&vec![1; 40_000], &vec![2; 30_000], 1, 0, 0).is_err());
+
+        let mut fe = web(80, Protocol::Tcp, &[1], &[]);
+        assert_eq!(frontend_flags(&fe), 0);
+        fe.session_affinity_timeout = Some(10);
+        fe.local_only = true;
+        fe.terminating_fallback = true;
+        assert_eq!(
+            frontend_flags(&fe),
+            SVC_FLAG_AFFINITY | SVC_FLAG_LOCAL_ONLY | SVC_FLAG_TERMINATING_FALLBACK
+        );
     }
 }

@@ -73,6 +73,13 @@ fn expected_icmp(offending: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// A frame sent back to the pod it came from: addressed to the pod's MAC.
+fn bounced(mut frame: Vec<u8>) -> Vec<u8> {
+    frame[..6].copy_from_slice(&CLIENT_MAC);
+    frame[6..12].copy_from_slice(&NODE_MAC);
+    frame
+}
+
 #[test]
 fn a_syn_to_a_service_without_endpoints_is_answered_with_an_exact_rst() {
     let h = Harness::new();
@@ -236,7 +243,7 @@ fn a_pod_reaching_itself_through_its_service_is_hairpinned() {
     let (ret, out) = h.ingress(&syn.frame());
     assert_eq!(ret, BOUNCE, "sent straight back to the pod");
     let hairpin = proxy_common::maps::DEFAULT_HAIRPIN_ADDR;
-    assert_eq!(out, Packet { src: hairpin, dst: SELF_IP, dport: 8080, ..syn }.frame());
+    assert_eq!(out, bounced(Packet { src: hairpin, dst: SELF_IP, dport: 8080, ..syn }.frame()));
     let fwd = h.ct(&ct_key(SELF_IP, 45000, WEB_VIP, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
     assert_eq!(fwd.flags & CT_FLAG_HAIRPIN, CT_FLAG_HAIRPIN, "the entry records the hairpin");
 
@@ -244,6 +251,6 @@ fn a_pod_reaching_itself_through_its_service_is_hairpinned() {
     let syn_ack = Packet::tcp(SELF_IP, 8080, hairpin, 45000, TCP_SYN | TCP_ACK);
     let (ret, out) = h.ingress(&syn_ack.frame());
     assert_eq!(ret, BOUNCE);
-    assert_eq!(out, Packet { src: WEB_VIP, sport: 80, dst: SELF_IP, ..syn_ack }.frame());
+    assert_eq!(out, bounced(Packet { src: WEB_VIP, sport: 80, dst: SELF_IP, ..syn_ack }.frame()));
     assert_eq!(h.stat(Stat::Hairpin), 1);
 }

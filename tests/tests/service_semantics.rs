@@ -113,7 +113,8 @@ fn a_udp_client_with_a_fixed_source_port_follows_its_backend_within_a_second() {
     let text = std::fs::read_to_string(cluster.manifest("kube-dns.yaml")).unwrap();
     let ready = format!("  - {gone}\n  conditions:\n    ready: true\n    serving: true");
     assert!(text.contains(&ready));
-    let without = text.replacen(&ready, &format!("  - {gone}\n  conditions:\n    ready: false\n    serving: false"), 2);
+    let without =
+        text.replacen(&ready, &format!("  - {gone}\n  conditions:\n    ready: false\n    serving: false"), 2);
     let changed = Instant::now();
     std::fs::write(cluster.manifest("kube-dns.yaml"), without).unwrap();
     let answered = loop {

@@ -22,9 +22,13 @@ const PACKAGES: &[&str] = &[
     "tcpdump",
     "bpftool",
     "iperf3",
+    // `cargo xtask bench`: DNS load and the charts.
+    "dnsperf",
+    "gnuplot-nox",
     "ethtool",
     "util-linux",
     "procps",
+    "nftables",
 ];
 
 const LLVM_BIN: &str = "/usr/lib/llvm-22/bin";

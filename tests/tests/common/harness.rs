@@ -15,7 +15,7 @@ use kproxy::{
     sync::Syncer,
 };
 use proxy_common::{
-    maps::{AffinityKeyV4, AffinityValueV4, ConfigV4, CtEntryV4, CtKeyV4, VipV4},
+    maps::{AffinityKeyV4, AffinityValueV4, ConfigV4, CtEntryV4, CtKeyV4},
     stats::Stat,
 };
 
@@ -35,7 +35,6 @@ pub struct Harness {
     pub stats: PerCpuArray<MapData, u64>,
     pub config: Array<MapData, ConfigV4>,
     pub affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4>,
-    pub vips: HashMap<MapData, [u8; 4], VipV4>,
 }
 
 pub fn frontend(
@@ -74,7 +73,10 @@ impl Harness {
         let mut ebpf =
             datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
         let maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
-        let syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names).unwrap();
+        let syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
+            .unwrap()
+            .with_vips(maps.vips)
+            .unwrap();
         let mut harness = Self {
             ebpf,
             syncer,
@@ -82,7 +84,6 @@ impl Harness {
             stats: maps.stats,
             config: maps.config,
             affinity: maps.affinity,
-            vips: maps.vips,
         };
         harness.apply(desired);
         harness
@@ -92,18 +93,6 @@ impl Harness {
     pub fn apply(&mut self, desired: &Desired) -> kproxy::sync::SyncReport {
         let report = self.syncer.apply(desired);
         assert!(report.errors.is_empty(), "{:?}", report.errors);
-        let mut vips = std::collections::BTreeMap::<[u8; 4], u32>::new();
-        for f in &desired.frontends {
-            *vips.entry(f.vip.octets()).or_default() += 1;
-        }
-        let stale: Vec<[u8; 4]> =
-            self.vips.keys().filter_map(Result::ok).filter(|v| !vips.contains_key(v)).collect();
-        for vip in stale {
-            let _ = self.vips.remove(&vip);
-        }
-        for (vip, frontends) in vips {
-            self.vips.insert(vip, VipV4 { frontends }, 0).unwrap();
-        }
         report
     }
 

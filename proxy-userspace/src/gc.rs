@@ -1,0 +1,697 @@
+//! Conntrack and affinity garbage collection, UDP purges and flushes.
+//!
+//! The datapath treats an idle flow as expired when it next sees it, but an
+//! entry whose flow never sends again would otherwise stay until the LRU
+//! evicts it. The agent scans CONNTRACK_V4 every [`Interval::current`] and
+//! deletes pairs idle for longer than their state's timeout (CONFIG[0]),
+//! orphan reply entries (their forward entry was evicted) and expired
+//! sessionAffinity entries.
+//!
+//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`],
+//! [`plan_flush`], [`Interval::next`]) are pure and unit-tested; [`run`],
+//! [`purge_backends`] and [`flush`] do the map I/O. All times are
+//! CLOCK_MONOTONIC nanoseconds ([`crate::dump::monotonic_ns`]), the clock of
+//! `bpf_ktime_get_ns`.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{IterableMap as _, MapError};
+use proxy_common::{
+    conntrack::{CtState, Timeouts},
+    maps::{
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4,
+        CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY,
+    },
+};
+
+use crate::{datapath::Maps, dump::monotonic_ns};
+
+const SECOND_NS: u64 = 1_000_000_000;
+
+/// The reply key of a forward entry: `backend → client`, or for a hairpin
+/// flow (the client reached itself; its source was rewritten)
+/// `backend → hairpin address`, with the client's port either way.
+pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4]) -> CtKeyV4 {
+    let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
+    if entry.flags & CT_FLAG_HAIRPIN != 0 {
+        key.daddr = hairpin_addr;
+    }
+    key
+}
+
+/// The hairpin address the datapath uses: CONFIG's, or the default when unset.
+pub fn hairpin_addr(config: &ConfigV4) -> [u8; 4] {
+    if config.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { config.hairpin_addr }
+}
+
+/// The label of an entry's state in metrics and dumps.
+pub fn state_name(state: u8) -> &'static str {
+    CtState::from_u8(state).map_or("UNKNOWN", CtState::name)
+}
+
+/// When a flow was last active: the later `last_seen` of its two entries.
+pub fn pair_last_seen(forward: &CtEntryV4, reply: Option<&CtEntryV4>) -> u64 {
+    reply.map_or(forward.last_seen_ns, |r| r.last_seen_ns.max(forward.last_seen_ns))
+}
+
+/// Whether a flow is dead at `now`: idle longer than the timeout of the
+/// forward entry's state (where the state lives). A `last_seen` after `now`
+/// (the datapath touched the entry after `now` was read) is not expiry.
+pub fn pair_expired(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> bool {
+    timeouts.expired(forward.state, pair_last_seen(forward, reply), now)
+}
+
+/// Nanoseconds before the flow expires (0 when it already has).
+pub fn time_left_ns(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> u64 {
+    let timeout = match CtState::from_u8(forward.state) {
+        Some(state) => timeouts.for_state(state),
+        None => timeouts.tcp_closing_ns,
+    };
+    let idle = now.saturating_sub(pair_last_seen(forward, reply));
+    timeout.saturating_sub(idle)
+}
+
+/// What one conntrack scan decided.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CtPlan {
+    /// Expired flows: (forward key, reply key if the reply entry exists).
+    /// Delete the forward entry first: a reply arriving in between is still
+    /// un-NATed, and a forward packet simply starts a new flow.
+    pub pairs: Vec<(CtKeyV4, Option<CtKeyV4>)>,
+    /// Reply entries without a forward entry, idle past their own timeout.
+    pub orphans: Vec<CtKeyV4>,
+    /// Entries the plan deletes, by state name (forward state for pairs).
+    pub by_state: BTreeMap<&'static str, u64>,
+    /// Entries scanned.
+    pub scanned: u64,
+}
+
+impl CtPlan {
+    pub fn entries(&self) -> u64 {
+        self.by_state.values().sum()
+    }
+}
+
+/// Decides which conntrack entries are dead at `now`.
+pub fn plan_conntrack(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    timeouts: &Timeouts,
+    hairpin_addr: [u8; 4],
+    now: u64,
+) -> CtPlan {
+    let mut plan = CtPlan { scanned: entries.len() as u64, ..Default::default() };
+    let replies: HashMap<CtKeyV4, &CtEntryV4> =
+        entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
+    let mut claimed: BTreeSet<usize> = BTreeSet::new();
+    let reply_index: HashMap<CtKeyV4, usize> = entries
+        .iter()
+        .enumerate()
+        .filter(|(_, (k, _))| k.direction == CT_DIR_REPLY)
+        .map(|(i, (k, _))| (*k, i))
+        .collect();
+    for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
+        let rkey = reply_key(key, fwd, hairpin_addr);
+        let reply = replies.get(&rkey).copied();
+        if reply.is_some() {
+            claimed.insert(reply_index[&rkey]);
+        }
+        if pair_expired(timeouts, fwd, reply, now) {
+            let n = 1 + u64::from(reply.is_some());
+            *plan.by_state.entry(state_name(fwd.state)).or_default() += n;
+            plan.pairs.push((*key, reply.map(|_| rkey)));
+        }
+    }
+    for (i, (key, entry)) in entries.iter().enumerate() {
+        if key.direction != CT_DIR_REPLY || claimed.contains(&i) {
+            continue;
+        }
+        if timeouts.expired(entry.state, entry.last_seen_ns, now) {
+            *plan.by_state.entry(state_name(entry.state)).or_default() += 1;
+            plan.orphans.push(*key);
+        }
+    }
+    // Entries of an unknown direction are not the datapath's; leave them.
+    plan
+}
+
+/// Affinity entries to delete: those of frontends that are gone or no longer
+/// have sessionAffinity, and those unused for longer than their frontend's
+/// timeout. `frontends` maps rev-NAT id → slot 0 `(flags, affinity_timeout_s)`.
+pub fn plan_affinity(
+    entries: &[(AffinityKeyV4, AffinityValueV4)],
+    frontends: &BTreeMap<u16, (u16, u32)>,
+    now: u64,
+) -> Vec<AffinityKeyV4> {
+    entries
+        .iter()
+        .filter(|(key, value)| match frontends.get(&key.rev_nat_id) {
+            None => true,
+            Some((flags, _)) if flags & SVC_FLAG_AFFINITY == 0 => true,
+            Some((_, timeout_s)) => {
+                now.saturating_sub(value.last_used_ns) > u64::from(*timeout_s) * SECOND_NS
+            }
+        })
+        .map(|(key, _)| *key)
+        .collect()
+}
+
+/// Every entry of the flows sent to one of `backend_ids` (both directions),
+/// for the UDP purge after a backend is deleted. Reply entries are found
+/// through their forward entry and also by their own `backend_id`, so an
+/// orphan reply is purged too.
+pub fn plan_purge(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    backend_ids: &BTreeSet<u32>,
+    hairpin_addr: [u8; 4],
+) -> Vec<CtKeyV4> {
+    select(entries, hairpin_addr, |_, entry| backend_ids.contains(&entry.backend_id))
+}
+
+/// The entries `kproxy conntrack flush` deletes: all of them, or those of the
+/// flows of the given frontends (by rev-NAT id), both directions.
+pub fn plan_flush(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    rev_nat_ids: Option<&BTreeSet<u16>>,
+    hairpin_addr: [u8; 4],
+) -> Vec<CtKeyV4> {
+    match rev_nat_ids {
+        None => entries.iter().map(|(k, _)| *k).collect(),
+        Some(ids) => select(entries, hairpin_addr, |_, entry| ids.contains(&entry.rev_nat_id)),
+    }
+}
+
+/// Forward entries matching `wanted` (then their replies), and reply
+/// entries matching it themselves; forward keys first, each key once.
+fn select(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    hairpin_addr: [u8; 4],
+    wanted: impl Fn(&CtKeyV4, &CtEntryV4) -> bool,
+) -> Vec<CtKeyV4> {
+    let present: BTreeSet<KeyOrd> = entries.iter().map(|(k, _)| key_ord(k)).collect();
+    let mut seen = BTreeSet::new();
+    let mut forward = Vec::new();
+    let mut reply = Vec::new();
+    for (key, entry) in entries {
+        if key.direction == CT_DIR_FORWARD && wanted(key, entry) {
+            if seen.insert(key_ord(key)) {
+                forward.push(*key);
+            }
+            let rkey = reply_key(key, entry, hairpin_addr);
+            if present.contains(&key_ord(&rkey)) && seen.insert(key_ord(&rkey)) {
+                reply.push(rkey);
+            }
+        }
+    }
+    for (key, entry) in entries {
+        if key.direction == CT_DIR_REPLY && wanted(key, entry) && seen.insert(key_ord(key)) {
+            reply.push(*key);
+        }
+    }
+    forward.extend(reply);
+    forward
+}
+
+type KeyOrd = ([u8; 4], [u8; 4], [u8; 2], [u8; 2], u8, u8);
+
+fn key_ord(k: &CtKeyV4) -> KeyOrd {
+    (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.direction)
+}
+
+/// The rev-NAT ids of a Service's frontends, from FRONTEND_NAMES_V4 entries
+/// (`"namespace/name:port"`; the port name may be empty). `service` is
+/// `namespace/name`.
+pub fn service_rev_nat_ids<'a>(
+    names: impl IntoIterator<Item = (u16, &'a str)>,
+    service: &str,
+) -> BTreeSet<u16> {
+    names
+        .into_iter()
+        .filter(|(_, name)| name.rsplit_once(':').map_or(*name, |(svc, _)| svc) == service)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Cilium-style adaptive GC interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Interval {
+    pub current: Duration,
+    pub min: Duration,
+    pub max: Duration,
+}
+
+impl Interval {
+    pub const MIN: Duration = Duration::from_secs(5);
+    pub const MAX: Duration = Duration::from_secs(300);
+
+    /// Starts at `initial` (--conntrack-gc-interval). The bounds are 5 s and
+    /// 5 min, widened to include `initial` so a short interval asked for
+    /// (tests) or a long one is honoured.
+    pub fn new(initial: Duration) -> Self {
+        let initial = initial.max(Duration::from_millis(100));
+        Self { current: initial, min: Self::MIN.min(initial), max: Self::MAX.max(initial) }
+    }
+
+    /// The interval after a run that deleted `deleted` of `scanned` entries
+    /// and left `remaining` in a table of `capacity`: halved after a run
+    /// that deleted more than 25 % or when the table is over 90 % full,
+    /// grown by 1.5× after one that deleted under 5 %, kept otherwise;
+    /// always within `[min, max]`.
+    pub fn next(&mut self, deleted: u64, scanned: u64, remaining: u64, capacity: u64) -> Duration {
+        let deleted_ratio = if scanned == 0 { 0.0 } else { deleted as f64 / scanned as f64 };
+        let full = capacity > 0 && remaining as f64 > 0.9 * capacity as f64;
+        let next = if deleted_ratio > 0.25 || full {
+            self.current / 2
+        } else if deleted_ratio < 0.05 {
+            self.current.mul_f64(1.5)
+        } else {
+            self.current
+        };
+        self.current = next.clamp(self.min, self.max);
+        self.current
+    }
+}
+
+/// The outcome of one GC run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    pub scanned: u64,
+    /// Conntrack entries deleted, by state.
+    pub deleted: BTreeMap<&'static str, u64>,
+    pub affinity_deleted: u64,
+    /// Conntrack entries left, and the map's capacity.
+    pub remaining: u64,
+    pub capacity: u64,
+}
+
+impl GcReport {
+    pub fn deleted_total(&self) -> u64 {
+        self.deleted.values().sum()
+    }
+}
+
+/// The timeouts in CONFIG[0] (defaults for zero fields or an unreadable map).
+pub fn read_config(maps: &Maps) -> ConfigV4 {
+    maps.config.get(&0, 0).unwrap_or_default()
+}
+
+fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
+    let mut entries = Vec::new();
+    for entry in maps.conntrack.iter() {
+        match entry {
+            Ok(pair) => entries.push(pair),
+            // The datapath (or the LRU) deleted the key while we iterated.
+            Err(MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).context("reading the conntrack map"),
+        }
+    }
+    Ok(entries)
+}
+
+fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
+    match maps.conntrack.remove(key) {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e).context("deleting a conntrack entry"),
+    }
+}
+
+/// One GC pass over CONNTRACK_V4 and AFFINITY_V4. Blocking: run it in
+/// `spawn_blocking`. Each pair is re-read and re-checked just before it is
+/// deleted, so a flow that sent a packet during the scan survives.
+pub fn run(maps: &mut Maps) -> Result<GcReport> {
+    let config = read_config(maps);
+    let timeouts = Timeouts::from_config(&config);
+    let hairpin = hairpin_addr(&config);
+    let now = monotonic_ns();
+    let entries = read_conntrack(maps)?;
+    let plan = plan_conntrack(&entries, &timeouts, hairpin, now);
+    let mut report = GcReport { scanned: plan.scanned, ..Default::default() };
+
+    for (fkey, rkey) in &plan.pairs {
+        let Ok(fwd) = maps.conntrack.get(fkey, 0) else { continue };
+        let reply = rkey.and_then(|k| maps.conntrack.get(&k, 0).ok());
+        if !pair_expired(&timeouts, &fwd, reply.as_ref(), monotonic_ns()) {
+            continue;
+        }
+        let mut n = u64::from(delete(maps, fkey)?);
+        if let Some(rkey) = rkey {
+            n += u64::from(delete(maps, rkey)?);
+        }
+        *report.deleted.entry(state_name(fwd.state)).or_default() += n;
+    }
+    for key in &plan.orphans {
+        let Ok(entry) = maps.conntrack.get(key, 0) else { continue };
+        if timeouts.expired(entry.state, entry.last_seen_ns, monotonic_ns()) && delete(maps, key)? {
+            *report.deleted.entry(state_name(entry.state)).or_default() += 1;
+        }
+    }
+
+    let mut frontends = BTreeMap::new();
+    for entry in maps.services.iter() {
+        let (key, value) = entry.context("reading the services map")?;
+        if key.slot == 0 {
+            frontends.insert(value.rev_nat_id, (value.flags, value.affinity_timeout_s));
+        }
+    }
+    let affinity: Vec<(AffinityKeyV4, AffinityValueV4)> =
+        maps.affinity.iter().filter_map(|e| e.ok()).collect();
+    for key in plan_affinity(&affinity, &frontends, monotonic_ns()) {
+        match maps.affinity.remove(&key) {
+            Ok(()) => report.affinity_deleted += 1,
+            Err(MapError::KeyNotFound) => {}
+            Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e).context("deleting an affinity entry"),
+        }
+    }
+
+    report.remaining = maps.conntrack.keys().count() as u64;
+    report.capacity = maps.conntrack.map().info().map_or(0, |i| u64::from(i.max_entries()));
+    Ok(report)
+}
+
+/// Deletes at once every conntrack entry (both directions) of flows sent to
+/// these backends. Returns the number of entries deleted.
+///
+/// The agent calls it for deleted UDP backends only: a UDP client that keeps
+/// its source port (DNS resolvers do) would otherwise keep a dead backend
+/// until the entry idles out. TCP flows are left to the datapath's rebalance:
+/// the next packet of such a flow goes to a live backend, which answers with
+/// a RST, so the client learns at once; a purge would turn that into a drop
+/// (a non-SYN packet without conntrack entry) and a timeout.
+pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<u64> {
+    if backend_ids.is_empty() {
+        return Ok(0);
+    }
+    let hairpin = hairpin_addr(&read_config(maps));
+    let ids: BTreeSet<u32> = backend_ids.iter().copied().collect();
+    let entries = read_conntrack(maps)?;
+    let mut deleted = 0;
+    for key in plan_purge(&entries, &ids, hairpin) {
+        deleted += u64::from(delete(maps, &key)?);
+    }
+    Ok(deleted)
+}
+
+/// `kproxy conntrack flush [--service ns/name]`: deletes every conntrack
+/// entry, or those of the Service's frontends. Returns the number deleted.
+pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
+    let hairpin = hairpin_addr(&read_config(maps));
+    let ids = match service {
+        None => None,
+        Some(service) => {
+            let names: Vec<(u16, String)> =
+                maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect();
+            let ids = service_rev_nat_ids(names.iter().map(|(id, n)| (*id, n.as_str())), service);
+            if ids.is_empty() {
+                anyhow::bail!("no frontend of Service {service} is programmed (expected namespace/name)");
+            }
+            Some(ids)
+        }
+    };
+    let entries = read_conntrack(maps)?;
+    let mut deleted = 0;
+    for key in plan_flush(&entries, ids.as_ref(), hairpin) {
+        deleted += u64::from(delete(maps, &key)?);
+    }
+    Ok(deleted)
+}
+
+/// The estimate behind `kproxy_conntrack_evicted_total`: every new flow
+/// creates two entries; those not deleted by GC, purges or flushes and not
+/// present any more were evicted by the LRU (or replaced by the datapath).
+/// Counters restart with the agent while `created` does not, so this is an
+/// estimate; clamped at 0.
+pub fn evicted_estimate(created_flows: u64, gc_deleted: u64, purged: u64, current_entries: u64) -> u64 {
+    (2 * created_flows).saturating_sub(gc_deleted).saturating_sub(purged).saturating_sub(current_entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_common::maps::{IPPROTO_TCP, IPPROTO_UDP};
+
+    const S: u64 = SECOND_NS;
+    const CLIENT: [u8; 4] = [10, 244, 0, 2];
+    const VIP: [u8; 4] = [10, 96, 0, 10];
+    const BACKEND: [u8; 4] = [10, 244, 0, 21];
+    const HAIRPIN: [u8; 4] = [169, 254, 42, 1];
+
+    fn key(s: [u8; 4], sp: u16, d: [u8; 4], dp: u16, proto: u8, direction: u8) -> CtKeyV4 {
+        CtKeyV4 {
+            saddr: s,
+            daddr: d,
+            sport: sp.to_be_bytes(),
+            dport: dp.to_be_bytes(),
+            proto,
+            direction,
+            _pad: [0; 2],
+        }
+    }
+
+    /// A flow client:sport → VIP:53 DNATed to BACKEND, both entries.
+    fn flow(
+        client: [u8; 4],
+        sport: u16,
+        proto: u8,
+        state: CtState,
+        fwd_seen: u64,
+        reply_seen: u64,
+    ) -> [(CtKeyV4, CtEntryV4); 2] {
+        let fkey = key(client, sport, VIP, 53, proto, CT_DIR_FORWARD);
+        let fwd = CtEntryV4 {
+            last_seen_ns: fwd_seen,
+            backend_id: 7,
+            nat_addr: BACKEND,
+            nat_port: 53u16.to_be_bytes(),
+            rev_nat_id: 3,
+            state: state as u8,
+            ..Default::default()
+        };
+        let rkey = key(BACKEND, 53, client, sport, proto, CT_DIR_REPLY);
+        let reply =
+            CtEntryV4 { last_seen_ns: reply_seen, nat_addr: VIP, nat_port: 53u16.to_be_bytes(), ..fwd };
+        [(fkey, fwd), (rkey, reply)]
+    }
+
+    #[test]
+    fn hairpin_reply_key_uses_the_hairpin_address() {
+        let [(fkey, mut fwd), (rkey, _)] = flow(BACKEND, 4000, IPPROTO_TCP, CtState::Established, 0, 0);
+        assert_eq!(reply_key(&fkey, &fwd, HAIRPIN), rkey);
+        fwd.flags |= CT_FLAG_HAIRPIN;
+        let hk = reply_key(&fkey, &fwd, HAIRPIN);
+        assert_eq!(
+            (hk.saddr, hk.daddr, hk.sport, hk.dport),
+            (BACKEND, HAIRPIN, 53u16.to_be_bytes(), 4000u16.to_be_bytes())
+        );
+        assert_eq!(hk.direction, CT_DIR_REPLY);
+        assert_eq!(hairpin_addr(&ConfigV4::default()), DEFAULT_HAIRPIN_ADDR);
+        assert_eq!(
+            hairpin_addr(&ConfigV4 { hairpin_addr: [1, 2, 3, 4], ..Default::default() }),
+            [1, 2, 3, 4]
+        );
+    }
+
+    #[test]
+    fn a_pair_expires_on_the_later_last_seen_of_its_two_entries() {
+        let t = Timeouts::DEFAULT;
+        let now = 10_000 * S;
+        // UDP (60 s): forward idle 100 s, but the backend answered 30 s ago: alive.
+        let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 100 * S, now - 30 * S);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
+        // Both sides idle 61 s: both entries go, counted under OPEN.
+        let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 61 * S, now - 70 * S);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        assert_eq!(plan.pairs, vec![(entries[0].0, Some(entries[1].0))]);
+        assert_eq!(plan.by_state.get("OPEN"), Some(&2));
+        assert_eq!(plan.entries(), 2);
+        assert_eq!(plan.scanned, 2);
+    }
+
+    #[test]
+    fn each_state_has_its_own_timeout() {
+        let t = Timeouts::DEFAULT;
+        let now = 100_000 * S;
+        // (state, idle that survives, idle that expires)
+        let cases = [
+            (CtState::SynSent, 60 * S, 61 * S),
+            (CtState::SynReceived, 59 * S, 61 * S),
+            (CtState::Established, 6 * 3600 * S, 6 * 3600 * S + 1),
+            (CtState::Closing, 10 * S, 11 * S),
+            (CtState::Closed, 9 * S, 11 * S),
+            (CtState::Open, 60 * S, 60 * S + 1),
+        ];
+        for (state, alive, dead) in cases {
+            let e = flow(CLIENT, 5000, IPPROTO_TCP, state, now - alive, now - alive);
+            assert!(plan_conntrack(&e, &t, HAIRPIN, now).pairs.is_empty(), "{state:?} alive");
+            let e = flow(CLIENT, 5000, IPPROTO_TCP, state, now - dead, now - dead);
+            let plan = plan_conntrack(&e, &t, HAIRPIN, now);
+            assert_eq!(plan.pairs.len(), 1, "{state:?} dead");
+            assert_eq!(plan.by_state.get(state.name()), Some(&2));
+        }
+        // Timeouts from CONFIG: UDP 5 s.
+        let custom = Timeouts::from_config(&ConfigV4 { timeout_udp_ns: 5 * S, ..Default::default() });
+        let e = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 6 * S, now - 6 * S);
+        assert_eq!(plan_conntrack(&e, &custom, HAIRPIN, now).pairs.len(), 1);
+        // An unknown state expires like closing.
+        let mut e = flow(CLIENT, 5000, IPPROTO_TCP, CtState::Open, now - 11 * S, now - 11 * S);
+        e[0].1.state = 0;
+        let plan = plan_conntrack(&e, &t, HAIRPIN, now);
+        assert_eq!(plan.by_state.get("UNKNOWN"), Some(&2));
+    }
+
+    #[test]
+    fn clock_skew_is_not_expiry() {
+        // Entries touched after `now` was read (the datapath runs during the scan).
+        let now = 1_000 * S;
+        let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now + 5 * S, now + 3 * S);
+        let plan = plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, now);
+        assert!(plan.pairs.is_empty());
+        // A monotonic clock near boot (now < timeout) never underflows.
+        let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
+        assert!(plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, 30 * S).pairs.is_empty());
+        assert_eq!(time_left_ns(&Timeouts::DEFAULT, &entries[0].1, Some(&entries[1].1), 30 * S), 30 * S);
+        assert_eq!(time_left_ns(&Timeouts::DEFAULT, &entries[0].1, None, 90 * S), 0);
+    }
+
+    #[test]
+    fn orphans_and_lonely_forward_entries() {
+        let t = Timeouts::DEFAULT;
+        let now = 10_000 * S;
+        // The forward entry was evicted: the reply is collected on its own last_seen.
+        let [_, orphan_dead] = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, now - 61 * S);
+        let [_, orphan_alive] = flow(CLIENT, 5001, IPPROTO_UDP, CtState::Open, 0, now - 10 * S);
+        // The reply entry was evicted: the forward entry alone decides.
+        let [lonely, _] = flow(CLIENT, 5002, IPPROTO_UDP, CtState::Open, now - 61 * S, 0);
+        let entries = [orphan_dead, orphan_alive, lonely];
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        assert_eq!(plan.orphans, vec![orphan_dead.0]);
+        assert_eq!(plan.pairs, vec![(lonely.0, None)]);
+        assert_eq!(plan.entries(), 2);
+    }
+
+    #[test]
+    fn a_hairpin_reply_is_paired_not_orphaned() {
+        let t = Timeouts::DEFAULT;
+        let now = 100_000 * S;
+        let [(fkey, mut fwd), (_, reply)] =
+            flow(BACKEND, 4000, IPPROTO_TCP, CtState::Established, now - 7 * 3600 * S, now - 5 * S);
+        fwd.flags |= CT_FLAG_HAIRPIN;
+        let hkey = reply_key(&fkey, &fwd, HAIRPIN);
+        let entries = [(fkey, fwd), (hkey, CtEntryV4 { flags: CT_FLAG_HAIRPIN, ..reply })];
+        // The reply is recent, so the pair lives; without the hairpin key the
+        // forward entry would look lonely and be deleted.
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
+    }
+
+    #[test]
+    fn affinity_entries_expire_with_their_frontend() {
+        let now = 10_000 * S;
+        let entry = |client: u8, rev_nat_id: u16, used_ago: u64| {
+            (
+                AffinityKeyV4 { client: [10, 244, 0, client], rev_nat_id, _pad: [0; 2] },
+                AffinityValueV4 { last_used_ns: now - used_ago, backend_id: 1, _pad: 0 },
+            )
+        };
+        let frontends: BTreeMap<u16, (u16, u32)> =
+            [(1, (SVC_FLAG_AFFINITY, 100)), (2, (0, 100)), (3, (SVC_FLAG_AFFINITY | 2, 10))].into();
+        let entries = [
+            entry(1, 1, 99 * S),  // kept
+            entry(2, 1, 101 * S), // timed out
+            entry(3, 2, 0),       // frontend lost its affinity
+            entry(4, 9, 0),       // frontend gone
+            entry(5, 3, 10 * S),  // kept (exactly the timeout)
+            entry(6, 3, 11 * S),  // timed out
+        ];
+        let deleted: Vec<u8> = plan_affinity(&entries, &frontends, now).iter().map(|k| k.client[3]).collect();
+        assert_eq!(deleted, [2, 3, 4, 6]);
+    }
+
+    #[test]
+    fn purge_takes_both_directions_of_the_backends_flows_only() {
+        let a = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
+        let mut b = flow(CLIENT, 5001, IPPROTO_UDP, CtState::Open, 0, 0);
+        b[0].1.backend_id = 8;
+        b[1].1.backend_id = 8;
+        // An orphan reply of backend 7.
+        let [_, mut orphan] = flow(CLIENT, 5002, IPPROTO_UDP, CtState::Open, 0, 0);
+        orphan.1.backend_id = 7;
+        // A reply entry written without backend_id is still found through its forward entry.
+        let mut c = flow(CLIENT, 5003, IPPROTO_UDP, CtState::Open, 0, 0);
+        c[1].1.backend_id = 0;
+        let entries = [a[0], a[1], b[0], b[1], orphan, c[0], c[1]];
+        let keys = plan_purge(&entries, &[7].into(), HAIRPIN);
+        assert_eq!(keys, vec![a[0].0, c[0].0, a[1].0, c[1].0, orphan.0]);
+        assert!(plan_purge(&entries, &BTreeSet::new(), HAIRPIN).is_empty());
+        // Forward keys come before reply keys.
+        let first_reply = keys.iter().position(|k| k.direction == CT_DIR_REPLY).unwrap();
+        assert!(keys[first_reply..].iter().all(|k| k.direction == CT_DIR_REPLY));
+    }
+
+    #[test]
+    fn flush_all_or_by_service() {
+        let a = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
+        let mut b = flow(CLIENT, 5001, IPPROTO_TCP, CtState::Established, 0, 0);
+        b[0].1.rev_nat_id = 4;
+        b[1].1.rev_nat_id = 4;
+        let entries = [a[0], a[1], b[0], b[1]];
+        assert_eq!(plan_flush(&entries, None, HAIRPIN).len(), 4);
+        assert_eq!(plan_flush(&entries, Some(&[4].into()), HAIRPIN), vec![b[0].0, b[1].0]);
+        assert!(plan_flush(&entries, Some(&BTreeSet::new()), HAIRPIN).is_empty());
+
+        let names = [
+            (3, "kube-system/kube-dns:dns"),
+            (4, "kube-system/kube-dns:dns-tcp"),
+            (5, "kube-system/kube-dns-upstream:dns"),
+            (6, "default/web:"),
+            (7, "kube-system/kube-dns:metrics"),
+        ];
+        assert_eq!(service_rev_nat_ids(names, "kube-system/kube-dns"), [3, 4, 7].into());
+        assert_eq!(service_rev_nat_ids(names, "default/web"), [6].into());
+        assert!(service_rev_nat_ids(names, "kube-dns").is_empty());
+    }
+
+    #[test]
+    fn interval_adapts_within_its_bounds() {
+        let mut i = Interval::new(Duration::from_secs(30));
+        assert_eq!((i.min, i.max), (Interval::MIN, Interval::MAX));
+        // More than 25 % deleted: halve.
+        assert_eq!(i.next(30, 100, 70, 1000), Duration::from_secs(15));
+        assert_eq!(i.next(30, 100, 70, 1000), Duration::from_secs_f64(7.5));
+        assert_eq!(i.next(30, 100, 70, 1000), Duration::from_secs(5), "never below the minimum");
+        assert_eq!(i.next(30, 100, 70, 1000), Duration::from_secs(5));
+        // Between 5 % and 25 %: unchanged.
+        assert_eq!(i.next(10, 100, 90, 1000), Duration::from_secs(5));
+        // Under 5 %: grow by 1.5×, up to 5 min.
+        assert_eq!(i.next(1, 100, 99, 1000), Duration::from_secs_f64(7.5));
+        for _ in 0..20 {
+            i.next(0, 100, 100, 1000);
+        }
+        assert_eq!(i.current, Interval::MAX);
+        // An empty table grows too.
+        let mut e = Interval::new(Duration::from_secs(10));
+        assert_eq!(e.next(0, 0, 0, 1000), Duration::from_secs(15));
+        // A table over 90 % full halves even when little was deleted.
+        assert_eq!(i.next(0, 950, 950, 1000), Duration::from_secs(150));
+        assert_eq!(i.next(0, 900, 900, 1000), Duration::from_secs(225), "exactly 90 % is not over");
+        // A short interval asked for (tests) lowers the minimum to it.
+        let mut fast = Interval::new(Duration::from_secs(1));
+        assert_eq!(fast.min, Duration::from_secs(1));
+        assert_eq!(fast.next(50, 100, 50, 1000), Duration::from_secs(1));
+        let slow = Interval::new(Duration::from_secs(600));
+        assert_eq!(slow.max, Duration::from_secs(600));
+    }
+
+    #[test]
+    fn eviction_estimate_is_clamped() {
+        assert_eq!(evicted_estimate(100, 50, 10, 100), 40);
+        assert_eq!(evicted_estimate(100, 150, 10, 100), 0);
+        assert_eq!(evicted_estimate(0, 0, 0, 10), 0);
+    }
+}
