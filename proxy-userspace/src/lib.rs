@@ -3,6 +3,8 @@
 pub mod agent;
 pub mod cleanup;
 pub mod datapath;
+pub mod diff;
+pub mod doctor;
 pub mod dump;
 pub mod gc;
 pub mod health;
@@ -11,6 +13,7 @@ pub mod metrics;
 pub mod model;
 pub mod source;
 pub mod sync;
+pub mod trace;
 
 #[cfg(test)]
 mod deploy_manifests;

@@ -56,14 +56,20 @@ enum Command {
         #[command(subcommand)]
         action: ConntrackAction,
     },
-    /// Print a map.
+    /// Print a map (or, with `diff`, what differs from the agent's desired state).
     Dump {
         #[arg(value_enum)]
         what: DumpWhat,
         /// JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        diff: kproxy::diff::DiffArgs,
     },
+    /// Follow the NAT of live flows: every step that changed a packet.
+    Trace(kproxy::trace::TraceArgs),
+    /// Check this node for what breaks a service proxy (exit status 1 on FAIL).
+    Doctor(kproxy::doctor::DoctorArgs),
 }
 
 #[derive(Subcommand)]
@@ -173,6 +179,8 @@ enum DumpWhat {
     Conntrack,
     Affinity,
     Stats,
+    /// What the agent wants (computed from --manifests or the API server) against what the maps hold.
+    Diff,
 }
 
 fn main() {
@@ -268,7 +276,22 @@ fn run(cli: Cli) -> Result<()> {
                 None => println!("deleted {deleted} conntrack entries"),
             }
         }
-        Command::Dump { what, json } => {
+        Command::Trace(args) => kproxy::trace::run(&pins, &args)?,
+        Command::Doctor(args) => {
+            let code = kproxy::doctor::run(&pins, &args)?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
+        Command::Dump { what: DumpWhat::Diff, json, diff } => {
+            let maps = Maps::from_pins(&pins)?;
+            let (text, differs) = kproxy::diff::run(&maps, &diff, json)?;
+            print!("{text}");
+            if differs {
+                std::process::exit(1);
+            }
+        }
+        Command::Dump { what, json, .. } => {
             let maps = Maps::from_pins(&pins)?;
             let text = match what {
                 DumpWhat::Services => render(dump::services(&maps)?, json, dump::services_table)?,
@@ -276,6 +299,7 @@ fn run(cli: Cli) -> Result<()> {
                 DumpWhat::Conntrack => render(dump::conntrack(&maps)?, json, dump::conntrack_table)?,
                 DumpWhat::Affinity => render(dump::affinity(&maps)?, json, dump::affinity_table)?,
                 DumpWhat::Stats => render(dump::stats(&maps)?, json, dump::stats_table)?,
+                DumpWhat::Diff => unreachable!("handled above"),
             };
             print!("{text}");
         }
