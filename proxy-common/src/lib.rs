@@ -10,6 +10,7 @@ pub mod packet;
 pub mod reject;
 pub mod slots;
 pub mod stats;
+pub mod trace;
 
 #[cfg(test)]
 extern crate std;

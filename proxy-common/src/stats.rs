@@ -43,10 +43,12 @@ pub enum Stat {
     AffinityHit,
     /// A pod reached itself through its Service (source rewritten).
     Hairpin,
+    /// `kproxy trace` listened but the event ring buffer was full.
+    TraceDropped,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 20;
+    pub const COUNT: u32 = 21;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -69,6 +71,7 @@ impl Stat {
         Stat::ConntrackExpired,
         Stat::AffinityHit,
         Stat::Hairpin,
+        Stat::TraceDropped,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -93,6 +96,7 @@ impl Stat {
             Stat::ConntrackExpired => "conntrack_expired",
             Stat::AffinityHit => "affinity_hit",
             Stat::Hairpin => "hairpin",
+            Stat::TraceDropped => "trace_events_dropped",
         }
     }
 }

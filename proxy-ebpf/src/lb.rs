@@ -43,6 +43,8 @@ pub fn backend_is_current(entry: &CtEntryV4) -> bool {
 pub struct Choice {
     pub backend_id: u32,
     pub backend: BackendV4,
+    /// The slot it was picked from; 0 when session affinity chose it.
+    pub slot: u16,
 }
 
 /// The backend for a new flow: the client's sticky one while its affinity
@@ -61,7 +63,7 @@ pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4, now: u64) -> Resul
             {
                 (*sticky).last_used_ns = now;
                 stats::count(Stat::AffinityHit);
-                return Ok(Choice { backend_id: (*sticky).backend_id, backend: *backend });
+                return Ok(Choice { backend_id: (*sticky).backend_id, backend: *backend, slot: 0 });
             }
         }
     }
@@ -80,5 +82,5 @@ pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4, now: u64) -> Resul
         // A full LRU evicts an old client; a failure only costs stickiness.
         let _ = AFFINITY_V4.insert(affinity_key, value, 0);
     }
-    Ok(Choice { backend_id, backend })
+    Ok(Choice { backend_id, backend, slot })
 }

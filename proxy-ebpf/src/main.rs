@@ -9,6 +9,7 @@
 
 mod config;
 mod conntrack;
+mod events;
 mod lb;
 mod maps;
 mod nat;
@@ -22,6 +23,7 @@ use proxy_common::{
     maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtKeyV4, IPPROTO_TCP},
     packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     stats::Stat,
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT},
 };
 
 /// Let the next program in the TCX chain (or the stack) have the packet.
@@ -101,6 +103,9 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     let Some(frontend) = lb::lookup_frontend(&flow) else {
         if lb::is_vip(&flow.daddr) {
             // A port the Service does not have.
+            if events::enabled() {
+                events::emit(&events::from_flow(&flow, EV_REJECT, conntrack::now()));
+            }
             return reject::refuse(ctx, &flow);
         }
         return Err(Verdict::Pass(Stat::PassNoService));
@@ -122,6 +127,19 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
             let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
             nat::rewrite_destination(ctx, &flow, entry_copy.nat_addr, entry_copy.nat_port)?;
             stats::count(Stat::DnatEstablished);
+            if events::enabled() {
+                let mut event = events::from_flow(&flow, EV_DNAT_ESTABLISHED, now);
+                event.after_daddr = entry_copy.nat_addr;
+                event.after_dport = entry_copy.nat_port;
+                if hairpin {
+                    event.after_saddr = config.hairpin_addr;
+                }
+                event.ct_created_ns = entry_copy.created_ns;
+                event.ct_flags = entry_copy.flags;
+                event.backend_id = entry_copy.backend_id;
+                event.rev_nat_id = entry_copy.rev_nat_id;
+                events::emit(&event);
+            }
             if hairpin {
                 nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
                 return Ok(Done::Bounce);
@@ -140,9 +158,19 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     if flow.proto == IPPROTO_TCP && !rebalance && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN {
         // No connection is known for this segment: translating it would start
         // a flow mid-stream, and passing it would leak it to the VIP.
+        if events::enabled() {
+            let mut event = events::from_flow(&flow, EV_DROP_INVALID, now);
+            event.rev_nat_id = frontend.rev_nat_id;
+            events::emit(&event);
+        }
         return Err(Verdict::Drop(Stat::DropInvalidTcp));
     }
     if frontend.count == 0 {
+        if events::enabled() {
+            let mut event = events::from_flow(&flow, EV_REJECT, now);
+            event.rev_nat_id = frontend.rev_nat_id;
+            events::emit(&event);
+        }
         return reject::refuse(ctx, &flow);
     }
     let choice = lb::select_backend(&flow, frontend, now)?;
@@ -157,6 +185,21 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     )?;
     nat::rewrite_destination(ctx, &flow, choice.backend.addr, choice.backend.port)?;
     stats::count(Stat::DnatNew);
+    if events::enabled() {
+        let mut event = events::from_flow(&flow, EV_DNAT_NEW, now);
+        event.after_daddr = choice.backend.addr;
+        event.after_dport = choice.backend.port;
+        if hairpin {
+            event.after_saddr = config.hairpin_addr;
+            event.ct_flags = CT_FLAG_HAIRPIN;
+        }
+        event.ct_created_ns = now;
+        event.backend_id = choice.backend_id;
+        event.backend_slot = choice.slot;
+        event.backend_count = frontend.count;
+        event.rev_nat_id = frontend.rev_nat_id;
+        events::emit(&event);
+    }
     if hairpin {
         nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
         stats::count(Stat::Hairpin);
@@ -180,6 +223,10 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
     nat::rewrite_source(ctx, flow, vip, vip_port)?;
     nat::rewrite_destination_addr(ctx, flow, flow.daddr, flow.saddr)?;
     stats::count(Stat::ReverseNat);
+    if events::enabled() {
+        // SAFETY: as in `ingress`.
+        emit_unnat(flow, unsafe { &*entry }, vip, vip_port, flow.saddr, now);
+    }
     Ok(Done::Bounce)
 }
 
@@ -220,7 +267,31 @@ fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
     }
     nat::rewrite_source(ctx, &flow, vip, vip_port)?;
     stats::count(Stat::ReverseNat);
+    if events::enabled() {
+        // SAFETY: as in `ingress`.
+        emit_unnat(&flow, unsafe { &*entry }, vip, vip_port, flow.daddr, now);
+    }
     Ok(Done::Next)
+}
+
+#[inline(always)]
+fn emit_unnat(
+    flow: &parse::Flow,
+    entry: &proxy_common::maps::CtEntryV4,
+    vip: [u8; 4],
+    vip_port: [u8; 2],
+    client: [u8; 4],
+    now: u64,
+) {
+    let mut event = events::from_flow(flow, EV_UNNAT, now);
+    event.after_saddr = vip;
+    event.after_sport = vip_port;
+    event.after_daddr = client;
+    event.ct_created_ns = entry.created_ns;
+    event.ct_flags = entry.flags;
+    event.backend_id = entry.backend_id;
+    event.rev_nat_id = entry.rev_nat_id;
+    events::emit(&event);
 }
 
 #[cfg(not(test))]

@@ -1,8 +1,12 @@
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
-use proxy_common::{maps::*, stats::Stat};
+use proxy_common::{
+    maps::*,
+    stats::Stat,
+    trace::{EVENTS_BYTES, TraceConfig},
+};
 
 #[map(name = "SERVICES_V4")]
 pub static SERVICES_V4: HashMap<ServiceKeyV4, ServiceValueV4> =
@@ -37,3 +41,10 @@ pub static AFFINITY_V4: LruHashMap<AffinityKeyV4, AffinityValueV4> =
 
 #[map(name = "VIPS_V4")]
 pub static VIPS_V4: HashMap<[u8; 4], VipV4> = HashMap::with_max_entries(VIPS_V4_CAPACITY, 0);
+
+/// NAT events for `kproxy trace`, written only while TRACE says someone listens.
+#[map(name = "EVENTS")]
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
+
+#[map(name = "TRACE")]
+pub static TRACE: Array<TraceConfig> = Array::with_max_entries(1, 0);

@@ -30,7 +30,9 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 9] = [
+const ALL_MAPS: [&str; 11] = [
+    proxy_common::trace::MAP_EVENTS,
+    proxy_common::trace::MAP_TRACE,
     MAP_SERVICES_V4,
     MAP_BACKENDS_V4,
     MAP_REV_NAT_V4,

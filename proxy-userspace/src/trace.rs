@@ -1,13 +1,351 @@
-//! `kproxy trace`: NAT events from the datapath's ring buffer.
+//! `kproxy trace`: NAT events from the datapath's ring buffer, printed the way
+//! tcpdump would show the packet before and after each step that changed it —
+//! the answer to "who un-NATs the return packet?" for a live flow.
 
-use anyhow::Result;
+use std::{
+    collections::BTreeMap,
+    net::Ipv4Addr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
+};
 
-use crate::datapath::PinDir;
+use anyhow::{Context as _, Result, bail};
+use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
+use proxy_common::{
+    maps::{CT_FLAG_HAIRPIN, FrontendNameV4, IPPROTO_TCP, IPPROTO_UDP, MAP_FRONTEND_NAMES_V4},
+    trace::{
+        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT, MAP_EVENTS, MAP_TRACE,
+        TraceConfig, TraceEventV4,
+    },
+};
+use serde::Serialize;
+
+use crate::{datapath::PinDir, dump::monotonic_ns};
 
 #[derive(clap::Args, Debug, Default)]
-pub struct TraceArgs {}
+pub struct TraceArgs {
+    /// Only flows of this Service (namespace/name).
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Only flows of this client address.
+    #[arg(long)]
+    pub client: Option<Ipv4Addr>,
+    /// Only packets with this port on either side (before or after NAT).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Stop after this many events (each prints its before and after lines).
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    pub timeout: Option<u64>,
+    /// One JSON object per line instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One printed step.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct Step {
+    /// Wall-clock time of the event, RFC 3339.
+    pub time: String,
+    /// `pre-DNAT`, `post-DNAT`, `reply`, `un-NAT`, `refused`, `dropped`.
+    pub step: &'static str,
+    pub source: String,
+    pub destination: String,
+    pub protocol: &'static str,
+    /// What the step did, for people.
+    pub note: String,
+}
+
+fn endpoint(addr: [u8; 4], port: [u8; 2]) -> String {
+    format!("{}:{}", Ipv4Addr::from(addr), u16::from_be_bytes(port))
+}
+
+fn protocol(p: u8) -> &'static str {
+    match p {
+        IPPROTO_TCP => "tcp",
+        IPPROTO_UDP => "udp",
+        _ => "?",
+    }
+}
+
+fn age(ns: u64) -> String {
+    let ms = ns as f64 / 1e6;
+    if ms < 1000.0 { format!("{ms:.1} ms") } else { format!("{:.1} s", ms / 1000.0) }
+}
+
+/// Turns an event into the lines a person reads. `now_mono`/`now_wall` map the
+/// kernel's monotonic timestamps to wall-clock time.
+pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: SystemTime) -> Vec<Step> {
+    let wall = now_wall
+        .checked_sub(Duration::from_nanos(now_mono.saturating_sub(event.timestamp_ns)))
+        .unwrap_or(now_wall);
+    let time = crate::health::rfc3339(wall);
+    let proto = protocol(event.proto);
+    let before_src = endpoint(event.before_saddr, event.before_sport);
+    let before_dst = endpoint(event.before_daddr, event.before_dport);
+    let after_src = endpoint(event.after_saddr, event.after_sport);
+    let after_dst = endpoint(event.after_daddr, event.after_dport);
+    let hairpin = if event.ct_flags & CT_FLAG_HAIRPIN != 0 { ", hairpin: source rewritten" } else { "" };
+    let service = if service.is_empty() { "unnamed frontend".to_owned() } else { service.to_owned() };
+    let step = |step, source: &String, destination: &String, note: String| Step {
+        time: time.clone(),
+        step,
+        source: source.clone(),
+        destination: destination.clone(),
+        protocol: proto,
+        note,
+    };
+    match event.kind {
+        EV_DNAT_NEW | EV_DNAT_ESTABLISHED => {
+            let which = if event.kind == EV_DNAT_NEW {
+                if event.backend_slot == 0 {
+                    format!("backend {} by session affinity, new flow", event.backend_id)
+                } else {
+                    format!("backend {} of {}, new flow", event.backend_slot, event.backend_count)
+                }
+            } else {
+                format!(
+                    "backend {}, conntrack entry created {} ago",
+                    event.backend_id,
+                    age(event.timestamp_ns.saturating_sub(event.ct_created_ns))
+                )
+            };
+            vec![
+                step("pre-DNAT", &before_src, &before_dst, String::new()),
+                step("post-DNAT", &after_src, &after_dst, format!("{service}, {which}{hairpin}")),
+            ]
+        }
+        EV_UNNAT => vec![
+            step("reply", &before_src, &before_dst, String::new()),
+            step(
+                "un-NAT",
+                &after_src,
+                &after_dst,
+                format!(
+                    "{service}, conntrack entry created {} ago{hairpin}",
+                    age(event.timestamp_ns.saturating_sub(event.ct_created_ns))
+                ),
+            ),
+        ],
+        EV_REJECT => vec![step(
+            "refused",
+            &before_src,
+            &before_dst,
+            format!("{service} has no endpoint for this port: RST / ICMP port unreachable sent back"),
+        )],
+        EV_DROP_INVALID => vec![step(
+            "dropped",
+            &before_src,
+            &before_dst,
+            format!("{service}: TCP segment of no known connection (INVALID)"),
+        )],
+        _ => vec![step("unknown", &before_src, &before_dst, format!("event kind {}", event.kind))],
+    }
+}
+
+/// Whether an event passes the command line's filters.
+pub fn matches(event: &TraceEventV4, args: &TraceArgs, service_ids: Option<&[u16]>) -> bool {
+    if let Some(ids) = service_ids
+        && !ids.contains(&event.rev_nat_id)
+    {
+        return false;
+    }
+    if let Some(client) = args.client {
+        let client = client.octets();
+        let involved = [event.before_saddr, event.before_daddr, event.after_saddr, event.after_daddr];
+        if !involved.contains(&client) {
+            return false;
+        }
+    }
+    if let Some(port) = args.port {
+        let port = port.to_be_bytes();
+        let ports = [event.before_sport, event.before_dport, event.after_sport, event.after_dport];
+        if !ports.contains(&port) {
+            return false;
+        }
+    }
+    true
+}
+
+/// Text line for a step, aligned like tcpdump output.
+pub fn line(step: &Step) -> String {
+    let base =
+        format!("{} {:<9} {} > {} {}", step.time, step.step, step.source, step.destination, step.protocol);
+    if step.note.is_empty() { base } else { format!("{base} ({})", step.note) }
+}
+
+fn names(pins: &PinDir) -> Result<BTreeMap<u16, String>> {
+    let path = pins.map(MAP_FRONTEND_NAMES_V4);
+    let map: HashMap<MapData, u16, FrontendNameV4> = HashMap::try_from(Map::HashMap(
+        MapData::from_pin(&path).with_context(|| path.display().to_string())?,
+    ))?;
+    Ok(map.iter().filter_map(Result::ok).map(|(id, n)| (id, n.as_str().to_owned())).collect())
+}
+
+/// Clears the TRACE flag when tracing ends, however it ends.
+struct Listening(Array<MapData, TraceConfig>);
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        let _ = self.0.set(0, TraceConfig { enabled: 0 }, 0);
+    }
+}
 
 pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
-    let _ = (pins, args);
-    anyhow::bail!("trace is not implemented yet")
+    let open = |name: &str| {
+        let path = pins.map(name);
+        MapData::from_pin(&path)
+            .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
+    };
+    let mut ring = RingBuf::try_from(Map::RingBuf(open(MAP_EVENTS)?))?;
+    let mut flag: Array<MapData, TraceConfig> = Array::try_from(Map::Array(open(MAP_TRACE)?))?;
+    let mut names = names(pins)?;
+    let service_ids = |names: &BTreeMap<u16, String>| -> Option<Vec<u16>> {
+        let wanted = args.service.as_ref()?;
+        let prefix = format!("{wanted}:");
+        Some(names.iter().filter(|(_, n)| n.starts_with(&prefix)).map(|(id, _)| *id).collect())
+    };
+    if let Some(ids) = service_ids(&names)
+        && ids.is_empty()
+    {
+        bail!(
+            "no Service {} is programmed (see `kproxy dump services`)",
+            args.service.as_deref().unwrap_or("")
+        );
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&stop)).context("installing signal handlers")?;
+    }
+    flag.set(0, TraceConfig { enabled: 1 }, 0).context("switching tracing on")?;
+    let _listening = Listening(flag);
+    eprintln!("tracing NAT events (Ctrl-C to stop)");
+
+    let started = Instant::now();
+    let mut seen = 0u64;
+    let mut last_names_refresh = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        if args.timeout.is_some_and(|t| started.elapsed() >= Duration::from_secs(t)) {
+            break;
+        }
+        let Some(item) = ring.next() else {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        if item.len() < core::mem::size_of::<TraceEventV4>() {
+            continue;
+        }
+        // SAFETY: the datapath writes whole TraceEventV4 records; the read is
+        // unaligned-safe.
+        let event: TraceEventV4 = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        drop(item);
+        if !names.contains_key(&event.rev_nat_id) && last_names_refresh.elapsed() > Duration::from_millis(200)
+        {
+            names = self::names(pins)?;
+            last_names_refresh = Instant::now();
+        }
+        let ids = service_ids(&names);
+        if !matches(&event, args, ids.as_deref()) {
+            continue;
+        }
+        let service = names.get(&event.rev_nat_id).cloned().unwrap_or_default();
+        for step in steps(&event, &service, monotonic_ns(), SystemTime::now()) {
+            if args.json {
+                println!("{}", serde_json::to_string(&step)?);
+            } else {
+                println!("{}", line(&step));
+            }
+        }
+        seen += 1;
+        if args.count.is_some_and(|c| seen >= c) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dns_event(kind: u8) -> TraceEventV4 {
+        let (client, vip, pod) = ([10, 244, 0, 2], [10, 96, 0, 10], [10, 244, 0, 12]);
+        let (cport, dns) = (56340u16.to_be_bytes(), 53u16.to_be_bytes());
+        let base = TraceEventV4 {
+            timestamp_ns: 2_000_400_000,
+            ct_created_ns: 2_000_000_000,
+            backend_id: 7,
+            rev_nat_id: 3,
+            backend_slot: 2,
+            backend_count: 3,
+            kind,
+            proto: IPPROTO_UDP,
+            ..Default::default()
+        };
+        if kind == EV_UNNAT {
+            TraceEventV4 {
+                before_saddr: pod,
+                before_sport: dns,
+                before_daddr: client,
+                before_dport: cport,
+                after_saddr: vip,
+                after_sport: dns,
+                after_daddr: client,
+                after_dport: cport,
+                ..base
+            }
+        } else {
+            TraceEventV4 {
+                before_saddr: client,
+                before_sport: cport,
+                before_daddr: vip,
+                before_dport: dns,
+                after_saddr: client,
+                after_sport: cport,
+                after_daddr: pod,
+                after_dport: dns,
+                ..base
+            }
+        }
+    }
+
+    #[test]
+    fn the_four_steps_of_a_dns_query() {
+        let now_wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_960_800);
+        let svc = "kube-system/kube-dns:dns";
+        let mut lines: Vec<String> =
+            steps(&dns_event(EV_DNAT_NEW), svc, 2_000_400_000, now_wall).iter().map(line).collect();
+        lines.extend(steps(&dns_event(EV_UNNAT), svc, 2_000_400_000, now_wall).iter().map(line));
+        assert_eq!(
+            lines,
+            [
+                "2026-11-29T14:00:00Z pre-DNAT  10.244.0.2:56340 > 10.96.0.10:53 udp",
+                "2026-11-29T14:00:00Z post-DNAT 10.244.0.2:56340 > 10.244.0.12:53 udp (kube-system/kube-dns:dns, backend 2 of 3, new flow)",
+                "2026-11-29T14:00:00Z reply     10.244.0.12:53 > 10.244.0.2:56340 udp",
+                "2026-11-29T14:00:00Z un-NAT    10.96.0.10:53 > 10.244.0.2:56340 udp (kube-system/kube-dns:dns, conntrack entry created 0.4 ms ago)",
+            ]
+        );
+    }
+
+    #[test]
+    fn filters() {
+        let e = dns_event(EV_DNAT_NEW);
+        let args = |client: Option<&str>, port: Option<u16>| TraceArgs {
+            client: client.map(|c| c.parse().unwrap()),
+            port,
+            ..Default::default()
+        };
+        assert!(matches(&e, &args(None, None), None));
+        assert!(matches(&e, &args(Some("10.244.0.2"), Some(53)), None));
+        assert!(!matches(&e, &args(Some("10.244.0.3"), None), None));
+        assert!(!matches(&e, &args(None, Some(80)), None));
+        assert!(matches(&e, &args(None, None), Some(&[3])));
+        assert!(!matches(&e, &args(None, None), Some(&[4])));
+    }
 }

@@ -139,6 +139,9 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     heading("who un-NATs the return packet? one DNS query as the node's interfaces saw it");
     show_one_query(&demo, &client)?;
 
+    heading("the same question asked of kproxy: `kproxy trace --client 10.244.0.2 --port 53`");
+    show_trace(&demo, &client)?;
+
     heading("kproxy dump conntrack");
     indent(&demo.kproxy(&["dump", "conntrack"])?);
     heading("kproxy dump stats");
@@ -202,5 +205,40 @@ fn show_one_query(demo: &Demo, client: &Pod) -> Result<()> {
         println!("      \x1b[2m↳ {note}\x1b[0m");
     }
     println!("   The conntrack entry that made the last step possible is in the table below.");
+    Ok(())
+}
+
+/// `kproxy trace` while the client asks one DNS question: the four steps.
+fn show_trace(demo: &Demo, client: &Pod) -> Result<()> {
+    let bin = demo.kproxy.to_string_lossy().into_owned();
+    let client_ip = CLIENT.1.to_string();
+    let trace = demo.sandbox.node_spawn([
+        bin.as_str(),
+        "--pin-dir",
+        PIN_DIR,
+        "trace",
+        "--client",
+        &client_ip,
+        "--port",
+        "53",
+        "--count",
+        "2",
+        "--timeout",
+        "10",
+    ])?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !trace.log().contains("tracing NAT events") {
+        if Instant::now() > deadline || !trace.is_running() {
+            bail!("kproxy trace did not start:\n{}", trace.log());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    client.dig(DNS_VIP, "whoami.kproxy.test", "TXT")?;
+    if trace.wait_timeout(Duration::from_secs(5))?.is_none() {
+        let _ = trace.kill();
+    }
+    for line in trace.log().lines().filter(|l| !l.starts_with("tracing")) {
+        println!("   {line}");
+    }
     Ok(())
 }

@@ -1,0 +1,73 @@
+//! NAT events for `kproxy trace`: written to a ring buffer by the datapath
+//! only while someone listens (the TRACE flag), read and printed by userspace.
+
+pub const MAP_EVENTS: &str = "EVENTS";
+pub const MAP_TRACE: &str = "TRACE";
+/// Ring buffer size: a burst of ~4k events; beyond it events are dropped,
+/// never waited for.
+pub const EVENTS_BYTES: u32 = 256 * 1024;
+
+/// A new flow was DNATed to a backend.
+pub const EV_DNAT_NEW: u8 = 1;
+/// A packet of a known flow was DNATed.
+pub const EV_DNAT_ESTABLISHED: u8 = 2;
+/// A reply was rewritten back to the VIP.
+pub const EV_UNNAT: u8 = 3;
+/// The packet was refused (RST or ICMP port unreachable sent back).
+pub const EV_REJECT: u8 = 4;
+/// INVALID TCP to a VIP was dropped.
+pub const EV_DROP_INVALID: u8 = 5;
+
+/// The TRACE array's only entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceConfig {
+    /// Non-zero while a `kproxy trace` listens.
+    pub enabled: u32,
+}
+
+/// One step that changed (or refused) a packet: the tuple before and after.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceEventV4 {
+    pub timestamp_ns: u64,
+    /// When the flow's conntrack entry was created (0 when none).
+    pub ct_created_ns: u64,
+    pub backend_id: u32,
+    pub ifindex: u32,
+    pub before_saddr: [u8; 4],
+    pub before_daddr: [u8; 4],
+    pub after_saddr: [u8; 4],
+    pub after_daddr: [u8; 4],
+    pub before_sport: [u8; 2],
+    pub before_dport: [u8; 2],
+    pub after_sport: [u8; 2],
+    pub after_dport: [u8; 2],
+    pub rev_nat_id: u16,
+    /// 1-based slot the backend was picked from (new flows), else 0.
+    pub backend_slot: u16,
+    /// Active backends of the frontend when the slot was picked.
+    pub backend_count: u16,
+    pub kind: u8,
+    pub proto: u8,
+    pub ct_flags: u8,
+    pub _pad: [u8; 7],
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: repr(C) integers and byte arrays with explicit padding.
+    unsafe impl aya::Pod for super::TraceConfig {}
+    unsafe impl aya::Pod for super::TraceEventV4 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_layout_has_no_holes() {
+        assert_eq!(core::mem::size_of::<TraceEventV4>(), 8 + 8 + 4 + 4 + 16 + 8 + 2 + 2 + 2 + 1 + 1 + 1 + 7);
+        assert_eq!(core::mem::size_of::<TraceEventV4>() % 8, 0);
+    }
+}

@@ -1,0 +1,84 @@
+//! `kproxy trace` on live traffic: while curl and dig run through the VIPs,
+//! the trace shows one DNS flow's four steps in order. Needs root.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::{CLIENT_IP, Cluster, DNS_VIP, WEB_VIP, kproxy_bin};
+
+#[test]
+fn trace_shows_the_four_nat_steps_of_a_dns_query() {
+    let cluster = Cluster::start("trace");
+    let bin = kproxy_bin();
+    let pin_dir = cluster.pin_dir.display().to_string();
+    let client = CLIENT_IP.to_string();
+    let trace = cluster
+        .sandbox
+        .node_spawn([
+            bin.to_str().unwrap(),
+            "--pin-dir",
+            &pin_dir,
+            "trace",
+            "--client",
+            &client,
+            "--port",
+            "53",
+            "--count",
+            "2",
+            "--timeout",
+            "30",
+            "--json",
+        ])
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !trace.log().contains("tracing NAT events") {
+        assert!(trace.is_running(), "trace exited: {}", trace.log());
+        assert!(Instant::now() < deadline, "trace did not start: {}", trace.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Other traffic at the same time: web requests are filtered out by --port.
+    let web = cluster
+        .client
+        .spawn(["sh", "-c", &format!("for i in 1 2 3 4 5; do curl -s http://{WEB_VIP}/ >/dev/null; done")])
+        .unwrap();
+    let answer = cluster.client.dig(DNS_VIP, "web.default.svc.cluster.local", "A").unwrap();
+    assert_eq!(answer.trim(), WEB_VIP.to_string());
+    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
+    assert!(status.success(), "{}", trace.log());
+    let _ = web.wait_timeout(Duration::from_secs(10));
+
+    let steps: Vec<serde_json::Value> = trace
+        .log()
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
+    let client_end = steps[0]["source"].as_str().unwrap();
+    assert!(client_end.starts_with(&format!("{CLIENT_IP}:")), "{steps:#?}");
+    assert_eq!(steps[0]["destination"], format!("{DNS_VIP}:53"));
+    let backend = steps[1]["destination"].as_str().unwrap();
+    assert!(backend == "10.244.0.21:53" || backend == "10.244.0.22:53", "{steps:#?}");
+    assert!(
+        steps[1]["note"].as_str().unwrap().starts_with("kube-system/kube-dns:dns, backend "),
+        "{steps:#?}"
+    );
+    assert_eq!(steps[2]["source"], backend);
+    assert_eq!(steps[2]["destination"], client_end);
+    assert_eq!(steps[3]["source"], format!("{DNS_VIP}:53"), "un-NATed back to the ClusterIP");
+    assert_eq!(steps[3]["destination"], client_end);
+    assert!(steps[3]["note"].as_str().unwrap().contains("conntrack entry created"), "{steps:#?}");
+
+    // The flag is off again once nobody listens: the datapath writes nothing.
+    let flag = cluster.pin_dir.join("maps/trace");
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&flag)
+        .output()
+        .unwrap();
+    let dump: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let value: Vec<&str> = dump[0]["value"].as_array().unwrap().iter().map(|b| b.as_str().unwrap()).collect();
+    assert_eq!(value, ["0x00"; 4], "TRACE.enabled is still set: {dump}");
+}
