@@ -18,6 +18,7 @@ mod reject;
 mod stats;
 
 use aya_ebpf::{helpers::bpf_redirect, macros::classifier, programs::TcContext};
+use aya_log_ebpf::debug;
 use proxy_common::{
     conntrack::CtState,
     maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtKeyV4, IPPROTO_TCP},
@@ -151,6 +152,7 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
             // answers with a RST, so the client learns at once.
             conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
             stats::count(Stat::Rebalanced);
+            debug!(ctx, "backend {} of a flow is gone: rebalancing", entry_copy.backend_id);
             rebalance = true;
         }
     }
@@ -166,6 +168,7 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
         return Err(Verdict::Drop(Stat::DropInvalidTcp));
     }
     if frontend.count == 0 {
+        debug!(ctx, "frontend {} has no endpoints: refusing", frontend.rev_nat_id);
         if events::enabled() {
             let mut event = events::from_flow(&flow, EV_REJECT, now);
             event.rev_nat_id = frontend.rev_nat_id;
@@ -185,6 +188,13 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     )?;
     nat::rewrite_destination(ctx, &flow, choice.backend.addr, choice.backend.port)?;
     stats::count(Stat::DnatNew);
+    debug!(
+        ctx,
+        "new flow to frontend {} sent to backend {} (slot {})",
+        frontend.rev_nat_id,
+        choice.backend_id,
+        choice.slot
+    );
     if events::enabled() {
         let mut event = events::from_flow(&flow, EV_DNAT_NEW, now);
         event.after_daddr = choice.backend.addr;

@@ -188,6 +188,15 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         }
     }
 
+    let stop_logs = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let (pins, stop) = (config.pins.clone(), Arc::clone(&stop_logs));
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = datapath::forward_bpf_logs(&pins, &stop) {
+                tracing::debug!(error = %format!("{e:#}"), "datapath log not forwarded");
+            }
+        });
+    }
     tokio::spawn(attach_loop(config.pins.clone(), selector, config.poll));
     tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
     tokio::spawn(gc_loop(config.pins.clone(), config.conntrack, metrics.clone()));
@@ -233,6 +242,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         last_sync = Some(Instant::now());
     }
     let _ = stop_tx.send(true);
+    stop_logs.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!("stopping; the pinned datapath stays in place");
     Ok(())
 }

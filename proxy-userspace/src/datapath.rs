@@ -144,6 +144,16 @@ impl Default for Capacities {
     }
 }
 
+/// Level of the datapath's aya-log records, fixed when the programs are
+/// loaded: 0 (off, the default — the verifier removes the logging code
+/// paths), or 4 for debug.
+static BPF_LOG_LEVEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Enables (or disables) the datapath's debug log for programs loaded from now on.
+pub fn set_bpf_debug_log(on: bool) {
+    BPF_LOG_LEVEL.store(if on { 4 } else { 0 }, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Loads the embedded object without pinning anything: for BPF_PROG_TEST_RUN
 /// tests and benchmarks, which must not touch a running datapath.
 pub fn load_unpinned() -> Result<Ebpf> {
@@ -154,7 +164,9 @@ pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kproxy was built with AYA_BUILD_SKIP: it carries no eBPF programs");
     }
+    let log_level = BPF_LOG_LEVEL.load(std::sync::atomic::Ordering::Relaxed);
     let mut ebpf = EbpfLoader::new()
+        .override_global("AYA_LOG_LEVEL", &log_level, true)
         .map_max_entries(MAP_SERVICES_V4, capacities.services)
         .map_max_entries(MAP_BACKENDS_V4, capacities.backends)
         .map_max_entries(MAP_REV_NAT_V4, capacities.rev_nat)
@@ -441,4 +453,18 @@ impl Maps {
             vips: HashMap::try_from(take(MAP_VIPS_V4)?)?,
         })
     }
+}
+
+/// Forwards the datapath's aya-log records (debug level, when loaded with
+/// it) to this process's log. Polled; returns when `stop` is set.
+pub fn forward_bpf_logs(pins: &PinDir, stop: &std::sync::atomic::AtomicBool) -> Result<()> {
+    let program = SchedClassifier::from_pin(pins.program(PROG_INGRESS))?;
+    let id = program.info()?.id();
+    let mut logger =
+        aya_log::EbpfLogger::init_from_id(id).map_err(|e| anyhow!("attaching to the datapath log: {e}"))?;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        logger.flush();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Ok(())
 }

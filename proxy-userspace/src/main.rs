@@ -20,6 +20,10 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Load the datapath with its debug log on (aya-log; the agent prints the
+    /// records). Fixed when the programs are loaded; off costs nothing.
+    #[arg(long, global = true)]
+    bpf_debug_log: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -185,16 +189,18 @@ enum DumpWhat {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    init_logging(cli.log_format, cli.bpf_debug_log);
+    datapath::set_bpf_debug_log(cli.bpf_debug_log);
     if let Err(e) = run(cli) {
         eprintln!("kproxy: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, bpf_debug: bool) {
+    let default = if bpf_debug { "info,proxy_ebpf=debug" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_env("KPROXY_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

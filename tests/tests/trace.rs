@@ -82,3 +82,26 @@ fn trace_shows_the_four_nat_steps_of_a_dns_query() {
     let value: Vec<&str> = dump[0]["value"].as_array().unwrap().iter().map(|b| b.as_str().unwrap()).collect();
     assert_eq!(value, ["0x00"; 4], "TRACE.enabled is still set: {dump}");
 }
+
+#[test]
+fn the_datapath_debug_log_reaches_the_agent_log() {
+    let mut cluster = Cluster::start("bpflog");
+    // The log level is fixed when the programs are loaded: reload with it on.
+    cluster.stop_agent();
+    cluster.kproxy(&["unload"]);
+    cluster.extra_agent_args = vec!["--bpf-debug-log".into()];
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    assert!(cluster.client.curl(&format!("http://{WEB_VIP}/")).unwrap().starts_with("web-"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cluster.agent_log().contains("new flow to frontend") {
+        assert!(
+            Instant::now() < deadline,
+            "no datapath log record in the agent log:\n{}",
+            cluster.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let line = cluster.agent_log().lines().find(|l| l.contains("new flow to frontend")).unwrap().to_owned();
+    assert!(line.contains("DEBUG") && line.contains("proxy_ebpf"), "{line}");
+}

@@ -62,6 +62,8 @@ pub struct Cluster {
     pub web: Vec<Pod>,
     pub dns: Vec<Pod>,
     pub agent: Option<Spawned>,
+    /// Added to `kproxy agent`'s arguments by [`Cluster::start_agent`].
+    pub extra_agent_args: Vec<String>,
     pub pin_dir: PathBuf,
     pub manifests: PathBuf,
     _manifest_dir: TempDir,
@@ -126,6 +128,7 @@ impl Cluster {
             web,
             dns,
             agent: None,
+            extra_agent_args: Vec::new(),
             pin_dir: unique_pin_dir(),
             manifests: manifest_dir.clone(),
             _manifest_dir: TempDir(manifest_dir),
@@ -157,6 +160,7 @@ impl Cluster {
             Some(api) => args.extend(["--master".into(), api.url().into()]),
             None => args.extend(["--manifests".into(), self.manifests.clone().into()]),
         }
+        args.extend(self.extra_agent_args.iter().map(Into::into));
         self.agent = Some(self.sandbox.node_spawn(args).unwrap());
     }
 
