@@ -1,0 +1,394 @@
+//! ns per packet of the tc programs, through `BPF_PROG_TEST_RUN` on the real object.
+//!
+//! `BPF_PROG_TEST_RUN` with `repeat > 1` runs the program again and again on the *same* skb, and
+//! the programs rewrite it: after the first DNAT the packet is addressed to the backend and every
+//! later repetition is a service-map miss. So only the non-service packet (never rewritten) can
+//! use the in-kernel loop; every case is also measured as K separate runs of a fresh frame with
+//! `repeat = 1`, averaging the kernel-reported time of each run (that time includes about one
+//! `ktime_get_ns` of timer overhead, which the two non-service rows show).
+use std::net::Ipv4Addr;
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::{
+    Ebpf,
+    maps::{HashMap, Map, MapData},
+    programs::{SchedClassifier, TestRun as _, TestRunOptions},
+};
+use kproxy::{
+    datapath::{self, Capacities, Maps},
+    model::{BackendAddr, Desired, Frontend, Protocol, ServiceName},
+    sync::Syncer,
+};
+use proxy_common::{checksum, maps::*};
+
+use super::{
+    imp::Ctx,
+    rules,
+    stats::{Measured, measured},
+};
+
+/// TC_ACT_UNSPEC (-1): pass on to the next program.
+const PASS: u32 = u32::MAX;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+const CLIENT: [u8; 4] = [10, 244, 0, 2];
+const VIP: [u8; 4] = [10, 96, 0, 100];
+const NOT_A_SERVICE: [u8; 4] = [10, 244, 0, 50];
+const BACKENDS: [[u8; 4]; 3] = [[10, 244, 0, 11], [10, 244, 0, 12], [10, 244, 0, 13]];
+const BACKEND_PORT: u16 = 8080;
+fn capacities() -> Capacities {
+    Capacities {
+        services: 500_000,
+        backends: 400_000,
+        rev_nat: 120_000,
+        conntrack: 262_144,
+        ..Default::default()
+    }
+}
+/// Services programmed through the agent's Syncer; beyond this (see the report) the others are
+/// written straight into the maps.
+const SYNCER_MAX: usize = 1_000;
+
+pub const CASES: [&str; 5] = [
+    "non-service packet (in-kernel loop)",
+    "non-service packet",
+    "new flow (DNAT + conntrack create)",
+    "established flow (ingress)",
+    "reply (egress un-NAT)",
+];
+pub const NEW_FLOW: usize = 2;
+pub const ESTABLISHED: usize = 3;
+
+pub struct DatapathResult {
+    pub sizes: Vec<usize>,
+    /// `rows[case][size]`, ns per packet.
+    pub rows: Vec<Vec<Measured>>,
+    pub repeat: u32,
+    pub packets_per_run: usize,
+    pub runs: usize,
+    pub notes: Vec<String>,
+}
+
+fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> Vec<u8> {
+    let mut seg = Vec::with_capacity(20);
+    seg.extend_from_slice(&sport.to_be_bytes());
+    seg.extend_from_slice(&dport.to_be_bytes());
+    seg.extend_from_slice(&0x0102_0304u32.to_be_bytes());
+    seg.extend_from_slice(&(if flags & TCP_ACK != 0 { 1u32 } else { 0 }).to_be_bytes());
+    seg.extend_from_slice(&[5 << 4, flags]);
+    seg.extend_from_slice(&64240u16.to_be_bytes());
+    seg.extend_from_slice(&[0, 0, 0, 0]);
+    let check = checksum::l4_checksum(src, dst, IPPROTO_TCP, &seg);
+    seg[16..18].copy_from_slice(&check.to_be_bytes());
+    let total = (20 + seg.len()) as u16;
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&[0x1c, 0x46, 0x40, 0x00, 64, IPPROTO_TCP, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let check = checksum::checksum(&ip);
+    ip[10..12].copy_from_slice(&check.to_be_bytes());
+    let mut frame = vec![0x02, 0, 0, 0, 0, 0x01, 0x02, 0, 0, 0, 0, 0x02, 0x08, 0x00];
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&seg);
+    frame
+}
+
+/// (source, sport, destination, dport) of a frame built by [`tcp_frame`].
+fn addresses(frame: &[u8]) -> ([u8; 4], u16, [u8; 4], u16) {
+    let ip = &frame[14..];
+    let src = [ip[12], ip[13], ip[14], ip[15]];
+    let dst = [ip[16], ip[17], ip[18], ip[19]];
+    (src, u16::from_be_bytes([ip[20], ip[21]]), dst, u16::from_be_bytes([ip[22], ip[23]]))
+}
+
+struct Runner<'a> {
+    ingress: &'a SchedClassifier,
+    egress: &'a SchedClassifier,
+    out: Vec<u8>,
+}
+
+impl Runner<'_> {
+    /// One test run: (return value, kernel-reported mean ns per repetition, output frame).
+    fn run(&mut self, egress: bool, frame: &[u8], repeat: u32) -> Result<(u32, f64, &[u8])> {
+        let prog = if egress { self.egress } else { self.ingress };
+        self.out.resize(frame.len() + 256, 0);
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut self.out),
+                repeat,
+                ..Default::default()
+            })
+            .map_err(|e| anyhow!("BPF_PROG_TEST_RUN: {e:?}"))?;
+        let len = (result.data_size_out as usize).min(self.out.len());
+        Ok((result.return_value, result.duration.as_nanos() as f64, &self.out[..len]))
+    }
+
+    /// Mean kernel ns over `frames` (one run each), checking every result with `check`.
+    fn mean(
+        &mut self,
+        egress: bool,
+        frames: impl Iterator<Item = Vec<u8>>,
+        check: impl Fn(u32, &[u8]) -> Result<()>,
+    ) -> Result<f64> {
+        let (mut total, mut n) = (0.0, 0usize);
+        for frame in frames {
+            let (ret, ns, out) = self.run(egress, &frame, 1)?;
+            check(ret, out)?;
+            total += ns;
+            n += 1;
+        }
+        if n == 0 {
+            bail!("no packet");
+        }
+        Ok(total / n as f64)
+    }
+}
+
+fn second_handle(ebpf: &Ebpf, name: &str) -> Result<MapData> {
+    let data = match ebpf.map(name).ok_or_else(|| anyhow!("map {name} missing"))? {
+        Map::HashMap(d) | Map::LruHashMap(d) => d,
+        _ => bail!("map {name} is not a hash map"),
+    };
+    Ok(MapData::from_id(data.info()?.id())?)
+}
+
+fn frontend(svc: &rules::Svc) -> Frontend {
+    Frontend::new(
+        ServiceName { namespace: rules::NAMESPACE.into(), name: svc.name.clone() },
+        svc.port_name,
+        svc.vip,
+        svc.port,
+        Protocol::Tcp,
+        svc.endpoints.iter().map(|a| BackendAddr { addr: *a, port: svc.target_port }).collect(),
+    )
+}
+
+fn measured_service() -> rules::Svc {
+    rules::Svc {
+        name: "web".into(),
+        vip: Ipv4Addr::from(VIP),
+        port: 80,
+        proto: "TCP",
+        port_name: "http",
+        target_port: BACKEND_PORT,
+        endpoints: BACKENDS.iter().map(|b| Ipv4Addr::from(*b)).collect(),
+    }
+}
+
+pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
+    let sizes: Vec<usize> = if ctx.quick { vec![1, 1_000, 10_000] } else { vec![1, 1_000, 10_000, 100_000] };
+    let runs = ctx.runs();
+    let repeat: u32 = if ctx.quick { 20_000 } else { 100_000 };
+    let k: usize = if ctx.quick { 3_000 } else { 20_000 };
+    let mut notes = Vec::new();
+
+    let mut ebpf = datapath::load_unpinned_with(&capacities()).context("loading the datapath")?;
+    let mut raw_services: HashMap<MapData, ServiceKeyV4, ServiceValueV4> =
+        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V4)?))?;
+    let mut raw_backends: HashMap<MapData, u32, BackendV4> =
+        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V4)?))?;
+    let maps = Maps::from_ebpf(&mut ebpf)?;
+    let mut conntrack = maps.conntrack;
+    let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)?;
+    let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
+    let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
+    let mut runner = Runner { ingress, egress, out: Vec::new() };
+
+    let web = measured_service();
+    let mut rows: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
+    let mut raw_written = 0usize;
+    for &size in &sizes {
+        ctx.check()?;
+        // Program `size` Services: the measured one among size - 1 others.
+        let via_syncer = size.min(SYNCER_MAX);
+        let all = rules::cluster(via_syncer, std::slice::from_ref(&web));
+        let started = std::time::Instant::now();
+        let report = syncer.apply(&Desired::new(all.iter().map(frontend).collect()));
+        if !report.errors.is_empty() {
+            bail!("programming {via_syncer} Services failed: {}", report.errors.join("; "));
+        }
+        if report.frontends_added > 1 {
+            notes.push(format!(
+                "The agent's Syncer added {} frontends ({} backends) in {:.2} s when growing to {via_syncer} Services.",
+                report.frontends_added,
+                report.backends_added,
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        let others_needed = size.saturating_sub(via_syncer);
+        while raw_written < others_needed {
+            // Fillers past the Syncer's share, same layout as the Syncer writes.
+            let i = (via_syncer + raw_written) as u32;
+            let svc = rules::filler(i);
+            let key = |slot: u16| {
+                ServiceKeyV4::new(
+                    svc.vip.octets(),
+                    svc.port.to_be_bytes(),
+                    IPPROTO_TCP,
+                    SCOPE_CLUSTER_IP,
+                    slot,
+                )
+            };
+            for (j, ep) in svc.endpoints.iter().enumerate() {
+                let id = 10_000_000 + i * 3 + j as u32;
+                let b = BackendV4 {
+                    addr: ep.octets(),
+                    port: svc.target_port.to_be_bytes(),
+                    proto: IPPROTO_TCP,
+                    flags: BACKEND_FLAG_ACTIVE,
+                };
+                raw_backends.insert(id, b, 0)?;
+                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u16::MAX, ..Default::default() };
+                raw_services.insert(key(j as u16 + 1), slot, 0)?;
+            }
+            let master = ServiceValueV4 { count: 3, rev_nat_id: u16::MAX, ..Default::default() };
+            raw_services.insert(key(0), master, 0)?;
+            raw_written += 1;
+        }
+        if others_needed > 0 {
+            notes.push(format!(
+                "At {size} Services, the first {via_syncer} (the measured one included) were programmed by the Syncer \
+                 and the other {others_needed} written straight into SERVICES_V4/BACKENDS_V4 in the Syncer's layout: \
+                 the Syncer allocates each backend and rev-NAT id by collecting every id in use (O(n) per id, O(n²) \
+                 per sync), and rev-NAT ids are u16, so the agent cannot program more than 65,535 frontends at all."
+            ));
+        }
+
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
+        let mut errors: Vec<Option<String>> = vec![None; CASES.len()];
+        for _ in 0..runs {
+            ctx.check()?;
+            let outcome = one_run(&mut runner, &mut conntrack, repeat, k);
+            for (case, result) in outcome.into_iter().enumerate() {
+                match result {
+                    Ok(ns) => samples[case].push(ns),
+                    Err(e) => errors[case] = Some(format!("{e:#}")),
+                }
+            }
+        }
+        for case in 0..CASES.len() {
+            rows[case].push(match &errors[case] {
+                Some(e) => Err(e.clone()),
+                None => measured(CASES[case], &samples[case]),
+            });
+        }
+        eprintln!(
+            "bench: datapath at {size} Services: {}",
+            CASES
+                .iter()
+                .zip(&rows)
+                .map(|(c, r)| match r.last() {
+                    Some(Ok(s)) => format!("{c} {:.0} ns", s.median),
+                    _ => format!("{c} failed"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(DatapathResult { sizes, rows, repeat, packets_per_run: k, runs, notes })
+}
+
+fn clear_conntrack(conntrack: &mut HashMap<MapData, CtKeyV4, CtEntryV4>) -> Result<()> {
+    let keys: Vec<CtKeyV4> = conntrack.keys().collect::<Result<_, _>>()?;
+    for key in keys {
+        let _ = conntrack.remove(&key);
+    }
+    Ok(())
+}
+
+/// One run of every case; ns per packet or why the case failed.
+fn one_run(
+    runner: &mut Runner<'_>,
+    conntrack: &mut HashMap<MapData, CtKeyV4, CtEntryV4>,
+    repeat: u32,
+    k: usize,
+) -> Vec<Result<f64>> {
+    let mut out = Vec::new();
+    let pass_unchanged = |frame: Vec<u8>| {
+        move |ret: u32, out: &[u8]| {
+            if ret != PASS || out != frame.as_slice() {
+                bail!("a non-service packet came back changed or not passed (return {ret})");
+            }
+            Ok(())
+        }
+    };
+    let other = tcp_frame(CLIENT, 40_000, NOT_A_SERVICE, 80, TCP_SYN);
+    out.push(
+        runner
+            .run(false, &other, repeat)
+            .and_then(|(ret, ns, _)| if ret == PASS { Ok(ns) } else { bail!("return {ret}") }),
+    );
+    out.push(runner.mean(false, std::iter::repeat_n(other.clone(), k), pass_unchanged(other.clone())));
+
+    let dnat_check = |ret: u32, out: &[u8]| {
+        let (_, _, dst, dport) = addresses(out);
+        if ret != PASS || !BACKENDS.contains(&dst) || dport != BACKEND_PORT {
+            bail!(
+                "a packet to the ClusterIP was not DNATed to a backend (return {ret}, dst {dst:?}:{dport})"
+            );
+        }
+        Ok(())
+    };
+    out.push(clear_conntrack(conntrack).and_then(|()| {
+        let frames = (0..k).map(|i| {
+            let i = i as u32;
+            let src = Ipv4Addr::from(u32::from(Ipv4Addr::from(CLIENT)) + i / 50_000).octets();
+            tcp_frame(src, 10_000 + (i % 50_000) as u16, VIP, 80, TCP_SYN)
+        });
+        runner.mean(false, frames, dnat_check)
+    }));
+
+    // One flow: SYN, SYN-ACK, then K established packets each way.
+    let flow = clear_conntrack(conntrack).and_then(|()| {
+        let syn = tcp_frame(CLIENT, 40_001, VIP, 80, TCP_SYN);
+        let (ret, _, dnated) = runner.run(false, &syn, 1)?;
+        dnat_check(ret, dnated)?;
+        let (_, _, backend, _) = addresses(dnated);
+        let syn_ack = tcp_frame(backend, BACKEND_PORT, CLIENT, 40_001, TCP_SYN | TCP_ACK);
+        let (ret, _, unnated) = runner.run(true, &syn_ack, 1)?;
+        if ret != PASS || addresses(unnated).0 != VIP {
+            bail!("the SYN-ACK was not un-NATed (return {ret})");
+        }
+        Ok(backend)
+    });
+    match flow {
+        Ok(backend) => {
+            let ack = tcp_frame(CLIENT, 40_001, VIP, 80, TCP_ACK);
+            out.push(runner.mean(false, std::iter::repeat_n(ack, k), move |ret, o| {
+                if ret != PASS || addresses(o).2 != backend {
+                    bail!("an established packet did not go to its backend (return {ret})");
+                }
+                Ok(())
+            }));
+            let reply = tcp_frame(backend, BACKEND_PORT, CLIENT, 40_001, TCP_ACK);
+            out.push(runner.mean(true, std::iter::repeat_n(reply, k), |ret, o| {
+                if ret != PASS || addresses(o).0 != VIP || addresses(o).1 != 80 {
+                    bail!("a reply was not un-NATed to the ClusterIP (return {ret})");
+                }
+                Ok(())
+            }));
+        }
+        Err(e) => {
+            out.push(Err(anyhow!("setting up the flow: {e:#}")));
+            out.push(Err(anyhow!("setting up the flow: {e:#}")));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_have_valid_checksums() {
+        let f = tcp_frame(CLIENT, 1234, VIP, 80, TCP_SYN);
+        assert_eq!(f.len(), 14 + 20 + 20);
+        assert!(checksum::is_valid(checksum::add_words(0, &f[14..34])));
+        let sum = checksum::pseudo_header_sum(CLIENT, VIP, IPPROTO_TCP, 20);
+        assert!(checksum::is_valid(checksum::add_words(sum, &f[34..])));
+        assert_eq!(addresses(&f), (CLIENT, 1234, VIP, 80));
+    }
+}
