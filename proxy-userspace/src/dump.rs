@@ -63,6 +63,21 @@ pub struct ConntrackRow {
     pub hairpin: bool,
 }
 
+/// One address translation in effect, per direction.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct NatRow {
+    /// `DNAT` (client → VIP becomes client → backend), `SNAT` (hairpin: the
+    /// client's source becomes the hairpin address) or `un-NAT` (the reply's
+    /// source becomes the VIP again).
+    pub kind: &'static str,
+    pub protocol: &'static str,
+    /// The tuple as it arrives.
+    pub from: String,
+    /// The tuple as it leaves.
+    pub to: String,
+    pub service: String,
+}
+
 #[derive(Debug, Serialize, PartialEq)]
 pub struct AffinityRow {
     pub client: String,
@@ -305,6 +320,50 @@ pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
         ("affinity_v4", maps.affinity.keys().count() as u64, capacity(&maps.affinity)),
         ("vips_v4", maps.vips.keys().count() as u64, capacity(&maps.vips)),
     ]
+}
+
+/// The translations in effect, read from the conntrack entries that carry
+/// them (kproxy keeps no separate NAT table for ClusterIP traffic: the
+/// conntrack entry is the NAT record).
+pub fn nat(maps: &Maps) -> Result<Vec<NatRow>> {
+    let rows = conntrack(maps)?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (client, vip) = row.original.split_once(" -> ").unwrap_or((&row.original, ""));
+        let (source, backend) = row.translated.split_once(" -> ").unwrap_or((&row.translated, ""));
+        out.push(NatRow {
+            kind: "DNAT",
+            protocol: row.protocol,
+            from: format!("{client} > {vip}"),
+            to: format!("{source} > {backend}"),
+            service: row.service.clone(),
+        });
+        if row.hairpin {
+            out.push(NatRow {
+                kind: "SNAT",
+                protocol: row.protocol,
+                from: format!("{client} > {backend}"),
+                to: format!("{source} > {backend}"),
+                service: row.service.clone(),
+            });
+        }
+        out.push(NatRow {
+            kind: "un-NAT",
+            protocol: row.protocol,
+            from: format!("{backend} > {source}"),
+            to: format!("{vip} > {client}"),
+            service: row.service,
+        });
+    }
+    Ok(out)
+}
+
+pub fn nat_table(rows: &[NatRow]) -> String {
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| vec![r.kind.to_owned(), r.protocol.to_owned(), r.from.clone(), r.to.clone(), r.service.clone()])
+        .collect();
+    table(&["KIND", "PROTO", "FROM", "TO", "SERVICE"], &cells)
 }
 
 pub fn stats(maps: &Maps) -> Result<Vec<StatRow>> {

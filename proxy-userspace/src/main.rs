@@ -182,6 +182,8 @@ enum DumpWhat {
     Backends,
     Conntrack,
     Affinity,
+    /// The address translations in effect (from the conntrack entries).
+    Nat,
     Stats,
     /// What the agent wants (computed from --manifests or the API server) against what the maps hold.
     Diff,
@@ -304,6 +306,7 @@ fn run(cli: Cli) -> Result<()> {
                 DumpWhat::Backends => render(dump::backends(&maps)?, json, dump::backends_table)?,
                 DumpWhat::Conntrack => render(dump::conntrack(&maps)?, json, dump::conntrack_table)?,
                 DumpWhat::Affinity => render(dump::affinity(&maps)?, json, dump::affinity_table)?,
+                DumpWhat::Nat => render(dump::nat(&maps)?, json, dump::nat_table)?,
                 DumpWhat::Stats => render(dump::stats(&maps)?, json, dump::stats_table)?,
                 DumpWhat::Diff => unreachable!("handled above"),
             };

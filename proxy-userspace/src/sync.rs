@@ -195,6 +195,10 @@ pub struct Syncer<S: Store = BpfStore> {
     vips: BTreeMap<Ipv4Addr, u32>,
     next_backend_id: u32,
     next_rev_nat_id: u16,
+    /// Whether the id counters wrapped around: until then every id at or
+    /// above the counter is free, and allocation needs no search.
+    backend_ids_wrapped: bool,
+    rev_nat_ids_wrapped: bool,
 }
 
 /// What one sync changed, and what it could not do.
@@ -322,6 +326,8 @@ impl<S: Store> Syncer<S> {
             vips: BTreeMap::new(),
             next_backend_id: 1,
             next_rev_nat_id: 1,
+            backend_ids_wrapped: false,
+            rev_nat_ids_wrapped: false,
         };
         syncer.reload()?;
         Ok(syncer)
@@ -372,19 +378,24 @@ impl<S: Store> Syncer<S> {
         }
         self.vips =
             self.store.read_vips()?.into_iter().map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends)).collect();
-        self.next_backend_id =
-            backends.values().map(|b: &BackendEntry| b.id).max().map_or(1, |m| m.wrapping_add(1).max(1));
-        self.next_rev_nat_id = frontends
-            .values()
-            .map(|f: &Programmed| f.rev_nat_id)
-            .max()
-            .map_or(1, |m| m.wrapping_add(1).max(1));
+        let max_backend_id = backends.values().map(|b: &BackendEntry| b.id).max();
+        let max_rev_nat_id = frontends.values().map(|f: &Programmed| f.rev_nat_id).max();
+        self.next_backend_id = max_backend_id.map_or(1, |m| m.wrapping_add(1).max(1));
+        self.next_rev_nat_id = max_rev_nat_id.map_or(1, |m| m.wrapping_add(1).max(1));
+        self.backend_ids_wrapped = max_backend_id == Some(u32::MAX);
+        self.rev_nat_ids_wrapped = max_rev_nat_id == Some(u16::MAX);
         self.backends = backends;
         self.frontends = frontends;
         Ok(())
     }
 
     fn allocate_backend_id(&mut self) -> u32 {
+        if !self.backend_ids_wrapped && self.next_backend_id != 0 {
+            let id = self.next_backend_id;
+            self.next_backend_id = id.wrapping_add(1);
+            self.backend_ids_wrapped = self.next_backend_id == 0;
+            return id;
+        }
         let used: BTreeSet<u32> = self.backends.values().map(|b| b.id).collect();
         while self.next_backend_id == 0 || used.contains(&self.next_backend_id) {
             self.next_backend_id = self.next_backend_id.wrapping_add(1);
@@ -395,6 +406,12 @@ impl<S: Store> Syncer<S> {
     }
 
     fn allocate_rev_nat_id(&mut self) -> Option<u16> {
+        if !self.rev_nat_ids_wrapped && self.next_rev_nat_id != 0 {
+            let id = self.next_rev_nat_id;
+            self.next_rev_nat_id = id.wrapping_add(1);
+            self.rev_nat_ids_wrapped = self.next_rev_nat_id == 0;
+            return Some(id);
+        }
         let used: BTreeSet<u16> = self.frontends.values().map(|f| f.rev_nat_id).collect();
         if used.len() >= usize::from(u16::MAX) {
             return None;
