@@ -260,8 +260,8 @@ impl SyncLoop<'_> {
     fn sync(&mut self, changes: &Changes, options: &ModelOptions) {
         let started = Instant::now();
         let pending = changes.take_pending();
-        let snapshot = changes.snapshot();
-        let (desired, model_errors) = model::build_with(&snapshot.services(), &snapshot.slices(), options);
+        let snapshot = changes.objects();
+        let (desired, model_errors) = model::build_with(&snapshot.services, &snapshot.slices, options);
         let report = self.syncer.apply(&desired);
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live

@@ -1,15 +1,789 @@
 //! `kproxy dump diff`: what the agent wants against what the maps hold.
+//!
+//! The desired state is computed exactly as `kproxy agent` computes it (the
+//! same sources, label selector and [`model::build_with`]); the maps are read
+//! once. Every difference names its frontend (`vip:port/PROTO`) and Service:
+//!
+//! | kind | meaning |
+//! |---|---|
+//! | `missing-frontend` | wanted, but the services map has no slot 0 for it |
+//! | `extra-frontend` | in the services map, not wanted |
+//! | `backends` | the active backends (slots `1..=count`) differ: missing / extra addresses |
+//! | `terminating-backends` | the serving-and-terminating ones (slots after `count`) differ |
+//! | `slot0` | slot 0's flags or affinity timeout differ |
+//! | `slots` | a slot is missing, above the total, points at an unknown backend or another rev-NAT id |
+//! | `backend-flags` | a backend is active where it should be terminating, or the reverse |
+//! | `rev-nat` | the frontend's rev-NAT entry is missing or names another VIP |
+//! | `name` | the names map does not hold `namespace/name:port` for the frontend |
+//! | `orphan-backend` | a backend no slot points at |
+//! | `orphan-rev-nat`, `orphan-name` | entries of no frontend |
+//! | `vip` | VIPS_V4 does not count the frontends the services map holds on a VIP |
+//!
+//! VIPS_V4 is checked against the services map (what the datapath refuses
+//! must match what it translates), so a missing frontend is reported once,
+//! not again as a VIP count.
 
-use anyhow::Result;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    path::PathBuf,
+};
 
-use crate::datapath::Maps;
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, MapData, MapError};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_common::maps::{
+    BACKEND_FLAG_TERMINATING, BackendV4, FrontendNameV4, RevNatV4, SCOPE_CLUSTER_IP, ServiceKeyV4,
+    ServiceValueV4,
+};
+use serde::Serialize;
+
+use crate::{
+    datapath::Maps,
+    manifest::{self, ManifestError, Sourced},
+    model::{self, BackendAddr, Desired, Frontend, ModelOptions, Protocol},
+    source::KubeOptions,
+    sync::{desired_backend_flags, frontend_flags},
+};
+
+/// kube-proxy's label selector, as the agent's watchers use it.
+const NOT_OURS_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// Where the desired state comes from (as `kproxy agent` would read it).
 #[derive(clap::Args, Debug, Default)]
-pub struct DiffArgs {}
+pub struct DiffArgs {
+    /// dump diff: read Services and EndpointSlices from this file or directory
+    /// (as `kproxy agent --manifests`) instead of the API server.
+    #[arg(long, conflicts_with_all = ["kubeconfig", "master"])]
+    pub manifests: Option<PathBuf>,
+    /// dump diff: kubeconfig file (default: in-cluster config, then ~/.kube/config).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// dump diff: API server URL; overrides the kubeconfig's.
+    #[arg(long)]
+    pub master: Option<String>,
+    /// dump diff: this node's name, for internalTrafficPolicy: Local (as the agent's).
+    #[arg(long, env = "NODE_NAME")]
+    pub hostname_override: Option<String>,
+    /// dump diff: only Services labelled service.kubernetes.io/service-proxy-name=NAME.
+    #[arg(long)]
+    pub service_proxy_name: Option<String>,
+}
+
+/// One difference between the desired state and the maps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Difference {
+    pub kind: &'static str,
+    /// `vip:port/PROTO`; empty for entries of no frontend (orphans).
+    pub frontend: String,
+    /// `namespace/name:port` (the wanted one, or the names map's for extras).
+    pub service: String,
+    pub detail: String,
+}
+
+/// The service maps' contents, as plain values.
+#[derive(Clone, Debug, Default)]
+pub struct MapState {
+    pub services: Vec<(ServiceKeyV4, ServiceValueV4)>,
+    pub backends: BTreeMap<u32, BackendV4>,
+    pub rev_nat: BTreeMap<u16, RevNatV4>,
+    pub names: BTreeMap<u16, String>,
+    /// VIP → the number of frontends VIPS_V4 counts on it.
+    pub vips: BTreeMap<Ipv4Addr, u32>,
+}
+
+impl MapState {
+    pub fn read(maps: &Maps) -> Result<Self> {
+        Ok(Self {
+            services: read_all(&maps.services, "services")?,
+            backends: read_all(&maps.backends, "backends")?.into_iter().collect(),
+            rev_nat: read_all(&maps.rev_nat, "rev_nat")?.into_iter().collect(),
+            names: read_all(&maps.names, "names")?
+                .into_iter()
+                .map(|(id, n): (u16, FrontendNameV4)| (id, n.as_str().to_owned()))
+                .collect(),
+            vips: read_all(&maps.vips, "VIPs")?
+                .into_iter()
+                .map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends))
+                .collect(),
+        })
+    }
+}
+
+/// Every entry; entries deleted while iterating are skipped.
+fn read_all<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, name: &str) -> Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for entry in map.iter() {
+        match entry {
+            Ok(pair) => out.push(pair),
+            Err(MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading the {name} map")),
+        }
+    }
+    Ok(out)
+}
 
 /// The report, and whether anything differs.
 pub fn run(maps: &Maps, args: &DiffArgs, json: bool) -> Result<(String, bool)> {
-    let _ = (maps, args, json);
-    anyhow::bail!("dump diff is not implemented yet")
+    let desired = desired(args)?;
+    let state = MapState::read(maps)?;
+    let differences = compare(&desired, &state);
+    let text = if json { serde_json::to_string_pretty(&differences)? + "\n" } else { table(&differences) };
+    Ok((text, !differences.is_empty()))
+}
+
+/// The differences as a table, or "no differences".
+pub fn table(differences: &[Difference]) -> String {
+    if differences.is_empty() {
+        return "no differences\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = differences
+        .iter()
+        .map(|d| vec![d.kind.to_owned(), d.frontend.clone(), d.service.clone(), d.detail.clone()])
+        .collect();
+    let mut out = crate::dump::table(&["KIND", "FRONTEND", "SERVICE", "DETAIL"], &rows);
+    let n = differences.len();
+    out.push_str(&format!("{n} difference{}\n", if n == 1 { "" } else { "s" }));
+    out
+}
+
+/// What the agent would program, from the same source it would read.
+fn desired(args: &DiffArgs) -> Result<Desired> {
+    let (services, slices, source_errors) = match &args.manifests {
+        Some(path) => {
+            if !path.exists() {
+                anyhow::bail!("--manifests {}: no such file or directory", path.display());
+            }
+            from_files(manifest::load_path(path))
+        }
+        None => {
+            from_cluster(&KubeOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() })?
+        }
+    };
+    let options = ModelOptions {
+        node_name: args.hostname_override.clone(),
+        service_proxy_name: args.service_proxy_name.clone(),
+    };
+    let (desired, model_errors) = model::build_with(&services, &slices, &options);
+    for error in source_errors.iter().chain(&model_errors) {
+        tracing::warn!("{error}");
+    }
+    Ok(desired)
+}
+
+type Objects = (Vec<Sourced<Service>>, Vec<Sourced<EndpointSlice>>, Vec<ManifestError>);
+
+/// In the order the agent's file source hands them to the model (by
+/// namespace, name, then position), so conflicts resolve the same way.
+fn from_files(objects: manifest::Objects) -> Objects {
+    fn ordered<T>(
+        items: Vec<Sourced<T>>,
+        meta: impl Fn(&T) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    ) -> Vec<Sourced<T>> {
+        let mut keyed: BTreeMap<(String, String, u32), Sourced<T>> = BTreeMap::new();
+        for (i, item) in items.into_iter().enumerate() {
+            let m = meta(&item.object);
+            let key = (m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default(), i as u32);
+            keyed.insert(key, item);
+        }
+        keyed.into_values().collect()
+    }
+    (
+        ordered(objects.services, |s: &Service| &s.metadata),
+        ordered(objects.slices, |s: &EndpointSlice| &s.metadata),
+        objects.errors,
+    )
+}
+
+/// One list of Services and EndpointSlices, with the agent's label selector.
+fn from_cluster(options: &KubeOptions) -> Result<Objects> {
+    use kube::{Api, api::ListParams};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    runtime.block_on(async {
+        let client = crate::source::client(options).await?;
+        let params = ListParams::default().labels(NOT_OURS_SELECTOR);
+        let services = Api::<Service>::all(client.clone()).list(&params).await.context("listing Services")?;
+        let slices =
+            Api::<EndpointSlice>::all(client).list(&params).await.context("listing EndpointSlices")?;
+        let sourced = |kind: &str, rv: Option<String>| {
+            format!("api-server {kind} (resourceVersion {})", rv.unwrap_or_default())
+        };
+        let mut services: Vec<Sourced<Service>> = services
+            .items
+            .into_iter()
+            .map(|s| Sourced { origin: sourced("Service", s.metadata.resource_version.clone()), object: s })
+            .collect();
+        let mut slices: Vec<Sourced<EndpointSlice>> = slices
+            .items
+            .into_iter()
+            .map(|s| Sourced {
+                origin: sourced("EndpointSlice", s.metadata.resource_version.clone()),
+                object: s,
+            })
+            .collect();
+        services.sort_by(|a, b| {
+            (&a.object.metadata.namespace, &a.object.metadata.name)
+                .cmp(&(&b.object.metadata.namespace, &b.object.metadata.name))
+        });
+        slices.sort_by(|a, b| {
+            (&a.object.metadata.namespace, &a.object.metadata.name)
+                .cmp(&(&b.object.metadata.namespace, &b.object.metadata.name))
+        });
+        Ok((services, slices, Vec::new()))
+    })
+}
+
+/// A frontend as the services map keys it.
+type Key = (Ipv4Addr, u16, u8, u8);
+
+fn proto_name(n: u8) -> String {
+    Protocol::from_number(n).map_or_else(|| format!("proto {n}"), |p| p.name().to_owned())
+}
+
+fn frontend_label(key: &Key) -> String {
+    let scope = if key.3 == SCOPE_CLUSTER_IP { String::new() } else { format!(" scope {}", key.3) };
+    format!("{}:{}/{}{scope}", key.0, key.1, proto_name(key.2))
+}
+
+fn backend_label(b: &BackendV4) -> String {
+    format!("{}:{}", Ipv4Addr::from(b.addr), u16::from_be_bytes(b.port))
+}
+
+fn list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    items.into_iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// The wanted name of a frontend in the names map (truncated as the map stores it).
+fn wanted_name(frontend: &Frontend) -> String {
+    FrontendNameV4::new(&format!("{}:{}", frontend.service, frontend.port_name)).as_str().to_owned()
+}
+
+/// Every difference between `desired` and `state`, frontends in address order, then orphans.
+pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
+    let mut out = Vec::new();
+    let mut push = |kind: &'static str, frontend: String, service: String, detail: String| {
+        out.push(Difference { kind, frontend, service, detail });
+    };
+
+    let mut grouped: BTreeMap<Key, BTreeMap<u16, ServiceValueV4>> = BTreeMap::new();
+    for (key, value) in &state.services {
+        let k = (Ipv4Addr::from(key.vip), u16::from_be_bytes(key.port), key.proto, key.scope);
+        grouped.entry(k).or_default().insert(key.slot, *value);
+    }
+    // Frontends with slot 0 per VIP, for VIPS_V4 (before anything is taken out).
+    let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+    for (key, slots) in &grouped {
+        if slots.contains_key(&0) {
+            *per_vip.entry(key.0).or_default() += 1;
+        }
+    }
+
+    let wanted_flags = desired_backend_flags(&desired.frontends);
+    let mut referenced: BTreeSet<u32> = BTreeSet::new();
+    let mut used_rev_nat: BTreeSet<u16> = BTreeSet::new();
+
+    for frontend in &desired.frontends {
+        let key: Key = (frontend.vip, frontend.port, frontend.proto.number(), SCOPE_CLUSTER_IP);
+        let label = frontend_label(&key);
+        let service = wanted_name(frontend);
+        let slots = grouped.remove(&key).unwrap_or_default();
+        let Some(master) = slots.get(&0).copied() else {
+            let wants = if frontend.backends.is_empty() {
+                "no backends (refuses)".to_owned()
+            } else {
+                format!("{} backends: {}", frontend.backends.len(), list(&frontend.backends))
+            };
+            let mut detail = format!("not in the services map (wants {wants})");
+            if !slots.is_empty() {
+                detail.push_str(&format!("; {} slots without slot 0", slots.len()));
+                referenced.extend(slots.values().map(|v| v.backend_id));
+            }
+            push("missing-frontend", label, service, detail);
+            continue;
+        };
+        used_rev_nat.insert(master.rev_nat_id);
+        let count = u32::from(master.count);
+        let total = count + u32::from(master.terminating_count);
+
+        // Slots: present, pointing at known backends of the right protocol, same rev-NAT id.
+        let mut slot_problems = Vec::new();
+        let mut active: BTreeSet<BackendAddr> = BTreeSet::new();
+        let mut terminating: BTreeSet<BackendAddr> = BTreeSet::new();
+        for slot in 1..=total {
+            let Some(value) = u16::try_from(slot).ok().and_then(|s| slots.get(&s)) else {
+                slot_problems.push(format!("slot {slot} missing (count {count}, {total} slots in all)"));
+                continue;
+            };
+            referenced.insert(value.backend_id);
+            if value.rev_nat_id != master.rev_nat_id {
+                slot_problems.push(format!(
+                    "slot {slot} has rev-NAT id {}, slot 0 has {}",
+                    value.rev_nat_id, master.rev_nat_id
+                ));
+            }
+            match state.backends.get(&value.backend_id) {
+                None => slot_problems.push(format!(
+                    "slot {slot} points at backend {}, not in the backends map",
+                    value.backend_id
+                )),
+                Some(b) => {
+                    if b.proto != key.2 {
+                        slot_problems.push(format!(
+                            "slot {slot}: backend {} {} is {}",
+                            value.backend_id,
+                            backend_label(b),
+                            proto_name(b.proto)
+                        ));
+                    }
+                    let addr = BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) };
+                    if slot <= count {
+                        active.insert(addr)
+                    } else {
+                        terminating.insert(addr)
+                    };
+                }
+            }
+        }
+        let above: Vec<u16> = slots.keys().copied().filter(|s| u32::from(*s) > total).collect();
+        if !above.is_empty() {
+            for s in &above {
+                referenced.insert(slots[s].backend_id);
+            }
+            slot_problems.push(format!("stale slots {} above the {total} in use", list(&above)));
+        }
+        if !slot_problems.is_empty() {
+            push("slots", label.clone(), service.clone(), slot_problems.join("; "));
+        }
+
+        for (kind, have, want, what) in [
+            ("backends", &active, &frontend.backends, "backends"),
+            ("terminating-backends", &terminating, &frontend.terminating_backends, "terminating backends"),
+        ] {
+            let want: BTreeSet<BackendAddr> = want.iter().copied().collect();
+            if *have == want {
+                continue;
+            }
+            let mut parts = vec![format!("{} {what}, want {}", have.len(), want.len())];
+            let missing: Vec<_> = want.difference(have).collect();
+            let extra: Vec<_> = have.difference(&want).collect();
+            if !missing.is_empty() {
+                parts.push(format!("missing {}", list(missing)));
+            }
+            if !extra.is_empty() {
+                parts.push(format!("extra {}", list(extra)));
+            }
+            push(kind, label.clone(), service.clone(), parts.join("; "));
+        }
+
+        let mut slot0 = Vec::new();
+        let flags = frontend_flags(frontend);
+        if master.flags != flags {
+            slot0.push(format!("flags {:#x}, want {flags:#x}", master.flags));
+        }
+        let timeout = frontend.session_affinity_timeout.unwrap_or(0);
+        if master.affinity_timeout_s != timeout {
+            slot0.push(format!("affinity timeout {} s, want {timeout} s", master.affinity_timeout_s));
+        }
+        if !slot0.is_empty() {
+            push("slot0", label.clone(), service.clone(), slot0.join("; "));
+        }
+
+        let rev = RevNatV4 {
+            vip: frontend.vip.octets(),
+            port: frontend.port.to_be_bytes(),
+            proto: frontend.proto.number(),
+            _pad: 0,
+        };
+        match state.rev_nat.get(&master.rev_nat_id) {
+            None => push(
+                "rev-nat",
+                label.clone(),
+                service.clone(),
+                format!("rev-NAT id {} is not in the rev_nat map", master.rev_nat_id),
+            ),
+            Some(r) if (r.vip, r.port, r.proto) != (rev.vip, rev.port, rev.proto) => push(
+                "rev-nat",
+                label.clone(),
+                service.clone(),
+                format!(
+                    "rev-NAT id {} holds {}",
+                    master.rev_nat_id,
+                    frontend_label(&(
+                        Ipv4Addr::from(r.vip),
+                        u16::from_be_bytes(r.port),
+                        r.proto,
+                        SCOPE_CLUSTER_IP
+                    ))
+                ),
+            ),
+            Some(_) => {}
+        }
+        match state.names.get(&master.rev_nat_id) {
+            Some(name) if *name == service => {}
+            Some(name) => push(
+                "name",
+                label.clone(),
+                service.clone(),
+                format!("names map has {name:?} for rev-NAT id {}", master.rev_nat_id),
+            ),
+            None => push(
+                "name",
+                label.clone(),
+                service.clone(),
+                format!("rev-NAT id {} has no entry in the names map", master.rev_nat_id),
+            ),
+        }
+    }
+
+    for (key, slots) in &grouped {
+        referenced.extend(slots.iter().filter(|(s, _)| **s != 0).map(|(_, v)| v.backend_id));
+        let label = frontend_label(key);
+        match slots.get(&0) {
+            Some(master) => {
+                used_rev_nat.insert(master.rev_nat_id);
+                let ids: Vec<String> = (1..=u32::from(master.count))
+                    .filter_map(|s| u16::try_from(s).ok().and_then(|s| slots.get(&s)))
+                    .map(|v| {
+                        state
+                            .backends
+                            .get(&v.backend_id)
+                            .map_or_else(|| format!("#{}", v.backend_id), backend_label)
+                    })
+                    .collect();
+                let backends =
+                    if ids.is_empty() { "no backends".to_owned() } else { format!("backends {}", list(ids)) };
+                push(
+                    "extra-frontend",
+                    label,
+                    state.names.get(&master.rev_nat_id).cloned().unwrap_or_default(),
+                    format!("in the services map but not wanted ({backends})"),
+                );
+            }
+            None => {
+                push("extra-frontend", label, String::new(), format!("{} slots without slot 0", slots.len()))
+            }
+        }
+    }
+
+    for (id, b) in &state.backends {
+        if !referenced.contains(id) {
+            let state_name = if b.flags & BACKEND_FLAG_TERMINATING != 0 { "terminating" } else { "active" };
+            push(
+                "orphan-backend",
+                String::new(),
+                String::new(),
+                format!(
+                    "backend {id} {}/{} ({state_name}) is in no slot",
+                    backend_label(b),
+                    proto_name(b.proto)
+                ),
+            );
+        }
+    }
+    // Flags of backends the desired state uses (each backend once).
+    let by_addr: BTreeMap<(BackendAddr, u8), (u32, u8)> = state
+        .backends
+        .iter()
+        .map(|(id, b)| {
+            (
+                (BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) }, b.proto),
+                (*id, b.flags),
+            )
+        })
+        .collect();
+    for ((addr, proto), flag) in &wanted_flags {
+        if let Some((id, have)) = by_addr.get(&(*addr, proto.number()))
+            && have != flag
+        {
+            let name = |f: u8| if f & BACKEND_FLAG_TERMINATING != 0 { "terminating" } else { "active" };
+            push(
+                "backend-flags",
+                String::new(),
+                String::new(),
+                format!("backend {id} {addr}/{proto} is {}, want {}", name(*have), name(*flag)),
+            );
+        }
+    }
+    for (id, r) in &state.rev_nat {
+        if !used_rev_nat.contains(id) {
+            let fe = (Ipv4Addr::from(r.vip), u16::from_be_bytes(r.port), r.proto, SCOPE_CLUSTER_IP);
+            push(
+                "orphan-rev-nat",
+                frontend_label(&fe),
+                state.names.get(id).cloned().unwrap_or_default(),
+                format!("rev-NAT id {id} belongs to no frontend"),
+            );
+        }
+    }
+    for (id, name) in &state.names {
+        if !used_rev_nat.contains(id) && !state.rev_nat.contains_key(id) {
+            push(
+                "orphan-name",
+                String::new(),
+                name.clone(),
+                format!("names entry {id} belongs to no frontend"),
+            );
+        }
+    }
+
+    for vip in per_vip.keys().chain(state.vips.keys()).collect::<BTreeSet<_>>() {
+        let have = state.vips.get(vip).copied();
+        let frontends = per_vip.get(vip).copied().unwrap_or(0);
+        let detail = match have {
+            Some(n) if n == frontends => continue,
+            None => format!(
+                "VIPS_V4 has no entry for {vip}, which has {frontends} frontends (its other ports pass untranslated instead of being refused)"
+            ),
+            Some(n) if frontends == 0 => {
+                format!("VIPS_V4 counts {n} frontends on {vip}, which has none (every port on it is refused)")
+            }
+            Some(n) => format!("VIPS_V4 counts {n} frontends on {vip}, the services map has {frontends}"),
+        };
+        push("vip", vip.to_string(), String::new(), detail);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::maps::{BACKEND_FLAG_ACTIVE, IPPROTO_TCP, SVC_FLAG_AFFINITY, VipV4};
+
+    use super::*;
+    use crate::{
+        model::ServiceName,
+        sync::{Store, Syncer},
+    };
+
+    /// A store that keeps the maps in memory, so a real [`Syncer`] programs them.
+    #[derive(Default)]
+    struct Mem {
+        services: std::collections::HashMap<ServiceKeyV4, ServiceValueV4>,
+        backends: BTreeMap<u32, BackendV4>,
+        rev_nat: BTreeMap<u16, RevNatV4>,
+        names: BTreeMap<u16, String>,
+        vips: BTreeMap<[u8; 4], VipV4>,
+    }
+
+    impl Store for Mem {
+        fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
+            Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
+        }
+        fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
+            Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+        }
+        fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
+            Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
+        }
+        fn read_name(&self, id: u16) -> Option<String> {
+            self.names.get(&id).cloned()
+        }
+        fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
+            self.services.insert(key, value);
+            Ok(())
+        }
+        fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
+            self.services.remove(key);
+            Ok(())
+        }
+        fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
+            self.backends.insert(id, value);
+            Ok(())
+        }
+        fn del_backend(&mut self, id: u32) -> Result<()> {
+            self.backends.remove(&id);
+            Ok(())
+        }
+        fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+            self.rev_nat.insert(id, value);
+            Ok(())
+        }
+        fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+            self.rev_nat.remove(&id);
+            Ok(())
+        }
+        fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+            self.names.insert(id, name.to_owned());
+            Ok(())
+        }
+        fn del_name(&mut self, id: u16) -> Result<()> {
+            self.names.remove(&id);
+            Ok(())
+        }
+        fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
+            self.vips.insert(vip, value);
+            Ok(())
+        }
+        fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
+            self.vips.remove(&vip);
+            Ok(())
+        }
+    }
+
+    fn state_of(mem: &Mem) -> MapState {
+        MapState {
+            services: mem.services.iter().map(|(k, v)| (*k, *v)).collect(),
+            backends: mem.backends.clone(),
+            rev_nat: mem.rev_nat.clone(),
+            names: mem.names.clone(),
+            vips: mem.vips.iter().map(|(k, v)| (Ipv4Addr::from(*k), v.frontends)).collect(),
+        }
+    }
+
+    fn b(last: u8, port: u16) -> BackendAddr {
+        BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last), port }
+    }
+
+    fn web(backends: Vec<BackendAddr>) -> Frontend {
+        Frontend::new(
+            ServiceName { namespace: "default".into(), name: "web".into() },
+            "http",
+            Ipv4Addr::new(10, 96, 0, 100),
+            80,
+            Protocol::Tcp,
+            backends,
+        )
+    }
+
+    fn dns(proto: Protocol) -> Frontend {
+        Frontend::new(
+            ServiceName { namespace: "kube-system".into(), name: "kube-dns".into() },
+            if proto == Protocol::Udp { "dns" } else { "dns-tcp" },
+            Ipv4Addr::new(10, 96, 0, 10),
+            53,
+            proto,
+            vec![b(21, 53), b(22, 53)],
+        )
+    }
+
+    fn programmed(desired: &Desired) -> Mem {
+        let mut syncer = Syncer::with_store(Mem::default()).unwrap();
+        let report = syncer.apply(desired);
+        assert!(report.errors.is_empty(), "{report:?}");
+        let store = syncer.store();
+        Mem {
+            services: store.services.clone(),
+            backends: store.backends.clone(),
+            rev_nat: store.rev_nat.clone(),
+            names: store.names.clone(),
+            vips: store.vips.clone(),
+        }
+    }
+
+    #[test]
+    fn what_the_syncer_programs_has_no_difference() {
+        let mut affinity = web(vec![b(11, 80), b(12, 80)]);
+        affinity.session_affinity_timeout = Some(10800);
+        affinity.terminating_backends = vec![b(13, 80)];
+        let desired = Desired::new(vec![affinity, dns(Protocol::Udp), dns(Protocol::Tcp)]);
+        let mem = programmed(&desired);
+        assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
+        assert_eq!(table(&[]), "no differences\n");
+    }
+
+    #[test]
+    fn names_missing_and_extra_frontends_and_backends() {
+        let before = Desired::new(vec![web(vec![b(11, 80), b(12, 80), b(13, 80)]), dns(Protocol::Udp)]);
+        let state = state_of(&programmed(&before));
+        // An endpoint went away, the DNS Service is gone and a new Service appeared.
+        let mut new = web(vec![]);
+        new.service.name = "empty".into();
+        new.vip = Ipv4Addr::new(10, 96, 0, 200);
+        let after = Desired::new(vec![web(vec![b(11, 80), b(12, 80)]), new]);
+        let diff = compare(&after, &state);
+        let kinds: Vec<(&str, &str)> = diff.iter().map(|d| (d.kind, d.frontend.as_str())).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("backends", "10.96.0.100:80/TCP"),
+                ("missing-frontend", "10.96.0.200:80/TCP"),
+                ("extra-frontend", "10.96.0.10:53/UDP"),
+            ],
+            "{diff:#?}"
+        );
+        assert_eq!(diff[0].service, "default/web:http");
+        assert_eq!(diff[0].detail, "3 backends, want 2; extra 10.244.0.13:80");
+        assert!(diff[1].detail.contains("no backends"), "{}", diff[1].detail);
+        assert_eq!(diff[2].service, "kube-system/kube-dns:dns");
+        let text = table(&diff);
+        assert!(text.starts_with("KIND"), "{text}");
+        assert!(text.ends_with("3 differences\n"), "{text}");
+        let json = serde_json::to_value(&diff).unwrap();
+        assert_eq!(json[0]["kind"], "backends");
+        assert_eq!(json[1]["frontend"], "10.96.0.200:80/TCP");
+    }
+
+    #[test]
+    fn names_broken_entries() {
+        let desired = Desired::new(vec![web(vec![b(11, 80), b(12, 80)]), dns(Protocol::Udp)]);
+        let mut mem = programmed(&desired);
+        let web_key = |slot| {
+            ServiceKeyV4::new([10, 96, 0, 100], 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, slot)
+        };
+        // Slot 0: affinity flag set behind the agent's back; a stale slot 3.
+        let mut master = mem.services[&web_key(0)];
+        master.flags = SVC_FLAG_AFFINITY;
+        master.affinity_timeout_s = 60;
+        mem.services.insert(web_key(0), master);
+        let slot1 = mem.services[&web_key(1)];
+        mem.services.insert(web_key(3), slot1);
+        // Names and rev-NAT entries lost or wrong, an orphan backend, a wrong VIP count.
+        let rev = master.rev_nat_id;
+        mem.names.insert(rev, "default/other:http".into());
+        let dns_rev = mem.rev_nat.keys().copied().find(|id| *id != rev).unwrap();
+        mem.rev_nat.remove(&dns_rev);
+        mem.backends.insert(
+            99,
+            BackendV4 {
+                addr: [10, 244, 0, 99],
+                port: 80u16.to_be_bytes(),
+                proto: IPPROTO_TCP,
+                flags: BACKEND_FLAG_ACTIVE,
+            },
+        );
+        mem.vips.insert([10, 96, 0, 10], VipV4 { frontends: 2 });
+        mem.rev_nat.insert(
+            500,
+            RevNatV4 { vip: [10, 96, 0, 7], port: 80u16.to_be_bytes(), proto: IPPROTO_TCP, _pad: 0 },
+        );
+        let diff = compare(&desired, &state_of(&mem));
+        let kinds: Vec<&str> = diff.iter().map(|d| d.kind).collect();
+        assert_eq!(
+            kinds,
+            vec!["rev-nat", "slots", "slot0", "name", "orphan-backend", "orphan-rev-nat", "vip"],
+            "{diff:#?}"
+        );
+        assert!(diff[1].detail.contains("stale slots 3"), "{}", diff[1].detail);
+        assert!(diff[2].detail.contains("flags 0x1, want 0x0"), "{}", diff[2].detail);
+        assert!(diff[2].detail.contains("affinity timeout 60 s, want 0 s"), "{}", diff[2].detail);
+        assert!(diff[3].detail.contains("default/other:http"), "{}", diff[3].detail);
+        assert!(diff[4].detail.contains("10.244.0.99:80/TCP"), "{}", diff[4].detail);
+        assert!(diff[6].detail.contains("counts 2 frontends on 10.96.0.10, the services map has 1"));
+    }
+
+    #[test]
+    fn names_dangling_slots_and_terminating_sets() {
+        let mut frontend = web(vec![b(11, 80)]);
+        frontend.terminating_backends = vec![b(12, 80)];
+        let desired = Desired::new(vec![frontend]);
+        let mut mem = programmed(&desired);
+        // The terminating backend's entry disappears: its slot dangles.
+        let id = mem.backends.iter().find(|(_, v)| v.addr == [10, 244, 0, 12]).map(|(k, _)| *k).unwrap();
+        mem.backends.remove(&id);
+        let diff = compare(&desired, &state_of(&mem));
+        let kinds: Vec<&str> = diff.iter().map(|d| d.kind).collect();
+        assert_eq!(kinds, vec!["slots", "terminating-backends"], "{diff:#?}");
+        assert!(diff[0].detail.contains("not in the backends map"), "{}", diff[0].detail);
+        assert!(diff[1].detail.contains("missing 10.244.0.12:80"), "{}", diff[1].detail);
+    }
+
+    #[test]
+    fn manifests_are_ordered_like_the_agent() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: b, namespace: x}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: x}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n";
+        let (services, _, _) = from_files(manifest::parse_str(text, "test"));
+        let names: Vec<_> = services.iter().map(|s| s.object.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["a", "b"]);
+    }
 }

@@ -361,7 +361,9 @@ pub fn nat(maps: &Maps) -> Result<Vec<NatRow>> {
 pub fn nat_table(rows: &[NatRow]) -> String {
     let cells: Vec<Vec<String>> = rows
         .iter()
-        .map(|r| vec![r.kind.to_owned(), r.protocol.to_owned(), r.from.clone(), r.to.clone(), r.service.clone()])
+        .map(|r| {
+            vec![r.kind.to_owned(), r.protocol.to_owned(), r.from.clone(), r.to.clone(), r.service.clone()]
+        })
         .collect();
     table(&["KIND", "PROTO", "FROM", "TO", "SERVICE"], &cells)
 }

@@ -14,6 +14,7 @@
 //! 4. the ready ones are used; when there are none, the serving-and-terminating ones are
 //!    (the "terminating fallback").
 
+use std::borrow::Borrow;
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -196,18 +197,20 @@ impl Desired {
 
 /// Computes the desired state with the default options (no node name, the default service proxy).
 /// Same as [`build_with`] with [`ModelOptions::default()`].
-pub fn build(
-    services: &[Sourced<Service>],
-    slices: &[Sourced<EndpointSlice>],
+pub fn build<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>>(
+    services: &[S],
+    slices: &[E],
 ) -> (Desired, Vec<ManifestError>) {
     build_with(services, slices, &ModelOptions::default())
 }
 
 /// Computes the desired state. Problems are returned (named by object and field) and the offending part
 /// is left out; everything else is still built. Output is deterministic and this never panics.
-pub fn build_with(
-    services: &[Sourced<Service>],
-    slices: &[Sourced<EndpointSlice>],
+/// The objects may be owned or shared (`Arc<Sourced<..>>`), so a caller that
+/// keeps them need not copy them for every sync.
+pub fn build_with<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>>(
+    services: &[S],
+    slices: &[E],
     options: &ModelOptions,
 ) -> (Desired, Vec<ManifestError>) {
     let mut errors = Vec::new();
@@ -222,13 +225,14 @@ pub fn build_with(
     let plans: Vec<ServicePlan> = services
         .iter()
         .filter_map(|svc| {
-            plan_service(svc, &filter, &mut errors, &mut stats, &mut not_ours, &mut seen_services)
+            plan_service(svc.borrow(), &filter, &mut errors, &mut stats, &mut not_ours, &mut seen_services)
         })
         .collect();
 
     let mut by_service: HashMap<ServiceName, Vec<SliceUse>> = HashMap::new();
     let mut seen_slices = HashMap::new();
     for slice in slices {
+        let slice = slice.borrow();
         if let Some((service, used)) = use_slice(slice, &filter, &not_ours, &mut errors, &mut seen_slices) {
             by_service.entry(service).or_default().push(used);
         }

@@ -33,20 +33,28 @@ pub type ObjectKey = (String, String, u32);
 /// Objects as last seen.
 #[derive(Default, Clone)]
 pub struct Snapshot {
-    pub services: BTreeMap<ObjectKey, Sourced<Service>>,
-    pub slices: BTreeMap<ObjectKey, Sourced<EndpointSlice>>,
+    pub services: BTreeMap<ObjectKey, Arc<Sourced<Service>>>,
+    pub slices: BTreeMap<ObjectKey, Arc<Sourced<EndpointSlice>>>,
     /// Errors of the source itself (unreadable files, unparsable documents).
     pub errors: Vec<ManifestError>,
 }
 
 impl Snapshot {
-    pub fn services(&self) -> Vec<Sourced<Service>> {
+    /// The objects, shared with the snapshot (no deep copy).
+    pub fn services(&self) -> Vec<Arc<Sourced<Service>>> {
         self.services.values().cloned().collect()
     }
 
-    pub fn slices(&self) -> Vec<Sourced<EndpointSlice>> {
+    pub fn slices(&self) -> Vec<Arc<Sourced<EndpointSlice>>> {
         self.slices.values().cloned().collect()
     }
+}
+
+/// The objects a sync reads.
+pub struct Objects {
+    pub services: Vec<Arc<Sourced<Service>>>,
+    pub slices: Vec<Arc<Sourced<EndpointSlice>>>,
+    pub errors: Vec<ManifestError>,
 }
 
 /// What happened since the last sync: the sync loop takes it whole.
@@ -81,6 +89,13 @@ impl Changes {
 
     pub fn snapshot(&self) -> Snapshot {
         self.snapshot.lock().expect("poisoned").clone()
+    }
+
+    /// The objects and source errors as shared handles: what a sync needs,
+    /// without copying the keys or the objects.
+    pub fn objects(&self) -> Objects {
+        let snapshot = self.snapshot.lock().expect("poisoned");
+        Objects { services: snapshot.services(), slices: snapshot.slices(), errors: snapshot.errors.clone() }
     }
 
     pub fn take_pending(&self) -> Pending {
@@ -340,12 +355,12 @@ impl Kinded {
             Kinded::Service(mut object) => {
                 object.metadata.managed_fields = None;
                 let origin = origin("Service", object.resource_version());
-                snapshot.services.insert(k, Sourced { origin, object: *object });
+                snapshot.services.insert(k, Arc::new(Sourced { origin, object: *object }));
             }
             Kinded::Slice(mut object) => {
                 object.metadata.managed_fields = None;
                 let origin = origin("EndpointSlice", object.resource_version());
-                snapshot.slices.insert(k, Sourced { origin, object: *object });
+                snapshot.slices.insert(k, Arc::new(Sourced { origin, object: *object }));
             }
         }
     }
@@ -381,11 +396,15 @@ pub async fn watch_files(path: PathBuf, poll: Duration, changes: Arc<Changes>) -
             let mut snapshot = Snapshot { errors: objects.errors, ..Default::default() };
             for (i, s) in objects.services.into_iter().enumerate() {
                 let (ns, name) = (s.object.metadata.namespace.clone(), s.object.metadata.name.clone());
-                snapshot.services.insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), s);
+                snapshot
+                    .services
+                    .insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), Arc::new(s));
             }
             for (i, s) in objects.slices.into_iter().enumerate() {
                 let (ns, name) = (s.object.metadata.namespace.clone(), s.object.metadata.name.clone());
-                snapshot.slices.insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), s);
+                snapshot
+                    .slices
+                    .insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), Arc::new(s));
             }
             changes.replace_all(snapshot);
             last = Some(current);

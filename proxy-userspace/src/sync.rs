@@ -583,8 +583,9 @@ impl<S: Store> Syncer<S> {
 
         let flags = frontend_flags(frontend);
         let affinity_timeout_s = frontend.session_affinity_timeout.unwrap_or(0);
-        let previous = self.frontends.get(&fk).cloned();
-        if previous.as_ref().is_some_and(|p| {
+        // The common case at scale is "nothing changed": decide it without
+        // copying what is programmed.
+        if self.frontends.get(&fk).is_some_and(|p| {
             p.backend_ids == ids
                 && p.terminating_ids == terminating_ids
                 && p.name == name
@@ -593,6 +594,7 @@ impl<S: Store> Syncer<S> {
         }) {
             return Ok(());
         }
+        let previous = self.frontends.get(&fk).cloned();
         let rev_nat_id = match &previous {
             Some(p) => p.rev_nat_id,
             None => self.allocate_rev_nat_id().context("all 65535 rev-NAT ids are in use")?,
