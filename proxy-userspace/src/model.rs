@@ -1464,7 +1464,9 @@ ports:
             errors[0].to_string(),
             "a: Service: metadata.name: the Service has no name; it is skipped"
         );
-        assert_eq!(build(&[], &[]), (Desired::default(), Vec::new()));
+        let none: [Sourced<Service>; 0] = [];
+        let no_slices: [Sourced<EndpointSlice>; 0] = [];
+        assert_eq!(build(&none, &no_slices), (Desired::default(), Vec::new()));
     }
 
     #[test]
