@@ -326,7 +326,7 @@ struct Backend {
 
 /// A tool by name on PATH or in the sbin directories (a non-root PATH often
 /// lacks them).
-fn find_tool(name: &str) -> Option<PathBuf> {
+pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))

@@ -922,13 +922,7 @@ fn kube_proxy_pids() -> Vec<u32> {
         .collect()
 }
 
-fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file())
-}
+use crate::cleanup::find_tool;
 
 fn output(tool: &Path, args: &[&str]) -> Result<String, String> {
     match Command::new(tool).args(args).stdin(std::process::Stdio::null()).output() {
