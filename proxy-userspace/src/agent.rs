@@ -122,7 +122,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     if datapath::load_with(&config.pins, &capacities)? {
         tracing::info!(pins = %config.pins.root().display(), "loaded and pinned the datapath");
     } else {
-        tracing::info!(pins = %config.pins.root().display(), "reusing the pinned datapath");
+        tracing::info!(pins = %config.pins.root().display(), "reloaded the programs; reusing the pinned maps and links");
     }
     let mut maps = Maps::from_pins(&config.pins)?;
     {

@@ -161,11 +161,21 @@ pub fn load_unpinned() -> Result<Ebpf> {
 }
 
 pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
+    load_object(capacities, &[])
+}
+
+/// Loads the object and its programs; maps named in `pin_paths` are reused
+/// from (or created and pinned at) those paths.
+fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kproxy was built with AYA_BUILD_SKIP: it carries no eBPF programs");
     }
     let log_level = BPF_LOG_LEVEL.load(std::sync::atomic::Ordering::Relaxed);
-    let mut ebpf = EbpfLoader::new()
+    let mut loader = EbpfLoader::new();
+    for (name, path) in pin_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader
         .override_global("AYA_LOG_LEVEL", &log_level, true)
         .map_max_entries(MAP_SERVICES_V4, capacities.services)
         .map_max_entries(MAP_BACKENDS_V4, capacities.backends)
@@ -212,35 +222,104 @@ pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
     Ok(())
 }
 
-/// Loads and pins programs and maps unless they are pinned already.
-/// Returns true when it loaded them now.
+/// Loads the programs and pins them, reusing every map that is already pinned
+/// (creating and pinning the others), then moves every pinned TCX link to the
+/// new programs atomically. Established flows live in the reused maps, so an
+/// agent restart — or an upgrade to a kproxy with new maps — drops nothing.
+/// Returns true when nothing was pinned before (a fresh load).
 pub fn load(pins: &PinDir) -> Result<bool> {
     load_with(pins, &Capacities::default())
 }
 
-/// [`load`] with map sizes; pinned maps keep the sizes they were created with.
+/// Key and value sizes of each map, to refuse reusing a pinned map whose
+/// layout this kproxy does not share.
+fn expected_layout(name: &str) -> Option<(u32, u32)> {
+    use std::mem::size_of;
+    let sizes = |k: usize, v: usize| Some((k as u32, v as u32));
+    match name {
+        MAP_SERVICES_V4 => sizes(size_of::<ServiceKeyV4>(), size_of::<ServiceValueV4>()),
+        MAP_BACKENDS_V4 => sizes(size_of::<u32>(), size_of::<BackendV4>()),
+        MAP_REV_NAT_V4 => sizes(size_of::<u16>(), size_of::<RevNatV4>()),
+        MAP_FRONTEND_NAMES_V4 => sizes(size_of::<u16>(), size_of::<FrontendNameV4>()),
+        MAP_CONNTRACK_V4 => sizes(size_of::<CtKeyV4>(), size_of::<CtEntryV4>()),
+        MAP_CONFIG => sizes(size_of::<u32>(), size_of::<ConfigV4>()),
+        MAP_AFFINITY_V4 => sizes(size_of::<AffinityKeyV4>(), size_of::<AffinityValueV4>()),
+        MAP_VIPS_V4 => sizes(4, size_of::<VipV4>()),
+        MAP_STATS => sizes(size_of::<u32>(), size_of::<u64>()),
+        proxy_common::trace::MAP_TRACE => {
+            sizes(size_of::<u32>(), size_of::<proxy_common::trace::TraceConfig>())
+        }
+        _ => None,
+    }
+}
+
+/// [`load`] with map sizes (used for maps created now; reused maps keep theirs).
 pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
     ensure_bpffs(pins)?;
-    if pins.is_loaded() {
-        return Ok(false);
-    }
+    let fresh = !pins.program(PROG_INGRESS).exists();
     for dir in ["maps", "progs", "links"] {
         fs::create_dir_all(pins.root().join(dir))
             .with_context(|| format!("creating {}", pins.root().join(dir).display()))?;
     }
-    let mut ebpf = load_unpinned_with(capacities)?;
     for name in ALL_MAPS {
-        let map = ebpf.map(name).ok_or_else(|| anyhow!("map {name} missing from the object"))?;
         let path = pins.map(name);
-        map.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+        let (Some((key, value)), true) = (expected_layout(name), path.exists()) else { continue };
+        let info =
+            aya::maps::MapInfo::from_pin(&path).with_context(|| format!("reading {}", path.display()))?;
+        if (info.key_size(), info.value_size()) != (key, value) {
+            bail!(
+                "the pinned map {} has keys of {} and values of {} bytes, this kproxy needs {key} and {value}: \
+                 it was made by an incompatible kproxy. `kproxy unload` removes it (established connections through \
+                 Services are lost), then load again",
+                path.display(),
+                info.key_size(),
+                info.value_size()
+            );
+        }
     }
+    let paths: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|name| (*name, pins.map(name))).collect();
+    let mut ebpf = load_object(capacities, &paths)?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier =
             ebpf.program_mut(hook.program()).expect("loaded above").try_into()?;
         let path = pins.program(hook.program());
+        // The old program stays alive through its links until they move.
+        remove_file_if_present(&path)?;
         program.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+        move_links(pins, hook, program)?;
     }
-    Ok(true)
+    Ok(fresh)
+}
+
+fn remove_file_if_present(path: &Path) -> Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", path.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Points every pinned link of `hook` at `program` (bpf_link_update: no
+/// moment without a program on the interface).
+fn move_links(pins: &PinDir, hook: Hook, program: &mut SchedClassifier) -> Result<()> {
+    let Ok(entries) = fs::read_dir(pins.links_dir()) else { return Ok(()) };
+    let suffix = format!("-{}", hook.suffix());
+    for entry in entries {
+        let path = entry?.path();
+        if !path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(&suffix)) {
+            continue;
+        }
+        let Ok(pinned) = PinnedLink::from_pin(&path) else { continue };
+        let link = aya::programs::tc::SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let id = program
+            .attach_to_link(link)
+            .with_context(|| format!("moving {} to the new program", path.display()))?;
+        // The pin keeps the link; this process's handle can go.
+        drop(program.take_link(id)?);
+    }
+    Ok(())
 }
 
 /// What `unload` removed.

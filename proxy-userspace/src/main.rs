@@ -218,7 +218,10 @@ fn run(cli: Cli) -> Result<()> {
             if datapath::load(&pins)? {
                 println!("loaded and pinned under {}", pins.root().display());
             } else {
-                println!("already loaded under {}", pins.root().display());
+                println!(
+                    "reloaded the programs under {}; pinned maps and links reused",
+                    pins.root().display()
+                );
             }
             let report = datapath::attach_matching(&pins, &selector)?;
             for label in &report.attached {

@@ -19,6 +19,7 @@
 
 pub mod apiserver;
 mod cmd;
+pub mod multinode;
 mod sandbox;
 mod servers;
 mod tools;

@@ -195,7 +195,13 @@ fn pods_created_after_the_agent_started_are_served() {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert!(cluster.agent_log().contains(&format!("{}/ingress", late.host_veth())));
+    // The agent logs each attachment once its pass over the interfaces ends.
+    let wanted = format!("{}/ingress", late.host_veth());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !cluster.agent_log().contains(&wanted) {
+        assert!(std::time::Instant::now() < deadline, "{wanted} not logged:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

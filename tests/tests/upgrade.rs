@@ -1,0 +1,118 @@
+//! Restarting (or upgrading) the agent reloads the programs, reuses the pinned
+//! maps, creates the maps an older kproxy did not have, and moves the pinned
+//! TCX links to the new programs atomically: a transfer through the VIP keeps
+//! flowing. A pinned map of another layout is refused with a clear error.
+//! Needs root.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::{Cluster, WEB_VIP};
+
+fn program_id(cluster: &Cluster, program: &str) -> u64 {
+    let pin = cluster.pin_dir.join("progs").join(program);
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "prog", "show", "pinned"])
+        .arg(&pin)
+        .output()
+        .unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    info["id"].as_u64().unwrap()
+}
+
+/// Waits (the agent attaches new interfaces every 100 ms) until `program`
+/// has `n` links.
+fn wait_links(program: u64, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while links_to(program) != n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "program {program}: {} links, want {n}",
+            links_to(program)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn links_to(program: u64) -> usize {
+    let out = std::process::Command::new("bpftool").args(["-j", "link", "show"]).output().unwrap();
+    let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    links.as_array().unwrap().iter().filter(|l| l["prog_id"].as_u64() == Some(program)).count()
+}
+
+#[test]
+fn an_agent_with_new_programs_and_maps_takes_over_without_dropping_a_flow() {
+    let mut cluster = Cluster::start("upgrade");
+    let old_ingress = program_id(&cluster, "kproxy_ingress");
+    wait_links(old_ingress, 6);
+
+    let out = cluster.sandbox.dir().join("slow.bin");
+    let download = cluster
+        .client
+        .spawn([
+            "curl",
+            "-sS",
+            "--limit-rate",
+            "1M",
+            "--max-time",
+            "60",
+            "-o",
+            out.to_str().unwrap(),
+            &format!("http://{WEB_VIP}/big.bin"),
+        ])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+
+    // As if the running datapath came from an older kproxy without tracing.
+    cluster.stop_agent();
+    for map in ["events", "trace"] {
+        std::fs::remove_file(cluster.pin_dir.join("maps").join(map)).unwrap();
+    }
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !cluster.agent_log().contains("reloaded the programs") {
+        assert!(std::time::Instant::now() < deadline, "{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let new_ingress = program_id(&cluster, "kproxy_ingress");
+    assert_ne!(new_ingress, old_ingress, "the programs were replaced");
+    assert_eq!(links_to(new_ingress), 6, "every link moved to the new program");
+    assert_eq!(links_to(old_ingress), 0);
+    assert!(cluster.pin_dir.join("maps/trace").exists() && cluster.pin_dir.join("maps/events").exists());
+    assert!(cluster.client.curl(&format!("http://{WEB_VIP}/")).unwrap().starts_with("web-"));
+
+    let status = download.wait_timeout(Duration::from_secs(30)).unwrap().expect("download finished");
+    assert!(status.success(), "the flow broke during the takeover: {}", download.log());
+    assert!(std::fs::read(&out).unwrap() == sandbox::big_file_contents(), "the download arrived corrupted");
+}
+
+#[test]
+fn a_pinned_map_of_another_layout_is_refused_by_name() {
+    let mut cluster = Cluster::start("layout");
+    cluster.stop_agent();
+    let vips = cluster.pin_dir.join("maps/vips_v4");
+    std::fs::remove_file(&vips).unwrap();
+    let status = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&vips)
+        .args(["type", "hash", "key", "8", "value", "4", "entries", "16", "name", "VIPS_V4"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bin = common::cluster::kproxy_bin();
+    let out = std::process::Command::new(bin)
+        .arg("--pin-dir")
+        .arg(&cluster.pin_dir)
+        .args(["load", "--interfaces", "nomatch"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("vips_v4") && err.contains("incompatible") && err.contains("kproxy unload"),
+        "{err}"
+    );
+}
