@@ -16,7 +16,7 @@
 //! underlay; [`cleanup_stale_multinode`] removes what a killed run left behind.
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::Once;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -25,6 +25,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 
 use crate::cmd;
+use crate::sandbox::{delete_netns, ip, netns_path, sanitize, sysctl_in};
 use crate::tools::{find_tool, require_root, require_tools};
 use crate::{Pod, Sandbox, Spawned, cleanup_stale};
 
@@ -44,55 +45,9 @@ pub const EXTERNAL_SERVICE_RANGE: &str = "192.168.200.0/24";
 pub const MAX_NODES: usize = 100;
 
 const EXEC_TIMEOUT: Duration = Duration::from_secs(60);
-const SETUP_TIMEOUT: Duration = Duration::from_secs(20);
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 static STALE_CLEANUP: Once = Once::new();
-
-fn sanitize(text: &str, max: usize) -> String {
-    text.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
-        .take(max)
-        .collect()
-}
-
-fn netns_path(name: &str) -> PathBuf {
-    Path::new("/run/netns").join(name)
-}
-
-/// `ip <args>` that must succeed.
-fn ip(args: &[&str]) -> Result<String> {
-    let mut command = Command::new(find_tool("ip")?);
-    command.args(args);
-    cmd::run_ok(command, SETUP_TIMEOUT)
-}
-
-fn sysctl_in(netns: &str, settings: &[&str]) -> Result<()> {
-    let mut command = Command::new(find_tool("nsenter")?);
-    command.arg(format!("--net={}", netns_path(netns).display())).arg("--").arg(find_tool("sysctl")?);
-    command.arg("-q").arg("-w").args(settings);
-    cmd::run_ok(command, SETUP_TIMEOUT).map(drop)
-}
-
-/// Kills every process in `netns` and deletes it; reports errors (runs from `Drop`).
-fn delete_netns(netns: &str) {
-    if !netns_path(netns).exists() {
-        return;
-    }
-    if let Ok(pids) = ip(&["netns", "pids", netns]) {
-        for pid in pids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
-            if pid > 1 && pid != std::process::id() as i32 {
-                // SAFETY: kill has no memory-safety preconditions.
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                }
-            }
-        }
-    }
-    if let Err(err) = ip(&["netns", "del", netns]) {
-        eprintln!("multinode: could not delete netns {netns}: {err:#}");
-    }
-}
 
 /// Removes underlay and client namespaces left by multi-node sandboxes of dead processes
 /// (`kpm-<pid>-<n>-…` with a dead pid). Their node namespaces use the [`Sandbox`] pattern and
@@ -479,7 +434,10 @@ mod cluster_sandbox_tests {
         let pid = sleeper.pid();
         assert!(sleeper.is_running());
         drop(multi);
-        assert!(!Path::new("/proc").join(pid.to_string()).exists(), "client process {pid} survived");
+        assert!(
+            !std::path::Path::new("/proc").join(pid.to_string()).exists(),
+            "client process {pid} survived"
+        );
         assert!(netns_with_prefix(&own).is_empty(), "{:?}", netns_with_prefix(&own));
         for prefix in node_names {
             assert!(netns_with_prefix(&prefix).is_empty(), "{:?}", netns_with_prefix(&prefix));

@@ -36,14 +36,14 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 static STALE_CLEANUP: Once = Once::new();
 
 /// Keeps `[A-Za-z0-9_-]` (anything else becomes `_`), at most `max` characters.
-fn sanitize(text: &str, max: usize) -> String {
+pub(crate) fn sanitize(text: &str, max: usize) -> String {
     text.chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
         .take(max)
         .collect()
 }
 
-fn netns_path(name: &str) -> PathBuf {
+pub(crate) fn netns_path(name: &str) -> PathBuf {
     Path::new("/run/netns").join(name)
 }
 
@@ -54,12 +54,12 @@ fn ip_cmd(args: &[&str]) -> Result<Command> {
 }
 
 /// `ip <args>` that must succeed.
-fn ip(args: &[&str]) -> Result<String> {
+pub(crate) fn ip(args: &[&str]) -> Result<String> {
     cmd::run_ok(ip_cmd(args)?, SETUP_TIMEOUT)
 }
 
 /// Sets sysctls (`key=value`) inside namespace `netns` (nsenter: /proc/sys/net is per namespace).
-fn sysctl_in(netns: &str, settings: &[&str]) -> Result<()> {
+pub(crate) fn sysctl_in(netns: &str, settings: &[&str]) -> Result<()> {
     let mut cmd = Command::new(find_tool("nsenter")?);
     cmd.arg(format!("--net={}", netns_path(netns).display())).arg("--").arg(find_tool("sysctl")?);
     cmd.arg("-q").arg("-w").args(settings);
@@ -68,7 +68,7 @@ fn sysctl_in(netns: &str, settings: &[&str]) -> Result<()> {
 
 /// Kills every process in namespace `netns` and deletes it. Errors are reported, not returned:
 /// this runs from `Drop`.
-fn delete_netns(netns: &str) {
+pub(crate) fn delete_netns(netns: &str) {
     if !netns_path(netns).exists() {
         return;
     }
