@@ -209,6 +209,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         health: &health,
         logged: BTreeSet::new(),
         pins: config.pins.clone(),
+        cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
     };
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
@@ -254,6 +255,10 @@ struct SyncLoop<'a> {
     /// Errors already logged: a bad object is reported once per version.
     logged: BTreeSet<String>,
     pins: PinDir,
+    /// Per-Service model results, for the API-server source (where
+    /// namespace/name is unique); manifests are always modelled whole, which
+    /// also reports a Service defined twice.
+    cache: Option<crate::model_cache::ModelCache>,
 }
 
 impl SyncLoop<'_> {
@@ -261,7 +266,10 @@ impl SyncLoop<'_> {
         let started = Instant::now();
         let pending = changes.take_pending();
         let snapshot = changes.objects();
-        let (desired, model_errors) = model::build_with(&snapshot.services, &snapshot.slices, options);
+        let (desired, model_errors) = match &mut self.cache {
+            Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
+            None => model::build_with(&snapshot.services, &snapshot.slices, options),
+        };
         let report = self.syncer.apply(&desired);
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live

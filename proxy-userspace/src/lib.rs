@@ -11,6 +11,7 @@ pub mod health;
 pub mod manifest;
 pub mod metrics;
 pub mod model;
+pub mod model_cache;
 pub mod source;
 pub mod sync;
 pub mod trace;
