@@ -23,10 +23,11 @@ struct Entry {
     errors: Vec<ManifestError>,
 }
 
-/// Per-Service model results of the last sync.
+/// Per-Service model results of the last sync, keyed by the identity of the
+/// Service object they were built from.
 #[derive(Default)]
 pub struct ModelCache {
-    entries: HashMap<(String, String), Entry>,
+    entries: HashMap<*const Sourced<Service>, Entry>,
     /// Services rebuilt by the last call (for logs and tests).
     pub rebuilt: usize,
 }
@@ -53,18 +54,18 @@ impl ModelCache {
     /// The same result as [`model::build_with`] over all objects (for objects
     /// from the API server, where namespace/name is unique), rebuilding only
     /// the Services whose objects changed since the last call.
-    pub fn build(
+    pub fn build<'a>(
         &mut self,
-        services: &[Arc<Sourced<Service>>],
-        slices: &[Arc<Sourced<EndpointSlice>>],
+        services: &'a [Arc<Sourced<Service>>],
+        slices: &'a [Arc<Sourced<EndpointSlice>>],
         options: &ModelOptions,
     ) -> (Desired, Vec<ManifestError>) {
-        let mut by_service: HashMap<(String, String), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
+        let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
         for slice in slices {
             let meta = &slice.object.metadata;
             let Some(name) = meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else { continue };
-            let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_owned());
-            by_service.entry((namespace, name.clone())).or_default().push(Arc::clone(slice));
+            let namespace = meta.namespace.as_deref().unwrap_or("default");
+            by_service.entry((namespace, name.as_str())).or_default().push(Arc::clone(slice));
         }
 
         let mut next = HashMap::with_capacity(services.len());
@@ -76,16 +77,16 @@ impl ModelCache {
         self.rebuilt = 0;
         for service in services {
             let meta = &service.object.metadata;
-            let key = (
-                meta.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-                meta.name.clone().unwrap_or_default(),
-            );
-            let its_slices = by_service.remove(&key).unwrap_or_default();
+            let name =
+                (meta.namespace.as_deref().unwrap_or("default"), meta.name.as_deref().unwrap_or_default());
+            let its_slices = by_service.remove(&name).unwrap_or_default();
+            let key = Arc::as_ptr(service);
             let entry = match self.entries.remove(&key) {
                 Some(e) if Arc::ptr_eq(&e.service, service) && same(&e.slices, &its_slices) => e,
                 _ => {
                     self.rebuilt += 1;
-                    let (desired, errors) = model::build_with(std::slice::from_ref(service), &its_slices, options);
+                    let (desired, errors) =
+                        model::build_with(std::slice::from_ref(service), &its_slices, options);
                     Entry { service: Arc::clone(service), slices: its_slices, desired, errors }
                 }
             };
@@ -172,7 +173,10 @@ spec:
     fn objects(text: &str) -> (Vec<Arc<Sourced<Service>>>, Vec<Arc<Sourced<EndpointSlice>>>) {
         let parsed = parse_str(text, "test.yaml");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        (parsed.services.into_iter().map(Arc::new).collect(), parsed.slices.into_iter().map(Arc::new).collect())
+        (
+            parsed.services.into_iter().map(Arc::new).collect(),
+            parsed.slices.into_iter().map(Arc::new).collect(),
+        )
     }
 
     #[test]
