@@ -170,7 +170,9 @@ spec:
   ports: [{name: http, port: 80, protocol: TCP}]
 ";
 
-    fn objects(text: &str) -> (Vec<Arc<Sourced<Service>>>, Vec<Arc<Sourced<EndpointSlice>>>) {
+    type Shared = (Vec<Arc<Sourced<Service>>>, Vec<Arc<Sourced<EndpointSlice>>>);
+
+    fn objects(text: &str) -> Shared {
         let parsed = parse_str(text, "test.yaml");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
         (
