@@ -163,6 +163,7 @@ fn desired(args: &DiffArgs) -> Result<Desired> {
     let options = ModelOptions {
         node_name: args.hostname_override.clone(),
         service_proxy_name: args.service_proxy_name.clone(),
+        ..Default::default()
     };
     let (desired, model_errors) = model::build_with(&services, &slices, &options);
     for error in source_errors.iter().chain(&model_errors) {

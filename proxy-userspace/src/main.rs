@@ -271,6 +271,7 @@ fn run(cli: Cli) -> Result<()> {
                 model: ModelOptions {
                     node_name: args.hostname_override,
                     service_proxy_name: args.service_proxy_name,
+                    ..Default::default()
                 },
                 conntrack,
             };

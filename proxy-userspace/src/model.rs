@@ -83,6 +83,97 @@ impl fmt::Display for BackendAddr {
     }
 }
 
+/// What kind of address a frontend answers on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum FrontendKind {
+    /// `spec.clusterIP(s)` and the Service port.
+    #[default]
+    ClusterIp,
+    /// A node address selected by `--nodeport-addresses` and `spec.ports[].nodePort`.
+    NodePort,
+    /// `spec.externalIPs[]` and the Service port.
+    ExternalIp,
+    /// `status.loadBalancer.ingress[].ip` and the Service port.
+    LoadBalancer,
+}
+
+impl fmt::Display for FrontendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::ExternalIp => "ExternalIP",
+            FrontendKind::LoadBalancer => "LoadBalancer",
+        })
+    }
+}
+
+/// Which clients a frontend entry serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Scope {
+    /// Clients inside the cluster (pods, this node); also clients arriving on the node's external
+    /// interface when the frontend has no `External` entry.
+    #[default]
+    Internal,
+    /// Clients arriving on the node's external interface, for `externalTrafficPolicy: Local`:
+    /// only this node's endpoints, no source NAT.
+    External,
+}
+
+/// An IPv4 prefix such as `10.0.0.0/8`, with the host bits cleared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr4 {
+    pub addr: Ipv4Addr,
+    pub prefix_len: u8,
+}
+
+impl Cidr4 {
+    pub fn new(addr: Ipv4Addr, prefix_len: u8) -> Option<Self> {
+        if prefix_len > 32 {
+            return None;
+        }
+        let mask = if prefix_len == 0 { 0 } else { u32::MAX << (32 - prefix_len) };
+        Some(Cidr4 { addr: Ipv4Addr::from(u32::from(addr) & mask), prefix_len })
+    }
+
+    pub fn contains(&self, addr: Ipv4Addr) -> bool {
+        let mask = if self.prefix_len == 0 { 0 } else { u32::MAX << (32 - self.prefix_len) };
+        u32::from(addr) & mask == u32::from(self.addr)
+    }
+}
+
+impl std::str::FromStr for Cidr4 {
+    type Err = String;
+
+    /// `a.b.c.d/len`, or a bare address (a /32).
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (addr, len) = match text.split_once('/') {
+            Some((addr, len)) => (addr, len.parse::<u8>().map_err(|_| format!("{text:?}: bad prefix length"))?),
+            None => (text, 32),
+        };
+        let addr = addr.trim().parse::<Ipv4Addr>().map_err(|_| format!("{text:?} is not an IPv4 CIDR"))?;
+        Cidr4::new(addr, len).ok_or_else(|| format!("{text:?}: prefix length above 32"))
+    }
+}
+
+impl fmt::Display for Cidr4 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix_len)
+    }
+}
+
+/// A `healthCheckNodePort` the agent serves for an `externalTrafficPolicy: Local` Service: load
+/// balancers probe it to learn whether this node has endpoints of the Service.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HealthCheck {
+    pub service: ServiceName,
+    pub port: u16,
+    /// Ready endpoints on this node (each address counted once).
+    pub local_ready: usize,
+    /// Serving-and-terminating (not ready) endpoints on this node.
+    pub local_terminating: usize,
+}
+
 /// One virtual address the datapath answers: a cluster IP, a Service port and its protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frontend {
@@ -109,6 +200,12 @@ pub struct Frontend {
     /// must not send their established flows elsewhere. Empty when the terminating fallback is used
     /// (then they are the `backends`).
     pub terminating_backends: Vec<BackendAddr>,
+    pub kind: FrontendKind,
+    pub scope: Scope,
+    /// `externalTrafficPolicy: Local` (NodePort, ExternalIp and LoadBalancer kinds).
+    pub external_local: bool,
+    /// `spec.loadBalancerSourceRanges` (LoadBalancer kind only); empty means every source.
+    pub source_ranges: Vec<Cidr4>,
 }
 
 impl Frontend {
@@ -132,6 +229,10 @@ impl Frontend {
             local_only: false,
             terminating_fallback: false,
             terminating_backends: Vec::new(),
+            kind: FrontendKind::ClusterIp,
+            scope: Scope::Internal,
+            external_local: false,
+            source_ranges: Vec::new(),
         }
     }
 }
@@ -146,6 +247,9 @@ pub struct ModelOptions {
     /// with Some(n), ONLY Services whose label equals n are programmed (kube-proxy's semantics).
     /// An empty name is the same as `None`.
     pub service_proxy_name: Option<String>,
+    /// This node's addresses that answer NodePorts (`--nodeport-addresses` applied); none: no NodePort
+    /// frontends.
+    pub node_addresses: Vec<Ipv4Addr>,
 }
 
 /// Counts about one build, for logs and metrics.
@@ -185,12 +289,14 @@ pub struct Desired {
     /// `endpoints.kubernetes.io/last-change-trigger-time` annotation (the string as in the object);
     /// sorted by Service. For the network-programming latency metric.
     pub trigger_times: Vec<(ServiceName, String)>,
+    /// The `healthCheckNodePort`s to serve, sorted by port.
+    pub health_checks: Vec<HealthCheck>,
 }
 
 impl Desired {
     /// A desired state holding just these frontends (no stats, no trigger times), e.g. for tests.
     pub fn new(mut frontends: Vec<Frontend>) -> Self {
-        frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
+        frontends.sort_by_key(|f| (f.vip, f.port, f.proto, f.scope));
         Desired { frontends, ..Default::default() }
     }
 }
@@ -282,6 +388,10 @@ pub fn build_with<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>
                     local_only: plan.local_only,
                     terminating_fallback,
                     terminating_backends: terminating_backends.clone(),
+                    kind: FrontendKind::ClusterIp,
+                    scope: Scope::Internal,
+                    external_local: false,
+                    source_ranges: Vec::new(),
                 });
             }
         }
@@ -289,7 +399,7 @@ pub fn build_with<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>
     }
     frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
     trigger_times.sort();
-    (Desired { frontends, stats, trigger_times }, errors)
+    (Desired { frontends, stats, trigger_times, health_checks: Vec::new() }, errors)
 }
 
 /// The options, as the selection of objects and endpoints needs them.
@@ -2210,6 +2320,10 @@ ports:
                 local_only: false,
                 terminating_fallback: false,
                 terminating_backends: vec![],
+                kind: FrontendKind::ClusterIp,
+                scope: Scope::Internal,
+                external_local: false,
+                source_ranges: vec![],
             }
         );
         let mut other = fe.clone();

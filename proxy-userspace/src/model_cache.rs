@@ -124,7 +124,7 @@ impl ModelCache {
         self.entries = next;
         frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
         trigger_times.sort();
-        (Desired { frontends, stats, trigger_times }, errors)
+        (Desired { frontends, stats, trigger_times, health_checks: Vec::new() }, errors)
     }
 }
 
