@@ -11,10 +11,18 @@ pub const MAP_FRONTEND_NAMES_V4: &str = "FRONTEND_NAMES_V4";
 pub const MAP_CONFIG: &str = "CONFIG";
 pub const MAP_AFFINITY_V4: &str = "AFFINITY_V4";
 pub const MAP_VIPS_V4: &str = "VIPS_V4";
+pub const MAP_SNAT_V4: &str = "SNAT_V4";
+pub const MAP_SOURCE_RANGES_V4: &str = "SOURCE_RANGES_V4";
+pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
+pub const MAP_NODEPORT_CONFIG: &str = "NODEPORT_CONFIG";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
 pub const PROG_EGRESS: &str = "kproxy_egress";
+/// tc ingress of the node's external interfaces (NodePort, ExternalIPs, LB IPs).
+pub const PROG_EXTERNAL_INGRESS: &str = "kproxy_external_ingress";
+/// XDP on the node's external interfaces: the same path for remote backends.
+pub const PROG_XDP: &str = "kproxy_xdp";
 
 pub const SERVICES_V4_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V4_CAPACITY: u32 = 65_536;
@@ -22,13 +30,21 @@ pub const REV_NAT_V4_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_V4_CAPACITY: u32 = 262_144;
 pub const AFFINITY_V4_CAPACITY: u32 = 65_536;
 pub const VIPS_V4_CAPACITY: u32 = 65_536;
+/// Two entries per source-NATed flow.
+pub const SNAT_V4_CAPACITY: u32 = CONNTRACK_V4_CAPACITY;
+pub const SOURCE_RANGES_V4_CAPACITY: u32 = 16_384;
+pub const EXTERNAL_IFACES_CAPACITY: u32 = 64;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 
-/// Where a frontend is reachable from. Only ClusterIP exists so far; NodePort,
-/// ExternalIP and LoadBalancer scopes come with the north-south datapath.
-pub const SCOPE_CLUSTER_IP: u8 = 0;
+/// Which clients a frontend entry serves: pods and the node (and external
+/// clients when there is no external entry)...
+pub const SCOPE_INTERNAL: u8 = 0;
+/// ...or clients arriving on an external interface, for
+/// `externalTrafficPolicy: Local` (only this node's endpoints, no SNAT).
+pub const SCOPE_EXTERNAL: u8 = 1;
+pub const SCOPE_CLUSTER_IP: u8 = SCOPE_INTERNAL;
 
 /// `(vip, port, proto, scope, slot)`: slot 0 is the frontend's master entry,
 /// slots `1..=count` each name one active backend (Cilium's slot scheme).
@@ -74,6 +90,12 @@ pub const SVC_FLAG_AFFINITY: u16 = 1;
 pub const SVC_FLAG_LOCAL_ONLY: u16 = 2;
 /// No ready endpoint was left: the slots hold serving, terminating ones.
 pub const SVC_FLAG_TERMINATING_FALLBACK: u16 = 4;
+/// loadBalancerSourceRanges: external clients must match SOURCE_RANGES_V4.
+pub const SVC_FLAG_SOURCE_RANGES: u16 = 8;
+/// externalTrafficPolicy: Local.
+pub const SVC_FLAG_EXTERNAL_LOCAL: u16 = 16;
+/// A NodePort, ExternalIP or LoadBalancer frontend (not a cluster IP).
+pub const SVC_FLAG_EXTERNAL_ADDR: u16 = 32;
 
 pub const BACKEND_FLAG_ACTIVE: u8 = 0;
 pub const BACKEND_FLAG_TERMINATING: u8 = 1;
@@ -156,6 +178,138 @@ pub struct CtEntryV4 {
 /// The client reached itself through its Service: its source was rewritten
 /// to [`ConfigV4::hairpin_addr`] so the reply comes back through the node.
 pub const CT_FLAG_HAIRPIN: u8 = 1;
+/// The client's address and port were also rewritten, to a node address and
+/// a port from the SNAT range; SNAT_V4 holds both translations and the reply
+/// entry is keyed by `backend → node address:port`.
+pub const CT_FLAG_SNAT: u8 = 2;
+
+/// One direction of a source-NATed flow, keyed by the tuple as it is seen
+/// after DNAT: `(client, backend)` forward → the node address and port the
+/// client becomes; `(backend, node address:port)` reply → the client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatEntryV4 {
+    pub created_ns: u64,
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+
+/// The key of the forward SNAT entry of a flow DNATed to `backend`.
+pub const fn snat_forward_key(forward: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) -> CtKeyV4 {
+    CtKeyV4 {
+        saddr: forward.saddr,
+        daddr: backend,
+        sport: forward.sport,
+        dport: backend_port,
+        proto: forward.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    }
+}
+
+/// The key under which a source-NATed flow's replies (and its reverse SNAT
+/// entry) are found.
+pub const fn snat_reply_key(
+    proto: u8,
+    backend: [u8; 4],
+    backend_port: [u8; 2],
+    node_addr: [u8; 4],
+    node_port: [u8; 2],
+) -> CtKeyV4 {
+    CtKeyV4 {
+        saddr: backend,
+        daddr: node_addr,
+        sport: backend_port,
+        dport: node_port,
+        proto,
+        direction: CT_DIR_REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// The data of a SOURCE_RANGES_V4 (LPM trie) key: the frontend, then the
+/// client prefix. The prefix length of a key counts the 32 bits of
+/// `rev_nat_id` and padding, so one trie holds every frontend's ranges.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SourceRangeV4 {
+    pub rev_nat_id: [u8; 2],
+    pub _pad: [u8; 2],
+    pub addr: [u8; 4],
+}
+
+/// Bits of a SOURCE_RANGES_V4 key before the address.
+pub const SOURCE_RANGE_ID_BITS: u32 = 32;
+
+impl SourceRangeV4 {
+    pub const fn new(rev_nat_id: u16, addr: [u8; 4]) -> Self {
+        Self { rev_nat_id: rev_nat_id.to_be_bytes(), _pad: [0; 2], addr }
+    }
+}
+
+/// An external interface (by ifindex): the node address its SNATed flows use.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ExternalIfaceV4 {
+    pub addr: [u8; 4],
+    pub _pad: u32,
+}
+
+/// The one entry of NODEPORT_CONFIG: the north-south settings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NodePortConfigV4 {
+    /// Source ports for SNAT, inclusive; zero: the defaults below.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    /// `--cluster-cidr`: clients outside it reaching a cluster IP through an
+    /// external interface are masqueraded. Prefix 0 with a zero address: no
+    /// cluster CIDR known, every such client is masqueraded.
+    pub cluster_cidr: [u8; 4],
+    pub cluster_cidr_prefix: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Above the kernel's default ephemeral range (32768-60999) so that SNAT
+/// ports do not meet the node's own connections, and outside the NodePort
+/// range (30000-32767).
+pub const DEFAULT_SNAT_PORT_MIN: u16 = 61000;
+pub const DEFAULT_SNAT_PORT_MAX: u16 = 65535;
+
+impl NodePortConfigV4 {
+    pub const fn port_range(&self) -> (u16, u16) {
+        if self.snat_port_min == 0 || self.snat_port_max < self.snat_port_min {
+            (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX)
+        } else {
+            (self.snat_port_min, self.snat_port_max)
+        }
+    }
+
+    /// Whether `addr` is inside `--cluster-cidr`.
+    pub const fn in_cluster_cidr(&self, addr: [u8; 4]) -> bool {
+        if self.cluster_cidr_prefix == 0 {
+            return false;
+        }
+        let prefix = if self.cluster_cidr_prefix > 32 { 32 } else { self.cluster_cidr_prefix };
+        let mask = u32::MAX << (32 - prefix as u32);
+        u32::from_be_bytes(addr) & mask == u32::from_be_bytes(self.cluster_cidr) & mask
+    }
+}
+
+/// The `attempt`-th candidate SNAT port for a flow, spread over `min..=max`
+/// from a random start so that concurrent flows rarely try the same port.
+pub const fn snat_port_candidate(random: u32, attempt: u32, min: u16, max: u16) -> u16 {
+    let span = (max as u32) - (min as u32) + 1;
+    let start = ((random as u64 * span as u64) >> 32) as u32;
+    // `span` is at most 65536, so the sum cannot overflow; `checked_rem`
+    // leaves no division-by-zero panic for the BPF verifier to refuse.
+    let offset = match (start + attempt).checked_rem(span) {
+        Some(offset) => offset,
+        None => 0,
+    };
+    (min as u32 + offset) as u16
+}
 
 /// The one entry of the CONFIG array: what the agent tells the datapath.
 /// Timeouts are in nanoseconds of `bpf_ktime_get_ns`; zero means the built-in
@@ -248,6 +402,10 @@ mod pod {
     unsafe impl aya::Pod for AffinityKeyV4 {}
     unsafe impl aya::Pod for AffinityValueV4 {}
     unsafe impl aya::Pod for VipV4 {}
+    unsafe impl aya::Pod for SnatEntryV4 {}
+    unsafe impl aya::Pod for SourceRangeV4 {}
+    unsafe impl aya::Pod for ExternalIfaceV4 {}
+    unsafe impl aya::Pod for NodePortConfigV4 {}
 }
 
 #[cfg(test)]
@@ -270,6 +428,75 @@ mod tests {
         assert_eq!(size_of::<AffinityKeyV4>(), 4 + 2 + 2);
         assert_eq!(size_of::<AffinityValueV4>(), 8 + 4 + 4);
         assert_eq!(size_of::<VipV4>(), 4);
+        assert_eq!(size_of::<SnatEntryV4>(), 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<SourceRangeV4>(), 2 + 2 + 4);
+        assert_eq!(size_of::<ExternalIfaceV4>(), 4 + 4);
+        assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3);
+    }
+
+    #[test]
+    fn snat_ports_stay_in_range_and_cover_it() {
+        let (min, max) = (61000, 61009);
+        for random in [0, 1, u32::MAX / 3, u32::MAX] {
+            let mut seen = [false; 10];
+            for attempt in 0..10 {
+                let port = snat_port_candidate(random, attempt, min, max);
+                assert!((min..=max).contains(&port));
+                seen[usize::from(port - min)] = true;
+            }
+            assert!(seen.iter().all(|s| *s), "10 attempts try all 10 ports");
+        }
+        assert_eq!(snat_port_candidate(u32::MAX, 0, 1, 65535), 65535);
+        assert_eq!(snat_port_candidate(0, 0, 1, 65535), 1);
+    }
+
+    #[test]
+    fn default_port_range_when_unset_or_inverted() {
+        let unset = NodePortConfigV4::default();
+        assert_eq!(unset.port_range(), (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX));
+        let inverted = NodePortConfigV4 { snat_port_min: 2000, snat_port_max: 1000, ..Default::default() };
+        assert_eq!(inverted.port_range(), (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX));
+        let set = NodePortConfigV4 { snat_port_min: 40000, snat_port_max: 40100, ..Default::default() };
+        assert_eq!(set.port_range(), (40000, 40100));
+    }
+
+    #[test]
+    fn cluster_cidr_membership() {
+        let config =
+            NodePortConfigV4 { cluster_cidr: [10, 244, 0, 0], cluster_cidr_prefix: 16, ..Default::default() };
+        assert!(config.in_cluster_cidr([10, 244, 3, 7]));
+        assert!(!config.in_cluster_cidr([10, 245, 0, 1]));
+        assert!(!config.in_cluster_cidr([192, 168, 100, 200]));
+        assert!(!NodePortConfigV4::default().in_cluster_cidr([10, 244, 3, 7]));
+        let host =
+            NodePortConfigV4 { cluster_cidr: [10, 0, 0, 1], cluster_cidr_prefix: 32, ..Default::default() };
+        assert!(host.in_cluster_cidr([10, 0, 0, 1]));
+        assert!(!host.in_cluster_cidr([10, 0, 0, 2]));
+    }
+
+    #[test]
+    fn snat_keys_pair_up() {
+        let forward = CtKeyV4 {
+            saddr: [192, 168, 100, 200],
+            daddr: [192, 168, 100, 10],
+            sport: 40000u16.to_be_bytes(),
+            dport: 30080u16.to_be_bytes(),
+            proto: IPPROTO_TCP,
+            direction: CT_DIR_FORWARD,
+            _pad: [0; 2],
+        };
+        let backend = [10, 244, 1, 5];
+        let fwd = snat_forward_key(&forward, backend, 80u16.to_be_bytes());
+        assert_eq!(
+            (fwd.saddr, fwd.daddr, fwd.sport, fwd.dport),
+            (forward.saddr, backend, forward.sport, 80u16.to_be_bytes())
+        );
+        let reply =
+            snat_reply_key(IPPROTO_TCP, backend, 80u16.to_be_bytes(), forward.daddr, 61001u16.to_be_bytes());
+        assert_eq!(reply.saddr, backend);
+        assert_eq!(reply.daddr, forward.daddr);
+        assert_eq!(reply.dport, 61001u16.to_be_bytes());
+        assert_eq!(reply.direction, CT_DIR_REPLY);
     }
 
     #[test]

@@ -45,10 +45,26 @@ pub enum Stat {
     Hairpin,
     /// `kproxy trace` listened but the event ring buffer was full.
     TraceDropped,
+    /// A new external flow got a node address and SNAT port.
+    SnatNew,
+    /// A reply to a source-NATed flow was sent back to its client.
+    SnatReverse,
+    /// No free SNAT port after every attempt: the new flow was dropped.
+    SnatPortExhausted,
+    /// A client outside a LoadBalancer's loadBalancerSourceRanges: dropped.
+    DropSourceRange,
+    /// externalTrafficPolicy: Local and no endpoint on this node: dropped.
+    DropNoLocalEndpoint,
+    /// The route lookup for a rewritten packet failed: dropped.
+    FibLookupFailed,
+    /// XDP sent a rewritten packet out without the stack.
+    XdpForwarded,
+    /// XDP left a packet to the stack (and tc).
+    XdpPass,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 21;
+    pub const COUNT: u32 = 29;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -72,6 +88,14 @@ impl Stat {
         Stat::AffinityHit,
         Stat::Hairpin,
         Stat::TraceDropped,
+        Stat::SnatNew,
+        Stat::SnatReverse,
+        Stat::SnatPortExhausted,
+        Stat::DropSourceRange,
+        Stat::DropNoLocalEndpoint,
+        Stat::FibLookupFailed,
+        Stat::XdpForwarded,
+        Stat::XdpPass,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -97,6 +121,14 @@ impl Stat {
             Stat::AffinityHit => "affinity_hit",
             Stat::Hairpin => "hairpin",
             Stat::TraceDropped => "trace_events_dropped",
+            Stat::SnatNew => "snat_new_flow",
+            Stat::SnatReverse => "snat_reverse",
+            Stat::SnatPortExhausted => "snat_port_exhausted",
+            Stat::DropSourceRange => "drop_source_range",
+            Stat::DropNoLocalEndpoint => "drop_no_local_endpoint",
+            Stat::FibLookupFailed => "fib_lookup_failed",
+            Stat::XdpForwarded => "xdp_forwarded",
+            Stat::XdpPass => "xdp_pass",
         }
     }
 }

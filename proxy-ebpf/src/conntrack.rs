@@ -1,11 +1,11 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     conntrack::CtState,
-    maps::{CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtEntryV4, CtKeyV4},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT, CtEntryV4, CtKeyV4, snat_reply_key},
     stats::Stat,
 };
 
-use crate::{Verdict, config::Config, lb::Choice, maps::CONNTRACK_V4, parse::Flow};
+use crate::{Verdict, config::Config, lb::Choice, maps::CONNTRACK_V4, parse::Flow, snat};
 
 #[inline(always)]
 pub fn now() -> u64 {
@@ -24,6 +24,12 @@ fn reply_key(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4])
     let mut key = forward_key.reply_of(forward.nat_addr, forward.nat_port);
     if forward.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = *hairpin_addr;
+    }
+    if forward.flags & CT_FLAG_SNAT != 0
+        && let Some(to_node) = snat::forward(forward_key, forward.nat_addr, forward.nat_port)
+    {
+        key =
+            snat_reply_key(forward_key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);
     }
     key
 }
@@ -49,6 +55,63 @@ pub fn expired(forward_key: &CtKeyV4, forward: &CtEntryV4, config: &Config, now:
 pub fn remove_pair(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) {
     let _ = CONNTRACK_V4.remove(reply_key(forward_key, forward, hairpin_addr));
     let _ = CONNTRACK_V4.remove(*forward_key);
+    if forward.flags & CT_FLAG_SNAT != 0 {
+        snat::remove(forward_key, forward.nat_addr, forward.nat_port);
+    }
+}
+
+/// A reply moves the flow's TCP state, which lives on the forward entry (the
+/// reply entry mirrors it, so steady traffic needs one lookup). `client` and
+/// `frontend` are the forward tuple's ends.
+///
+/// # Safety
+/// `entry` must come from [`lookup`] in this program run.
+#[inline(always)]
+pub unsafe fn track_reply(
+    entry: *mut CtEntryV4,
+    flow: &Flow,
+    client: ([u8; 4], [u8; 2]),
+    frontend: ([u8; 4], [u8; 2]),
+) {
+    use proxy_common::{
+        maps::IPPROTO_TCP,
+        packet::{TCP_FIN, TCP_RST, TCP_SYN},
+    };
+    // SAFETY: per the contract above.
+    let mirrored = unsafe { (*entry).state };
+    if flow.proto != IPPROTO_TCP
+        || (flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0 && mirrored == CtState::Established as u8)
+    {
+        return;
+    }
+    let forward = CtKeyV4 {
+        saddr: client.0,
+        daddr: frontend.0,
+        sport: client.1,
+        dport: frontend.1,
+        proto: flow.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    };
+    if let Some(fwd) = lookup(&forward) {
+        // SAFETY: both are map values valid for this program run.
+        unsafe {
+            let state = CtState::from_u8((*fwd).state).unwrap_or(CtState::Open);
+            let next = state.next(flow.proto, flow.tcp_flags, CT_DIR_REPLY) as u8;
+            (*fwd).state = next;
+            (*entry).state = next;
+        }
+    }
+}
+
+/// Where a new flow's replies come back to, besides the client itself.
+#[derive(Clone, Copy)]
+pub enum ReplyTo {
+    Client,
+    /// The hairpin address (a pod reaching itself).
+    Hairpin([u8; 4]),
+    /// A node address and SNAT port.
+    Snat([u8; 4], [u8; 2]),
 }
 
 /// Records one more packet of the flow and advances its state.
@@ -72,8 +135,7 @@ pub unsafe fn touch(entry: *mut CtEntryV4, flow: &Flow, direction: u8, now: u64)
 }
 
 /// Creates the reply entry, then the forward entry, so that no reply can
-/// arrive for a flow whose un-NAT is not yet known. A hairpin flow's reply
-/// comes back addressed to `hairpin`.
+/// arrive for a flow whose un-NAT is not yet known.
 #[inline(always)]
 pub fn create(
     flow: &Flow,
@@ -81,14 +143,21 @@ pub fn create(
     choice: &Choice,
     rev_nat_id: u16,
     now: u64,
-    hairpin: Option<[u8; 4]>,
+    reply_to: ReplyTo,
 ) -> Result<(), Verdict> {
     let state = CtState::initial(flow.proto, flow.tcp_flags) as u8;
     let mut reply_key = forward_key.reply_of(choice.backend.addr, choice.backend.port);
     let mut flags = 0;
-    if let Some(addr) = hairpin {
-        reply_key.daddr = addr;
-        flags = CT_FLAG_HAIRPIN;
+    match reply_to {
+        ReplyTo::Client => {}
+        ReplyTo::Hairpin(addr) => {
+            reply_key.daddr = addr;
+            flags = CT_FLAG_HAIRPIN;
+        }
+        ReplyTo::Snat(addr, port) => {
+            reply_key = snat_reply_key(flow.proto, choice.backend.addr, choice.backend.port, addr, port);
+            flags = CT_FLAG_SNAT;
+        }
     }
     let reply = CtEntryV4 {
         created_ns: now,

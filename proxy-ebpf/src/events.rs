@@ -3,7 +3,7 @@
 use proxy_common::{stats::Stat, trace::TraceEventV4};
 
 use crate::{
-    maps::{EVENTS, TRACE},
+    maps::{EVENT_SCRATCH, EVENTS, TRACE},
     parse::Flow,
     stats,
 };
@@ -13,10 +13,15 @@ pub fn enabled() -> bool {
     TRACE.get(0).is_some_and(|c| c.enabled != 0)
 }
 
-/// An event whose "before" tuple is the packet as parsed.
+/// An event whose "before" tuple is the packet as parsed, built in this
+/// CPU's scratch entry: the BPF stack has no room for it in the programs
+/// that emit the most.
 #[inline(always)]
-pub fn from_flow(flow: &Flow, kind: u8, now: u64) -> TraceEventV4 {
-    TraceEventV4 {
+pub fn from_flow(flow: &Flow, kind: u8, now: u64) -> Option<&'static mut TraceEventV4> {
+    let event = EVENT_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's entry; a program runs to completion on its CPU.
+    let event = unsafe { &mut *event };
+    *event = TraceEventV4 {
         timestamp_ns: now,
         before_saddr: flow.saddr,
         before_daddr: flow.daddr,
@@ -29,7 +34,8 @@ pub fn from_flow(flow: &Flow, kind: u8, now: u64) -> TraceEventV4 {
         kind,
         proto: flow.proto,
         ..Default::default()
-    }
+    };
+    Some(event)
 }
 
 #[inline(always)]

@@ -1,8 +1,8 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     maps::{
-        AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CtEntryV4, SCOPE_CLUSTER_IP,
-        SVC_FLAG_AFFINITY, ServiceKeyV4, ServiceValueV4,
+        AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CtEntryV4, SCOPE_EXTERNAL,
+        SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY, ServiceKeyV4, ServiceValueV4, SourceRangeV4,
     },
     slots::select_slot,
     stats::Stat,
@@ -10,17 +10,44 @@ use proxy_common::{
 
 use crate::{
     Verdict,
-    maps::{AFFINITY_V4, BACKENDS_V4, SERVICES_V4, VIPS_V4},
+    maps::{AFFINITY_V4, BACKENDS_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
     parse::Flow,
     stats,
 };
 
+/// A frontend's slot 0 and the scope it was found in (its slots share it).
+pub struct Frontend {
+    pub value: &'static ServiceValueV4,
+    pub scope: u8,
+}
+
 #[inline(always)]
-pub fn lookup_frontend(flow: &Flow) -> Option<&'static ServiceValueV4> {
-    let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, SCOPE_CLUSTER_IP, 0);
+fn lookup_scope(flow: &Flow, scope: u8) -> Option<Frontend> {
+    let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, scope, 0);
     // SAFETY: entries are replaced whole by userspace, never freed under us
     // for longer than the RCU section this program runs in.
-    unsafe { SERVICES_V4.get(key) }
+    unsafe { SERVICES_V4.get(key) }.map(|value| Frontend { value, scope })
+}
+
+/// The frontend for a client inside the cluster (a pod).
+#[inline(always)]
+pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
+    lookup_scope(flow, SCOPE_INTERNAL)
+}
+
+/// The frontend for a client that arrived on an external interface: its
+/// `externalTrafficPolicy: Local` entry if it has one, else the same one pods use.
+#[inline(always)]
+pub fn lookup_external_frontend(flow: &Flow) -> Option<Frontend> {
+    lookup_scope(flow, SCOPE_EXTERNAL).or_else(|| lookup_scope(flow, SCOPE_INTERNAL))
+}
+
+/// Whether `client` is inside one of the frontend's loadBalancerSourceRanges.
+#[inline(always)]
+pub fn source_allowed(rev_nat_id: u16, client: [u8; 4]) -> bool {
+    let key =
+        aya_ebpf::maps::lpm_trie::Key::new(SOURCE_RANGE_ID_BITS + 32, SourceRangeV4::new(rev_nat_id, client));
+    SOURCE_RANGES_V4.get(&key).is_some()
 }
 
 /// Whether `addr` is a Service's cluster IP (on any port).
@@ -50,7 +77,8 @@ pub struct Choice {
 /// The backend for a new flow: the client's sticky one while its affinity
 /// entry is fresh, otherwise one of the active backends with equal probability.
 #[inline(always)]
-pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4, now: u64) -> Result<Choice, Verdict> {
+pub fn select_backend(flow: &Flow, found: &Frontend, now: u64) -> Result<Choice, Verdict> {
+    let frontend = found.value;
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
     let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.rev_nat_id, _pad: [0; 2] };
     if affinity && let Some(sticky) = AFFINITY_V4.get_ptr_mut(affinity_key) {
@@ -71,7 +99,7 @@ pub fn select_backend(flow: &Flow, frontend: &ServiceValueV4, now: u64) -> Resul
     // SAFETY: a helper without side effects.
     let random = unsafe { bpf_get_prandom_u32() };
     let slot = select_slot(random, frontend.count).ok_or(Verdict::Pass(Stat::NoBackend))?;
-    let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, SCOPE_CLUSTER_IP, slot);
+    let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, found.scope, slot);
     // SAFETY: as in `lookup_frontend`.
     let backend_id =
         unsafe { SERVICES_V4.get(key) }.map(|v| v.backend_id).ok_or(Verdict::Pass(Stat::SlotMiss))?;

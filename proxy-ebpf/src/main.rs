@@ -10,22 +10,32 @@
 mod config;
 mod conntrack;
 mod events;
+mod fib;
 mod lb;
 mod maps;
 mod nat;
 mod parse;
 mod reject;
+mod snat;
 mod stats;
 
-use aya_ebpf::{helpers::bpf_redirect, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    helpers::{bpf_redirect, generated::bpf_redirect_neigh},
+    macros::classifier,
+    programs::TcContext,
+};
 use aya_log_ebpf::debug;
 use proxy_common::{
-    conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CtKeyV4, IPPROTO_TCP},
-    packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    maps::{
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL,
+        SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_EXTERNAL_LOCAL, SVC_FLAG_SOURCE_RANGES,
+    },
+    packet::{TCP_ACK, TCP_RST, TCP_SYN},
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT},
 };
+
+use crate::{conntrack::ReplyTo, maps::EXTERNAL_IFACES};
 
 /// Let the next program in the TCX chain (or the stack) have the packet.
 const TC_NEXT: i32 = -1;
@@ -38,6 +48,9 @@ pub enum Done {
     /// Send it back out of the interface it came in on (reject replies and
     /// hairpin flows, which must not be routed by the node).
     Bounce,
+    /// Send it out of this interface without the stack (its source is now a
+    /// node address, which the stack refuses on input).
+    Redirect(fib::Route),
 }
 
 /// Why a program stopped early.
@@ -63,6 +76,19 @@ fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
             // SAFETY: a helper taking plain values.
             unsafe { bpf_redirect(ifindex, 0) as i32 }
         }
+        Ok(Done::Redirect(route)) => match route.neighbour_known {
+            true => {
+                if ctx.store(0, &route.macs, 0).is_err() {
+                    stats::count(Stat::RewriteFailed);
+                    return TC_DROP;
+                }
+                // SAFETY: a helper taking plain values.
+                unsafe { bpf_redirect(route.ifindex, 0) as i32 }
+            }
+            // The neighbour is not resolved yet: the kernel resolves it.
+            // SAFETY: a helper taking plain values; no parameters struct.
+            false => unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) as i32 },
+        },
         Err(Verdict::Pass(stat)) => {
             stats::count(stat);
             TC_NEXT
@@ -85,8 +111,23 @@ fn swap_macs(ctx: &TcContext) -> Result<(), i64> {
 
 #[classifier]
 pub fn kproxy_ingress(ctx: TcContext) -> i32 {
-    let result = ingress(&ctx);
+    let result = ingress::<false>(&ctx);
     finish(&ctx, result)
+}
+
+/// tc ingress of the node's external interfaces: NodePorts, ExternalIPs and
+/// LoadBalancer IPs (and cluster IPs routed to the node), with SNAT where the
+/// reply would otherwise not come back through this node.
+#[classifier]
+pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
+    let result = ingress::<true>(&ctx);
+    finish(&ctx, result)
+}
+
+#[inline(always)]
+fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: reading the context field the kernel filled in.
+    unsafe { (*ctx.skb.skb).ifindex }
 }
 
 #[classifier]
@@ -95,22 +136,84 @@ pub fn kproxy_egress(ctx: TcContext) -> i32 {
     finish(&ctx, result)
 }
 
-fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
+/// What [`classify`] decided for a packet leaving a pod or arriving on an
+/// external interface. Each case is carried out by a function of its own,
+/// called from the program itself: the BPF stack limit (512 bytes) counts a
+/// whole call chain, so no stage may call another.
+enum Step {
+    Pass(Stat),
+    Drop(Stat),
+    /// A pod's reply to its own hairpin connection.
+    HairpinReply,
+    /// A backend's reply to a source-NATed flow.
+    SnatReply,
+    /// A Service without endpoints, or a port it does not have.
+    Refuse,
+    /// A packet of a known flow ([`Found::entry`]).
+    Established,
+    /// The first packet of a flow to [`Found::frontend`].
+    NewFlow,
+}
+
+/// What [`classify`] looked up, for the step that follows. Raw pointers,
+/// null when absent: an `Option` would copy undefined bytes, which the
+/// verifier refuses.
+struct Found {
+    frontend: *const proxy_common::maps::ServiceValueV4,
+    scope: u8,
+    entry: *mut proxy_common::maps::CtEntryV4,
+}
+
+/// `EXTERNAL`: the packet arrived on an external interface rather than from
+/// a pod.
+#[inline(always)]
+fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
     let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
-    let config = config::get();
-    if flow.daddr == config.hairpin_addr {
-        return hairpin_reply(ctx, &flow);
+    let mut found = Found { frontend: core::ptr::null(), scope: 0, entry: core::ptr::null_mut() };
+    match classify::<EXTERNAL>(ctx, &flow, &mut found) {
+        Step::Pass(stat) => Err(Verdict::Pass(stat)),
+        Step::Drop(stat) => Err(Verdict::Drop(stat)),
+        Step::HairpinReply => hairpin_reply(ctx, &flow),
+        Step::SnatReply => snat_reply(ctx, &flow),
+        Step::Refuse => refuse(ctx, &flow),
+        Step::Established => established(ctx, &flow, found.entry),
+        Step::NewFlow => new_flow::<EXTERNAL>(ctx, &flow, &found),
     }
-    let Some(frontend) = lb::lookup_frontend(&flow) else {
+}
+
+#[inline(never)]
+fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &mut Found) -> Step {
+    let config = config::get();
+    if !EXTERNAL && flow.daddr == config.hairpin_addr {
+        return Step::HairpinReply;
+    }
+    let (snat_min, snat_max) = config::nodeport().port_range();
+    let dport = u16::from_be_bytes(flow.dport);
+    if dport >= snat_min && dport <= snat_max && is_snat_reply(flow) {
+        return Step::SnatReply;
+    }
+    let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
+    let Some(frontend) = frontend else {
         if lb::is_vip(&flow.daddr) {
             // A port the Service does not have.
-            if events::enabled() {
-                events::emit(&events::from_flow(&flow, EV_REJECT, conntrack::now()));
+            if events::enabled()
+                && let Some(event) = events::from_flow(flow, EV_REJECT, conntrack::now())
+            {
+                events::emit(event);
             }
-            return reject::refuse(ctx, &flow);
+            return Step::Refuse;
         }
-        return Err(Verdict::Pass(Stat::PassNoService));
+        return Step::Pass(Stat::PassNoService);
     };
+    let value = frontend.value;
+    if EXTERNAL
+        && value.flags & SVC_FLAG_SOURCE_RANGES != 0
+        && !lb::source_allowed(value.rev_nat_id, flow.saddr)
+    {
+        return Step::Drop(Stat::DropSourceRange);
+    }
+    found.frontend = value;
+    found.scope = frontend.scope;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let now = conntrack::now();
 
@@ -123,29 +226,8 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
             conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
             stats::count(Stat::ConntrackExpired);
         } else if lb::backend_is_current(&entry_copy) {
-            // SAFETY: as above.
-            unsafe { conntrack::touch(entry, &flow, CT_DIR_FORWARD, now) };
-            let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
-            nat::rewrite_destination(ctx, &flow, entry_copy.nat_addr, entry_copy.nat_port)?;
-            stats::count(Stat::DnatEstablished);
-            if events::enabled() {
-                let mut event = events::from_flow(&flow, EV_DNAT_ESTABLISHED, now);
-                event.after_daddr = entry_copy.nat_addr;
-                event.after_dport = entry_copy.nat_port;
-                if hairpin {
-                    event.after_saddr = config.hairpin_addr;
-                }
-                event.ct_created_ns = entry_copy.created_ns;
-                event.ct_flags = entry_copy.flags;
-                event.backend_id = entry_copy.backend_id;
-                event.rev_nat_id = entry_copy.rev_nat_id;
-                events::emit(&event);
-            }
-            if hairpin {
-                nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
-                return Ok(Done::Bounce);
-            }
-            return Ok(Done::Next);
+            found.entry = entry;
+            return Step::Established;
         } else {
             // The backend is gone: send the flow elsewhere. UDP simply moves;
             // a TCP segment reaches a backend without the connection, which
@@ -160,33 +242,132 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
     if flow.proto == IPPROTO_TCP && !rebalance && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN {
         // No connection is known for this segment: translating it would start
         // a flow mid-stream, and passing it would leak it to the VIP.
-        if events::enabled() {
-            let mut event = events::from_flow(&flow, EV_DROP_INVALID, now);
-            event.rev_nat_id = frontend.rev_nat_id;
-            events::emit(&event);
+        if events::enabled()
+            && let Some(event) = events::from_flow(flow, EV_DROP_INVALID, now)
+        {
+            event.rev_nat_id = value.rev_nat_id;
+            events::emit(event);
         }
-        return Err(Verdict::Drop(Stat::DropInvalidTcp));
+        return Step::Drop(Stat::DropInvalidTcp);
     }
-    if frontend.count == 0 {
-        debug!(ctx, "frontend {} has no endpoints: refusing", frontend.rev_nat_id);
-        if events::enabled() {
-            let mut event = events::from_flow(&flow, EV_REJECT, now);
-            event.rev_nat_id = frontend.rev_nat_id;
-            events::emit(&event);
+    if value.count == 0 {
+        if EXTERNAL && frontend.scope == SCOPE_EXTERNAL && value.flags & SVC_FLAG_EXTERNAL_LOCAL != 0 {
+            // As kube-proxy: a node without a local endpoint drops, so that a
+            // load balancer's health check (not a refusal) steers clients away.
+            return Step::Drop(Stat::DropNoLocalEndpoint);
         }
-        return reject::refuse(ctx, &flow);
+        debug!(ctx, "frontend {} has no endpoints: refusing", value.rev_nat_id);
+        if events::enabled()
+            && let Some(event) = events::from_flow(flow, EV_REJECT, now)
+        {
+            event.rev_nat_id = value.rev_nat_id;
+            events::emit(event);
+        }
+        return Step::Refuse;
     }
-    let choice = lb::select_backend(&flow, frontend, now)?;
-    let hairpin = choice.backend.addr == flow.saddr;
-    conntrack::create(
-        &flow,
-        &key,
-        &choice,
-        frontend.rev_nat_id,
-        now,
-        hairpin.then_some(config.hairpin_addr),
-    )?;
-    nat::rewrite_destination(ctx, &flow, choice.backend.addr, choice.backend.port)?;
+    Step::NewFlow
+}
+
+/// A packet of a known flow whose backend is still there.
+/// Not inlined: the ingress program's stack frame has no room for it.
+#[inline(never)]
+fn established(
+    ctx: &TcContext,
+    flow: &parse::Flow,
+    entry: *mut proxy_common::maps::CtEntryV4,
+) -> Result<Done, Verdict> {
+    let key = &flow.ct_key(CT_DIR_FORWARD);
+    let config = config::get();
+    let now = conntrack::now();
+    // SAFETY: as in `ingress`.
+    let entry_copy = unsafe { *entry };
+    // SAFETY: as above.
+    unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
+    let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
+    let to_node = if entry_copy.flags & CT_FLAG_SNAT != 0 {
+        snat::forward(key, entry_copy.nat_addr, entry_copy.nat_port)
+    } else {
+        None
+    };
+    nat::rewrite_destination(ctx, flow, entry_copy.nat_addr, entry_copy.nat_port)?;
+    stats::count(Stat::DnatEstablished);
+    if events::enabled()
+        && let Some(event) = events::from_flow(flow, EV_DNAT_ESTABLISHED, now)
+    {
+        event.after_daddr = entry_copy.nat_addr;
+        event.after_dport = entry_copy.nat_port;
+        if hairpin {
+            event.after_saddr = config.hairpin_addr;
+        }
+        if let Some(to_node) = &to_node {
+            event.after_saddr = to_node.addr;
+            event.after_sport = to_node.port;
+        }
+        event.ct_created_ns = entry_copy.created_ns;
+        event.ct_flags = entry_copy.flags;
+        event.backend_id = entry_copy.backend_id;
+        event.rev_nat_id = entry_copy.rev_nat_id;
+        events::emit(event);
+    }
+    if hairpin {
+        nat::rewrite_source_addr(ctx, flow, flow.saddr, config.hairpin_addr)?;
+        return Ok(Done::Bounce);
+    }
+    if entry_copy.flags & CT_FLAG_SNAT != 0 {
+        // The translation was evicted: nothing can un-NAT replies.
+        let to_node = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
+        nat::rewrite_source(ctx, flow, to_node.addr, to_node.port)?;
+        let route =
+            fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, flow.ip_total_len)?;
+        return Ok(Done::Redirect(route));
+    }
+    Ok(Done::Next)
+}
+
+/// Picks a backend for a new flow, records it and translates the packet.
+/// Not inlined: the ingress program's stack frame has no room for it.
+#[inline(never)]
+fn new_flow<const EXTERNAL: bool>(
+    ctx: &TcContext,
+    flow: &parse::Flow,
+    found: &Found,
+) -> Result<Done, Verdict> {
+    let key = &flow.ct_key(CT_DIR_FORWARD);
+    let config = config::get();
+    let now = conntrack::now();
+    // SAFETY: `classify` set it to a map value before choosing this step.
+    let frontend = unsafe { &*found.frontend };
+    let found = lb::Frontend { value: frontend, scope: found.scope };
+    let choice = lb::select_backend(flow, &found, now)?;
+    let hairpin = !EXTERNAL && choice.backend.addr == flow.saddr;
+    let mut reply_to = if hairpin { ReplyTo::Hairpin(config.hairpin_addr) } else { ReplyTo::Client };
+    let mut route = None;
+    if EXTERNAL && found.scope != SCOPE_EXTERNAL {
+        let ifindex = ingress_ifindex(ctx);
+        let backend_route = fib::route(ctx, ifindex, flow.saddr, choice.backend.addr, flow.ip_total_len)?;
+        // A backend reached through the interface the client came in on
+        // would answer the client directly; a client outside the cluster
+        // reaching a cluster IP is masqueraded like kube-proxy does.
+        let remote = backend_route.ifindex == ifindex;
+        let masquerade =
+            frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 && !config::nodeport().in_cluster_cidr(flow.saddr);
+        if remote || masquerade {
+            // SAFETY: the value is copied out at once.
+            let node_addr = unsafe { EXTERNAL_IFACES.get(ifindex) }
+                .map(|i| i.addr)
+                .ok_or(Verdict::Pass(Stat::PassNoService))?;
+            let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, node_addr, now)?;
+            reply_to = ReplyTo::Snat(node_addr, port);
+            route = Some(backend_route);
+        }
+    }
+    if let Err(e) = conntrack::create(flow, key, &choice, frontend.rev_nat_id, now, reply_to) {
+        if let ReplyTo::Snat(..) = reply_to {
+            snat::remove(key, choice.backend.addr, choice.backend.port);
+        }
+        return Err(e);
+    }
+    nat::rewrite_destination(ctx, flow, choice.backend.addr, choice.backend.port)?;
     stats::count(Stat::DnatNew);
     debug!(
         ctx,
@@ -195,32 +376,91 @@ fn ingress(ctx: &TcContext) -> Result<Done, Verdict> {
         choice.backend_id,
         choice.slot
     );
-    if events::enabled() {
-        let mut event = events::from_flow(&flow, EV_DNAT_NEW, now);
+    if events::enabled()
+        && let Some(event) = events::from_flow(flow, EV_DNAT_NEW, now)
+    {
         event.after_daddr = choice.backend.addr;
         event.after_dport = choice.backend.port;
         if hairpin {
             event.after_saddr = config.hairpin_addr;
             event.ct_flags = CT_FLAG_HAIRPIN;
         }
+        if let ReplyTo::Snat(addr, port) = reply_to {
+            event.after_saddr = addr;
+            event.after_sport = port;
+            event.ct_flags = CT_FLAG_SNAT;
+        }
         event.ct_created_ns = now;
         event.backend_id = choice.backend_id;
         event.backend_slot = choice.slot;
         event.backend_count = frontend.count;
         event.rev_nat_id = frontend.rev_nat_id;
-        events::emit(&event);
+        events::emit(event);
     }
     if hairpin {
-        nat::rewrite_source_addr(ctx, &flow, flow.saddr, config.hairpin_addr)?;
+        nat::rewrite_source_addr(ctx, flow, flow.saddr, config.hairpin_addr)?;
         stats::count(Stat::Hairpin);
         return Ok(Done::Bounce);
     }
+    if let (ReplyTo::Snat(addr, port), Some(route)) = (reply_to, route) {
+        nat::rewrite_source(ctx, flow, addr, port)?;
+        stats::count(Stat::SnatNew);
+        return Ok(Done::Redirect(route));
+    }
     Ok(Done::Next)
+}
+
+/// A backend's reply to a source-NATed flow (addressed to a node address and
+/// SNAT port): back to the frontend as source and the client as destination,
+/// and out of the node directly. `None` when the packet is not one.
+/// Not inlined: its stack frame would not fit next to the ingress program's.
+#[inline(never)]
+fn snat_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let Some(entry) = conntrack::lookup(&key) else { return Err(Verdict::Pass(Stat::PassNoService)) };
+    // SAFETY: as in `ingress`.
+    let (frontend_addr, frontend_port, flags) =
+        unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
+    if flags & CT_FLAG_SNAT == 0 {
+        return Err(Verdict::Pass(Stat::PassNoService));
+    }
+    let Some(client) = snat::reverse(&key) else { return Err(Verdict::Pass(Stat::PassNoService)) };
+    let now = conntrack::now();
+    // SAFETY: as in `ingress`.
+    unsafe {
+        conntrack::touch(entry, flow, CT_DIR_REPLY, now);
+        conntrack::track_reply(entry, flow, (client.addr, client.port), (frontend_addr, frontend_port));
+    }
+    nat::rewrite_source(ctx, flow, frontend_addr, frontend_port)?;
+    nat::rewrite_destination(ctx, flow, client.addr, client.port)?;
+    stats::count(Stat::SnatReverse);
+    if events::enabled() {
+        // SAFETY: as in `ingress`.
+        emit_unnat(flow, unsafe { &*entry }, frontend_addr, frontend_port, client.addr, now);
+    }
+    let route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, flow.ip_total_len)?;
+    Ok(Done::Redirect(route))
+}
+
+/// Whether a packet to a SNAT port is a reply to a source-NATed flow.
+#[inline(always)]
+fn is_snat_reply(flow: &parse::Flow) -> bool {
+    // SAFETY: a map value valid for this program run.
+    conntrack::lookup(&flow.ct_key(CT_DIR_REPLY))
+        .is_some_and(|entry| unsafe { (*entry).flags } & CT_FLAG_SNAT != 0)
+}
+
+/// Not inlined, so that the packet buffers of a refusal are not part of the
+/// ingress program's stack frame.
+#[inline(never)]
+fn refuse(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+    reject::refuse(ctx, flow)
 }
 
 /// A pod's reply to its own hairpin connection, addressed to the hairpin
 /// address: the source goes back to the VIP and the destination back to the
 /// pod, and the packet returns to the pod.
+#[inline(never)]
 fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
@@ -246,35 +486,16 @@ fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
-    let (vip, vip_port, mirrored_state) = unsafe {
+    let (vip, vip_port) = unsafe {
         conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
-        ((*entry).nat_addr, (*entry).nat_port, (*entry).state)
+        conntrack::track_reply(
+            entry,
+            &flow,
+            (flow.daddr, flow.dport),
+            ((*entry).nat_addr, (*entry).nat_port),
+        );
+        ((*entry).nat_addr, (*entry).nat_port)
     };
-    if flow.proto == IPPROTO_TCP
-        && (flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0
-            || mirrored_state != CtState::Established as u8)
-    {
-        // The handshake and teardown are tracked on the forward entry; the
-        // reply entry mirrors its state so steady traffic needs one lookup.
-        let forward = CtKeyV4 {
-            saddr: flow.daddr,
-            daddr: vip,
-            sport: flow.dport,
-            dport: vip_port,
-            proto: flow.proto,
-            direction: CT_DIR_FORWARD,
-            _pad: [0; 2],
-        };
-        if let Some(fwd) = conntrack::lookup(&forward) {
-            // SAFETY: as above.
-            unsafe {
-                let state = CtState::from_u8((*fwd).state).unwrap_or(CtState::Open);
-                let next = state.next(flow.proto, flow.tcp_flags, CT_DIR_REPLY) as u8;
-                (*fwd).state = next;
-                (*entry).state = next;
-            }
-        }
-    }
     nat::rewrite_source(ctx, &flow, vip, vip_port)?;
     stats::count(Stat::ReverseNat);
     if events::enabled() {
@@ -293,7 +514,7 @@ fn emit_unnat(
     client: [u8; 4],
     now: u64,
 ) {
-    let mut event = events::from_flow(flow, EV_UNNAT, now);
+    let Some(event) = events::from_flow(flow, EV_UNNAT, now) else { return };
     event.after_saddr = vip;
     event.after_sport = vip_port;
     event.after_daddr = client;
@@ -301,7 +522,7 @@ fn emit_unnat(
     event.ct_flags = entry.flags;
     event.backend_id = entry.backend_id;
     event.rev_nat_id = entry.rev_nat_id;
-    events::emit(&event);
+    events::emit(event);
 }
 
 #[cfg(not(test))]

@@ -1,6 +1,6 @@
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use proxy_common::{
     maps::*,
@@ -48,3 +48,31 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
 #[map(name = "TRACE")]
 pub static TRACE: Array<TraceConfig> = Array::with_max_entries(1, 0);
+
+/// Source NAT of external flows whose backend is elsewhere (or that must be
+/// masqueraded); see [`proxy_common::maps::SnatEntryV4`].
+#[map(name = "SNAT_V4")]
+pub static SNAT_V4: LruHashMap<CtKeyV4, SnatEntryV4> = LruHashMap::with_max_entries(SNAT_V4_CAPACITY, 0);
+
+/// loadBalancerSourceRanges of every frontend, as `(rev_nat_id, prefix)`.
+#[map(name = "SOURCE_RANGES_V4")]
+pub static SOURCE_RANGES_V4: LpmTrie<SourceRangeV4, u8> =
+    LpmTrie::with_max_entries(SOURCE_RANGES_V4_CAPACITY, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
+/// The node's external interfaces (ifindex) and the address each SNATs to.
+#[map(name = "EXTERNAL_IFACES")]
+pub static EXTERNAL_IFACES: HashMap<u32, ExternalIfaceV4> =
+    HashMap::with_max_entries(EXTERNAL_IFACES_CAPACITY, 0);
+
+#[map(name = "NODEPORT_CONFIG")]
+pub static NODEPORT_CONFIG: Array<NodePortConfigV4> = Array::with_max_entries(1, 0);
+
+/// Scratch space for route lookups: the parameters would not fit on the BPF
+/// stack next to the rest of the external ingress program. Not pinned.
+#[map(name = "FIB_SCRATCH")]
+pub static FIB_SCRATCH: PerCpuArray<aya_ebpf::bindings::bpf_fib_lookup> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where trace events are built before they are copied to EVENTS. Not pinned.
+#[map(name = "EVENT_SCRATCH")]
+pub static EVENT_SCRATCH: PerCpuArray<proxy_common::trace::TraceEventV4> =
+    PerCpuArray::with_max_entries(1, 0);

@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray},
     programs::{
         SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -30,7 +30,7 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 11] = [
+const ALL_MAPS: [&str; 15] = [
     proxy_common::trace::MAP_EVENTS,
     proxy_common::trace::MAP_TRACE,
     MAP_SERVICES_V4,
@@ -42,36 +42,50 @@ const ALL_MAPS: [&str; 11] = [
     MAP_CONFIG,
     MAP_AFFINITY_V4,
     MAP_VIPS_V4,
+    MAP_SNAT_V4,
+    MAP_SOURCE_RANGES_V4,
+    MAP_EXTERNAL_IFACES,
+    MAP_NODEPORT_CONFIG,
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hook {
-    /// Packets leaving a pod: DNAT.
+    /// tc ingress of a pod's host-side veth: packets leaving the pod (DNAT).
     Ingress,
-    /// Packets entering a pod: reverse NAT.
+    /// tc egress of a pod's veth or of an external interface: replies
+    /// un-NATed on their way to the client.
     Egress,
+    /// tc ingress of an external interface: NodePort, ExternalIP, LB traffic.
+    ExternalIngress,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+    pub const ALL: [Hook; 3] = [Hook::Ingress, Hook::Egress, Hook::ExternalIngress];
+    /// The hooks of a pod-facing interface.
+    pub const POD: [Hook; 2] = [Hook::Ingress, Hook::Egress];
+    /// The hooks of an external interface.
+    pub const EXTERNAL: [Hook; 2] = [Hook::ExternalIngress, Hook::Egress];
 
     pub fn program(self) -> &'static str {
         match self {
             Hook::Ingress => PROG_INGRESS,
             Hook::Egress => PROG_EGRESS,
+            Hook::ExternalIngress => PROG_EXTERNAL_INGRESS,
         }
     }
 
-    fn suffix(self) -> &'static str {
+    /// The end of a link pin's name; no suffix is the end of another.
+    pub fn suffix(self) -> &'static str {
         match self {
             Hook::Ingress => "ingress",
             Hook::Egress => "egress",
+            Hook::ExternalIngress => "external",
         }
     }
 
     fn attach_type(self) -> TcAttachType {
         match self {
-            Hook::Ingress => TcAttachType::Ingress,
+            Hook::Ingress | Hook::ExternalIngress => TcAttachType::Ingress,
             Hook::Egress => TcAttachType::Egress,
         }
     }
@@ -104,7 +118,7 @@ impl PinDir {
         self.root.join("links")
     }
 
-    fn link(&self, iface: &Interface, hook: Hook) -> PathBuf {
+    pub fn link(&self, iface: &Interface, hook: Hook) -> PathBuf {
         // bpffs refuses names with a dot (reserved by the kernel), and
         // interface names may have one (eth0.100).
         let name = iface.name.replace('.', "%2E");
@@ -182,6 +196,7 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
         .map_max_entries(MAP_REV_NAT_V4, capacities.rev_nat)
         .map_max_entries(MAP_FRONTEND_NAMES_V4, capacities.rev_nat)
         .map_max_entries(MAP_CONNTRACK_V4, capacities.conntrack)
+        .map_max_entries(MAP_SNAT_V4, capacities.conntrack)
         .map_max_entries(MAP_AFFINITY_V4, capacities.affinity)
         .map_max_entries(MAP_VIPS_V4, capacities.rev_nat)
         .load(EBPF_OBJECT)
@@ -246,6 +261,10 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         MAP_AFFINITY_V4 => sizes(size_of::<AffinityKeyV4>(), size_of::<AffinityValueV4>()),
         MAP_VIPS_V4 => sizes(4, size_of::<VipV4>()),
         MAP_STATS => sizes(size_of::<u32>(), size_of::<u64>()),
+        MAP_SNAT_V4 => sizes(size_of::<CtKeyV4>(), size_of::<SnatEntryV4>()),
+        MAP_SOURCE_RANGES_V4 => sizes(4 + size_of::<SourceRangeV4>(), 1),
+        MAP_EXTERNAL_IFACES => sizes(size_of::<u32>(), size_of::<ExternalIfaceV4>()),
+        MAP_NODEPORT_CONFIG => sizes(size_of::<u32>(), size_of::<NodePortConfigV4>()),
         proxy_common::trace::MAP_TRACE => {
             sizes(size_of::<u32>(), size_of::<proxy_common::trace::TraceConfig>())
         }
@@ -431,11 +450,25 @@ pub struct AttachReport {
 /// Attaches both programs to every matching interface that lacks them, and
 /// forgets link pins whose interface is gone. Idempotent; safe to call often.
 pub fn attach_matching(pins: &PinDir, selector: &InterfaceSelector) -> Result<AttachReport> {
+    attach_all(pins, selector, &[])
+}
+
+/// Like [`attach_matching`], and also the external programs to the
+/// interfaces named in `external` (interfaces that are both get the pod
+/// programs only).
+pub fn attach_all(pins: &PinDir, selector: &InterfaceSelector, external: &[String]) -> Result<AttachReport> {
     let mut report = AttachReport::default();
     let present = interfaces()?;
-    let wanted: Vec<&Interface> = present.iter().filter(|i| selector.matches(&i.name)).collect();
+    let mut wanted: Vec<(&Interface, &[Hook])> = Vec::new();
+    for iface in &present {
+        if selector.matches(&iface.name) {
+            wanted.push((iface, &Hook::POD));
+        } else if external.contains(&iface.name) {
+            wanted.push((iface, &Hook::EXTERNAL));
+        }
+    }
     let expected: BTreeSet<PathBuf> =
-        wanted.iter().flat_map(|i| Hook::ALL.map(|h| pins.link(i, h))).collect();
+        wanted.iter().flat_map(|(i, hooks)| hooks.iter().map(|h| pins.link(i, *h))).collect();
 
     fs::create_dir_all(pins.links_dir())?;
     for entry in fs::read_dir(pins.links_dir())? {
@@ -452,9 +485,10 @@ pub fn attach_matching(pins: &PinDir, selector: &InterfaceSelector) -> Result<At
         }
     }
 
-    let mut programs: Vec<Option<SchedClassifier>> = vec![None, None];
-    for iface in wanted {
-        for (slot, hook) in Hook::ALL.into_iter().enumerate() {
+    let mut programs: Vec<Option<SchedClassifier>> = vec![None, None, None];
+    for (iface, hooks) in wanted {
+        for &hook in hooks {
+            let slot = Hook::ALL.iter().position(|h| *h == hook).expect("every hook is in ALL");
             let link_path = pins.link(iface, hook);
             if link_path.exists() {
                 report.already += 1;
@@ -495,6 +529,10 @@ pub struct Maps {
     pub config: Array<MapData, ConfigV4>,
     pub affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4>,
     pub vips: HashMap<MapData, [u8; 4], VipV4>,
+    pub snat: HashMap<MapData, CtKeyV4, SnatEntryV4>,
+    pub source_ranges: LpmTrie<MapData, SourceRangeV4, u8>,
+    pub external_ifaces: HashMap<MapData, u32, ExternalIfaceV4>,
+    pub nodeport_config: Array<MapData, NodePortConfigV4>,
 }
 
 impl Maps {
@@ -514,6 +552,10 @@ impl Maps {
             config: Array::try_from(Map::Array(open(MAP_CONFIG)?))?,
             affinity: HashMap::try_from(Map::LruHashMap(open(MAP_AFFINITY_V4)?))?,
             vips: HashMap::try_from(Map::HashMap(open(MAP_VIPS_V4)?))?,
+            snat: HashMap::try_from(Map::LruHashMap(open(MAP_SNAT_V4)?))?,
+            source_ranges: LpmTrie::try_from(Map::LpmTrie(open(MAP_SOURCE_RANGES_V4)?))?,
+            external_ifaces: HashMap::try_from(Map::HashMap(open(MAP_EXTERNAL_IFACES)?))?,
+            nodeport_config: Array::try_from(Map::Array(open(MAP_NODEPORT_CONFIG)?))?,
         })
     }
 
@@ -530,6 +572,10 @@ impl Maps {
             config: Array::try_from(take(MAP_CONFIG)?)?,
             affinity: HashMap::try_from(take(MAP_AFFINITY_V4)?)?,
             vips: HashMap::try_from(take(MAP_VIPS_V4)?)?,
+            snat: HashMap::try_from(take(MAP_SNAT_V4)?)?,
+            source_ranges: LpmTrie::try_from(take(MAP_SOURCE_RANGES_V4)?)?,
+            external_ifaces: HashMap::try_from(take(MAP_EXTERNAL_IFACES)?)?,
+            nodeport_config: Array::try_from(take(MAP_NODEPORT_CONFIG)?)?,
         })
     }
 }

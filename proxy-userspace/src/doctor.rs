@@ -359,11 +359,7 @@ pub fn cgroup2_check(mounts: Option<&str>, under_root: bool) -> Check {
 
 /// The link pin names an interface should have (as `datapath` writes them).
 pub fn link_pin_name(name: &str, index: u32, hook: Hook) -> String {
-    let suffix = match hook {
-        Hook::Ingress => "ingress",
-        Hook::Egress => "egress",
-    };
-    format!("{}@{index}-{suffix}", name.replace('.', "%2E"))
+    format!("{}@{index}-{}", name.replace('.', "%2E"), hook.suffix())
 }
 
 /// One WARN per matching interface missing a hook, or one OK.
@@ -386,12 +382,13 @@ pub fn attach_checks(
     }
     let mut out = Vec::new();
     for iface in &wanted {
-        let missing: Vec<&str> = Hook::ALL
+        let missing: Vec<&str> = Hook::POD
             .iter()
             .filter(|h| !links.contains(&link_pin_name(&iface.name, iface.index, **h)))
             .map(|h| match h {
                 Hook::Ingress => "ingress (DNAT of what the pod sends)",
                 Hook::Egress => "egress (un-NAT of the replies it receives)",
+                Hook::ExternalIngress => "external ingress (NodePort, ExternalIP and LB traffic)",
             })
             .collect();
         if !missing.is_empty() {

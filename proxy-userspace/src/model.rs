@@ -148,7 +148,9 @@ impl std::str::FromStr for Cidr4 {
     /// `a.b.c.d/len`, or a bare address (a /32).
     fn from_str(text: &str) -> Result<Self, String> {
         let (addr, len) = match text.split_once('/') {
-            Some((addr, len)) => (addr, len.parse::<u8>().map_err(|_| format!("{text:?}: bad prefix length"))?),
+            Some((addr, len)) => {
+                (addr, len.parse::<u8>().map_err(|_| format!("{text:?}: bad prefix length"))?)
+            }
             None => (text, 32),
         };
         let addr = addr.trim().parse::<Ipv4Addr>().map_err(|_| format!("{text:?} is not an IPv4 CIDR"))?;

@@ -1,0 +1,66 @@
+//! Where a rewritten packet goes. Packets whose source became a node address
+//! cannot be handed to the stack (it drops a packet arriving with one of its
+//! own addresses as source), so they are sent straight out of the interface
+//! the routing table names.
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams},
+    helpers::generated::bpf_fib_lookup,
+};
+use proxy_common::stats::Stat;
+
+use crate::{Verdict, maps::FIB_SCRATCH};
+
+const AF_INET: u8 = 2;
+
+/// The interface to send a packet out of, and its Ethernet header when the
+/// neighbour is known (destination then source MAC, as in the frame).
+/// Not an `Option`: copying a `None` copies undefined bytes, and the
+/// verifier refuses reads of registers that were never written.
+pub struct Route {
+    pub ifindex: u32,
+    pub neighbour_known: bool,
+    pub macs: [u8; 12],
+}
+
+/// Looks up the route for `saddr → daddr` as if the packet arrived on
+/// `ingress_ifindex`.
+#[inline(always)]
+pub fn route<C: EbpfContext>(
+    ctx: &C,
+    ingress_ifindex: u32,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+    ip_total_len: u16,
+) -> Result<Route, Verdict> {
+    let params = FIB_SCRATCH.get_ptr_mut(0).ok_or(Verdict::Drop(Stat::FibLookupFailed))?;
+    // Cleared word by word: a whole-struct assignment becomes a memset call
+    // whose register use the verifier refuses.
+    let words = params as *mut u64;
+    for i in 0..core::mem::size_of::<FibParams>() / 8 {
+        // SAFETY: inside this CPU's 64-byte scratch entry.
+        unsafe { words.add(i).write_volatile(0) };
+    }
+    // SAFETY: this CPU's scratch entry, used by nothing else while the
+    // program runs (BPF programs are not preempted on their CPU mid-run).
+    let params = unsafe { &mut *params };
+    params.family = AF_INET;
+    params.ifindex = ingress_ifindex;
+    params.__bindgen_anon_1.tot_len = ip_total_len;
+    params.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(saddr);
+    params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(daddr);
+    // SAFETY: the helper reads and writes `params`, whose size is passed.
+    let ret = unsafe { bpf_fib_lookup(ctx.as_ptr(), params, core::mem::size_of::<FibParams>() as i32, 0) };
+    match ret as u32 {
+        BPF_FIB_LKUP_RET_SUCCESS => {
+            let mut macs = [0u8; 12];
+            macs[..6].copy_from_slice(&params.dmac);
+            macs[6..].copy_from_slice(&params.smac);
+            Ok(Route { ifindex: params.ifindex, neighbour_known: true, macs })
+        }
+        BPF_FIB_LKUP_RET_NO_NEIGH => {
+            Ok(Route { ifindex: params.ifindex, neighbour_known: false, macs: [0; 12] })
+        }
+        _ => Err(Verdict::Drop(Stat::FibLookupFailed)),
+    }
+}

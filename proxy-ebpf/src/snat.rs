@@ -1,0 +1,77 @@
+//! Source NAT of external flows: the client's address and port become a node
+//! address and a port from the SNAT range, so that the backend's replies come
+//! back through this node. A port is taken by inserting the reverse entry
+//! with BPF_NOEXIST, which fails if another flow (on any CPU) holds it: two
+//! flows never share a translation.
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
+use proxy_common::{
+    maps::{CtKeyV4, SnatEntryV4, snat_forward_key, snat_port_candidate, snat_reply_key},
+    stats::Stat,
+};
+
+use crate::{Verdict, config, maps::SNAT_V4, parse::Flow};
+
+/// Random ports tried before giving up on a new flow.
+const PORT_ATTEMPTS: u32 = 16;
+
+/// Takes a node port for `flow` (its original tuple is `forward_key`), sent to
+/// `backend:backend_port`, and records both directions. Returns the port.
+#[inline(always)]
+pub fn allocate(
+    flow: &Flow,
+    forward_key: &CtKeyV4,
+    backend: [u8; 4],
+    backend_port: [u8; 2],
+    node_addr: [u8; 4],
+    now: u64,
+) -> Result<[u8; 2], Verdict> {
+    let (min, max) = config::nodeport().port_range();
+    // SAFETY: a helper without side effects.
+    let random = unsafe { bpf_get_prandom_u32() };
+    let to_client = SnatEntryV4 { created_ns: now, addr: flow.saddr, port: flow.sport, _pad: [0; 2] };
+    for attempt in 0..PORT_ATTEMPTS {
+        let port = snat_port_candidate(random, attempt, min, max).to_be_bytes();
+        let reverse = snat_reply_key(flow.proto, backend, backend_port, node_addr, port);
+        if SNAT_V4.insert(reverse, to_client, u64::from(BPF_NOEXIST)).is_ok() {
+            let to_node = SnatEntryV4 { created_ns: now, addr: node_addr, port, _pad: [0; 2] };
+            let forward = snat_forward_key(forward_key, backend, backend_port);
+            if SNAT_V4.insert(forward, to_node, 0).is_err() {
+                let _ = SNAT_V4.remove(reverse);
+                return Err(Verdict::Drop(Stat::ConntrackInsertFailed));
+            }
+            return Ok(port);
+        }
+    }
+    Err(Verdict::Drop(Stat::SnatPortExhausted))
+}
+
+/// The node address and port a flow sent to `backend` was translated to.
+#[inline(always)]
+pub fn forward(forward_key: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) -> Option<SnatEntryV4> {
+    // SAFETY: the value is copied out at once.
+    unsafe { SNAT_V4.get(snat_forward_key(forward_key, backend, backend_port)) }.copied()
+}
+
+/// The client a reply (keyed by its own tuple) goes back to.
+#[inline(always)]
+pub fn reverse(reply_key: &CtKeyV4) -> Option<SnatEntryV4> {
+    // SAFETY: as above.
+    unsafe { SNAT_V4.get(reply_key) }.copied()
+}
+
+/// Forgets both directions of a translation.
+#[inline(always)]
+pub fn remove(forward_key: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) {
+    let forward = snat_forward_key(forward_key, backend, backend_port);
+    // SAFETY: as above.
+    if let Some(to_node) = unsafe { SNAT_V4.get(forward) }.copied() {
+        let _ = SNAT_V4.remove(snat_reply_key(
+            forward_key.proto,
+            backend,
+            backend_port,
+            to_node.addr,
+            to_node.port,
+        ));
+    }
+    let _ = SNAT_V4.remove(forward);
+}
