@@ -83,6 +83,27 @@ pub fn update_udp(check: u16, old: &[u8], new: &[u8]) -> u16 {
     }
 }
 
+/// A flow's addresses and ports as they sit in the packet: source address,
+/// destination address, source port, destination port (network order).
+pub type FourTuple = [u8; 12];
+
+/// The IPv4 header and L4 checksums after the four-tuple `old` became `new`
+/// (for programs without the kernel's checksum helpers, i.e. XDP). The L4
+/// checksum covers the addresses through the pseudo-header; a UDP checksum of
+/// zero ("none") stays zero. Both checksums must be complete ones, as on the
+/// wire. Always inlined: as a BPF function its five arguments and returned
+/// pair would not fit the five argument registers.
+#[inline(always)]
+pub fn translated(ip_check: u16, l4_check: u16, proto: u8, old: &FourTuple, new: &FourTuple) -> (u16, u16) {
+    let ip = update(ip_check, &old[..8], &new[..8]);
+    let l4 = if proto == crate::maps::IPPROTO_UDP {
+        update_udp(l4_check, old, new)
+    } else {
+        update(l4_check, old, new)
+    };
+    (ip, l4)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +216,61 @@ mod tests {
         let new = check.to_be_bytes();
         assert_eq!(update(check, &old, &new), 0);
         assert_eq!(update_udp(check, &old, &new), 0xffff);
+    }
+
+    /// A TCP or UDP packet (IPv4 header + L4) with correct checksums.
+    fn packet(proto: u8, tuple: &FourTuple, payload: &[u8]) -> Vec<u8> {
+        let l4_len = if proto == crate::maps::IPPROTO_UDP { 8 } else { 20 };
+        let total = 20 + l4_len + payload.len();
+        let mut p = Vec::new();
+        p.extend_from_slice(&[0x45, 0, (total >> 8) as u8, total as u8, 0, 1, 0x40, 0, 64, proto, 0, 0]);
+        p.extend_from_slice(&tuple[..8]);
+        p.extend_from_slice(&tuple[8..12]);
+        if proto == crate::maps::IPPROTO_UDP {
+            let len = (8 + payload.len()) as u16;
+            p.extend_from_slice(&len.to_be_bytes());
+            p.extend_from_slice(&[0, 0]);
+        } else {
+            p.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x12, 0xff, 0xff, 0, 0, 0, 0]);
+        }
+        p.extend_from_slice(payload);
+        let ip = checksum(&p[..20]);
+        p[10..12].copy_from_slice(&ip.to_be_bytes());
+        let off = if proto == crate::maps::IPPROTO_UDP { 26 } else { 36 };
+        let l4 =
+            l4_checksum(tuple[..4].try_into().unwrap(), tuple[4..8].try_into().unwrap(), proto, &p[20..]);
+        p[off..off + 2].copy_from_slice(&l4.to_be_bytes());
+        p
+    }
+
+    #[test]
+    fn translated_checksums_equal_recomputed_ones() {
+        let mut rng = XorShift(0x5eed);
+        for proto in [crate::maps::IPPROTO_TCP, crate::maps::IPPROTO_UDP] {
+            for _ in 0..500 {
+                let mut old = [0u8; 12];
+                let mut new = [0u8; 12];
+                old.iter_mut().chain(new.iter_mut()).for_each(|b| *b = rng.next() as u8);
+                let payload: Vec<u8> = (0..(rng.next() % 40)).map(|_| rng.next() as u8).collect();
+                let before = packet(proto, &old, &payload);
+                let after = packet(proto, &new, &payload);
+                let off = if proto == crate::maps::IPPROTO_UDP { 26 } else { 36 };
+                let read = |p: &[u8], at: usize| u16::from_be_bytes([p[at], p[at + 1]]);
+                let (ip, l4) = translated(read(&before, 10), read(&before, off), proto, &old, &new);
+                assert_eq!(ip, read(&after, 10), "IP checksum");
+                // 0 and 0xffff are the same one's-complement value; UDP sends 0xffff.
+                let want = read(&after, off);
+                assert!(
+                    l4 == want || (l4 == 0xffff && want == 0) || (l4 == 0 && want == 0xffff),
+                    "{proto}: {l4:#x} vs {want:#x}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn udp_without_checksum_stays_without() {
+        let (_, l4) = translated(0x1234, 0, crate::maps::IPPROTO_UDP, &[1; 12], &[2; 12]);
+        assert_eq!(l4, 0);
     }
 }

@@ -18,11 +18,12 @@ mod parse;
 mod reject;
 mod snat;
 mod stats;
+mod xdp;
 
 use aya_ebpf::{
     helpers::{bpf_redirect, generated::bpf_redirect_neigh},
-    macros::classifier,
-    programs::TcContext,
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
@@ -122,6 +123,13 @@ pub fn kproxy_ingress(ctx: TcContext) -> i32 {
 pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
     let result = ingress::<true>(&ctx);
     finish(&ctx, result)
+}
+
+/// XDP on the node's external interfaces: the same north-south path for
+/// remote backends, before the stack sees the packet.
+#[xdp]
+pub fn kproxy_xdp(ctx: XdpContext) -> u32 {
+    xdp::run(&ctx)
 }
 
 #[inline(always)]

@@ -24,6 +24,7 @@ use crate::{
     health::{self, Health},
     metrics::Metrics,
     model::{self, ModelOptions, Protocol},
+    nodeport::{self, NodeAddresses, NorthSouthOptions},
     source::{self, Changes, KubeOptions},
     sync::{SyncReport, Syncer},
 };
@@ -49,6 +50,7 @@ pub struct AgentConfig {
     pub metrics_bind: Option<SocketAddr>,
     pub model: ModelOptions,
     pub conntrack: ConntrackOptions,
+    pub north_south: NorthSouthOptions,
 }
 
 /// Conntrack timeouts, table size and garbage collection.
@@ -197,7 +199,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             }
         });
     }
-    tokio::spawn(attach_loop(config.pins.clone(), selector, config.poll));
+    tokio::spawn(attach_loop(config.pins.clone(), selector.clone(), config.north_south.clone(), config.poll));
     tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
     tokio::spawn(gc_loop(config.pins.clone(), config.conntrack, metrics.clone()));
 
@@ -210,6 +212,9 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         logged: BTreeSet::new(),
         pins: config.pins.clone(),
         cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
+        north_south: config.north_south.clone(),
+        pod_interfaces: selector,
+        node_addresses: None,
     };
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
@@ -259,13 +264,47 @@ struct SyncLoop<'a> {
     /// namespace/name is unique); manifests are always modelled whole, which
     /// also reports a Service defined twice.
     cache: Option<crate::model_cache::ModelCache>,
+    north_south: NorthSouthOptions,
+    pod_interfaces: InterfaceSelector,
+    /// As last written to the maps.
+    node_addresses: Option<NodeAddresses>,
 }
 
 impl SyncLoop<'_> {
+    /// The node's NodePort addresses and external interfaces, read again at
+    /// every sync (addresses come and go with DHCP and operators); the
+    /// datapath's view is updated when they change.
+    fn refresh_node_addresses(&mut self) -> Vec<std::net::Ipv4Addr> {
+        let addresses = match nodeport::local_addresses() {
+            Ok(local) => nodeport::select(&self.north_south, &local, &self.pod_interfaces),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "reading the node's addresses failed");
+                return self.node_addresses.as_ref().map(|a| a.nodeport.clone()).unwrap_or_default();
+            }
+        };
+        if self.node_addresses.as_ref() != Some(&addresses) {
+            match Maps::from_pins(&self.pins)
+                .and_then(|mut maps| nodeport::write_maps(&mut maps, &self.north_south, &addresses))
+            {
+                Ok(_) => {
+                    tracing::info!(
+                        nodeport_addresses = ?addresses.nodeport,
+                        external_interfaces = ?addresses.interface_names(),
+                        "north-south addresses"
+                    );
+                    self.node_addresses = Some(addresses.clone());
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "writing the external interfaces failed"),
+            }
+        }
+        addresses.nodeport
+    }
+
     fn sync(&mut self, changes: &Changes, options: &ModelOptions) {
         let started = Instant::now();
         let pending = changes.take_pending();
         let snapshot = changes.objects();
+        let options = &ModelOptions { node_addresses: self.refresh_node_addresses(), ..options.clone() };
         let (desired, model_errors) = match &mut self.cache {
             Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
             None => model::build_with(&snapshot.services, &snapshot.slices, options),
@@ -338,12 +377,21 @@ impl SyncLoop<'_> {
     }
 }
 
-/// Attaches to matching interfaces as they appear; blocking aya calls run
-/// off the async workers.
-async fn attach_loop(pins: PinDir, selector: InterfaceSelector, poll: Duration) {
+/// Attaches to matching interfaces (and the external ones) as they appear;
+/// blocking aya calls run off the async workers.
+async fn attach_loop(
+    pins: PinDir,
+    selector: InterfaceSelector,
+    north_south: NorthSouthOptions,
+    poll: Duration,
+) {
     loop {
-        let (p, s) = (pins.clone(), selector.clone());
-        match tokio::task::spawn_blocking(move || datapath::attach_matching(&p, &s)).await {
+        let (p, s, ns) = (pins.clone(), selector.clone(), north_south.clone());
+        let attach = move || -> Result<datapath::AttachReport> {
+            let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s).interface_names();
+            datapath::attach_all(&p, &s, &external, ns.xdp)
+        };
+        match tokio::task::spawn_blocking(attach).await {
             Ok(Ok(report)) => {
                 for label in &report.attached {
                     tracing::info!(hook = %label, "attached");

@@ -18,8 +18,9 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray},
     programs::{
-        SchedClassifier, TcAttachType,
+        SchedClassifier, TcAttachType, Xdp,
         links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpMode},
     },
 };
 use proxy_common::maps::*;
@@ -118,6 +119,11 @@ impl PinDir {
         self.root.join("links")
     }
 
+    pub fn xdp_link(&self, iface: &Interface) -> PathBuf {
+        let name = iface.name.replace('.', "%2E");
+        self.links_dir().join(format!("{name}@{}-{XDP_SUFFIX}", iface.index))
+    }
+
     pub fn link(&self, iface: &Interface, hook: Hook) -> PathBuf {
         // bpffs refuses names with a dot (reserved by the kernel), and
         // interface names may have one (eth0.100).
@@ -128,6 +134,7 @@ impl PinDir {
     /// True when the programs and maps are pinned.
     pub fn is_loaded(&self) -> bool {
         Hook::ALL.iter().all(|h| self.program(h.program()).exists())
+            && self.program(PROG_XDP).exists()
             && ALL_MAPS.iter().all(|m| self.map(m).exists())
     }
 }
@@ -208,6 +215,11 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
             .try_into()?;
         program.load().with_context(|| format!("verifier rejected {}", hook.program()))?;
     }
+    let xdp: &mut Xdp = ebpf
+        .program_mut(PROG_XDP)
+        .ok_or_else(|| anyhow!("program {PROG_XDP} missing from the object"))?
+        .try_into()?;
+    xdp.load().with_context(|| format!("verifier rejected {PROG_XDP}"))?;
     Ok(ebpf)
 }
 
@@ -307,7 +319,45 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
         program.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
         move_links(pins, hook, program)?;
     }
+    let xdp: &mut Xdp = ebpf.program_mut(PROG_XDP).expect("loaded above").try_into()?;
+    let path = pins.program(PROG_XDP);
+    remove_file_if_present(&path)?;
+    xdp.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+    move_xdp_links(pins, xdp)?;
     Ok(fresh)
+}
+
+/// The end of an XDP link pin's name.
+pub const XDP_SUFFIX: &str = "xdp";
+
+/// Moves the pinned XDP links to a newly loaded program, as [`move_links`].
+fn move_xdp_links(pins: &PinDir, program: &mut Xdp) -> Result<()> {
+    let Ok(entries) = fs::read_dir(pins.links_dir()) else { return Ok(()) };
+    let suffix = format!("-{XDP_SUFFIX}");
+    for entry in entries {
+        let path = entry?.path();
+        if !path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(&suffix)) {
+            continue;
+        }
+        let Ok(pinned) = PinnedLink::from_pin(&path) else { continue };
+        let link = XdpLink::try_from(FdLink::from(pinned)).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let id = program
+            .attach_to_link(link)
+            .with_context(|| format!("moving {} to the new program", path.display()))?;
+        drop(program.take_link(id)?);
+    }
+    Ok(())
+}
+
+/// How the XDP program is attached to external interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum XdpSetting {
+    /// In the driver where it supports XDP (veth does), else generic.
+    Native,
+    /// Generic (skb) mode everywhere.
+    Generic,
+    /// No XDP: the tc program does everything.
+    Off,
 }
 
 fn remove_file_if_present(path: &Path) -> Result<()> {
@@ -450,13 +500,18 @@ pub struct AttachReport {
 /// Attaches both programs to every matching interface that lacks them, and
 /// forgets link pins whose interface is gone. Idempotent; safe to call often.
 pub fn attach_matching(pins: &PinDir, selector: &InterfaceSelector) -> Result<AttachReport> {
-    attach_all(pins, selector, &[])
+    attach_all(pins, selector, &[], XdpSetting::Off)
 }
 
 /// Like [`attach_matching`], and also the external programs to the
 /// interfaces named in `external` (interfaces that are both get the pod
 /// programs only).
-pub fn attach_all(pins: &PinDir, selector: &InterfaceSelector, external: &[String]) -> Result<AttachReport> {
+pub fn attach_all(
+    pins: &PinDir,
+    selector: &InterfaceSelector,
+    external: &[String],
+    xdp: XdpSetting,
+) -> Result<AttachReport> {
     let mut report = AttachReport::default();
     let present = interfaces()?;
     let mut wanted: Vec<(&Interface, &[Hook])> = Vec::new();
@@ -467,8 +522,13 @@ pub fn attach_all(pins: &PinDir, selector: &InterfaceSelector, external: &[Strin
             wanted.push((iface, &Hook::EXTERNAL));
         }
     }
-    let expected: BTreeSet<PathBuf> =
+    let mut expected: BTreeSet<PathBuf> =
         wanted.iter().flat_map(|(i, hooks)| hooks.iter().map(|h| pins.link(i, *h))).collect();
+    let xdp_targets: Vec<&Interface> = match xdp {
+        XdpSetting::Off => Vec::new(),
+        _ => wanted.iter().filter(|(_, hooks)| *hooks == Hook::EXTERNAL).map(|(i, _)| *i).collect(),
+    };
+    expected.extend(xdp_targets.iter().map(|i| pins.xdp_link(i)));
 
     fs::create_dir_all(pins.links_dir())?;
     for entry in fs::read_dir(pins.links_dir())? {
@@ -508,7 +568,49 @@ pub fn attach_all(pins: &PinDir, selector: &InterfaceSelector, external: &[Strin
             }
         }
     }
+    let mut xdp_program: Option<Xdp> = None;
+    for iface in xdp_targets {
+        let link_path = pins.xdp_link(iface);
+        if link_path.exists() {
+            report.already += 1;
+            continue;
+        }
+        let program = match &mut xdp_program {
+            Some(p) => p,
+            empty => empty.insert(
+                Xdp::from_pin(pins.program(PROG_XDP), aya_obj::programs::XdpAttachType::Interface)
+                    .with_context(|| format!("opening pinned program {PROG_XDP}"))?,
+            ),
+        };
+        match attach_xdp(program, iface, xdp, &link_path) {
+            Ok(mode) => report.attached.push(format!("{}/xdp ({mode})", iface.name)),
+            Err(e) => report.failed.push((format!("{}/xdp", iface.name), format!("{e:#}"))),
+        }
+    }
     Ok(report)
+}
+
+/// Attaches XDP in the driver when asked and supported, else in generic
+/// mode; returns the mode used.
+fn attach_xdp(
+    program: &mut Xdp,
+    iface: &Interface,
+    setting: XdpSetting,
+    link_path: &Path,
+) -> Result<&'static str> {
+    let (id, mode) = match setting {
+        XdpSetting::Native => match program.attach(&iface.name, XdpMode::Driver) {
+            Ok(id) => (id, "native"),
+            Err(native) => {
+                tracing::info!(interface = %iface.name, error = %native, "no native XDP; using generic mode");
+                (program.attach(&iface.name, XdpMode::Skb)?, "generic")
+            }
+        },
+        _ => (program.attach(&iface.name, XdpMode::Skb)?, "generic"),
+    };
+    let link: FdLink = program.take_link(id)?.try_into().map_err(|e| anyhow!("{e:?}"))?;
+    link.pin(link_path).with_context(|| format!("pinning {}", link_path.display()))?;
+    Ok(mode)
 }
 
 fn attach_one(program: &mut SchedClassifier, iface: &Interface, hook: Hook, link_path: &Path) -> Result<()> {

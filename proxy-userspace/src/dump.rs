@@ -195,7 +195,7 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             Err(e) => return Err(e).context("reading the conntrack map"),
         }
     }
-    Ok(conntrack_rows(&entries, &names, &config, now))
+    Ok(conntrack_rows(&entries, &names, &config, &crate::gc::snat_index(maps), now))
 }
 
 /// The rows of `kproxy dump conntrack`: one per forward entry, with its reply
@@ -204,6 +204,7 @@ pub fn conntrack_rows(
     entries: &[(CtKeyV4, CtEntryV4)],
     names: &BTreeMap<u16, String>,
     config: &ConfigV4,
+    snat: &crate::gc::SnatIndex,
     now: u64,
 ) -> Vec<ConntrackRow> {
     let timeouts = Timeouts::from_config(config);
@@ -213,9 +214,18 @@ pub fn conntrack_rows(
     let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
     let mut rows = Vec::new();
     for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr)).copied();
+        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr, &snat)).copied();
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
-        let source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
+        let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
+        if fwd.flags & proxy_common::maps::CT_FLAG_SNAT != 0
+            && let Some(to_node) = snat.get(&crate::gc::key_ord(&proxy_common::maps::snat_forward_key(
+                key,
+                fwd.nat_addr,
+                fwd.nat_port,
+            )))
+        {
+            source = (to_node.addr, to_node.port);
+        }
         rows.push(ConntrackRow {
             original: format!("{} -> {}", endpoint(key.saddr, key.sport), endpoint(key.daddr, key.dport)),
             translated: format!(
@@ -541,7 +551,13 @@ mod tests {
         let okey = ct_key([10, 244, 0, 6], 40001, vip, 80, CT_DIR_FORWARD);
         let names: BTreeMap<u16, String> = [(1, "default/web:http".to_owned())].into();
         let config = ConfigV4 { timeout_tcp_syn_ns: 30 * S, ..Default::default() };
-        let rows = conntrack_rows(&[(fkey, fwd), (rkey, reply), (okey, other)], &names, &config, now);
+        let rows = conntrack_rows(
+            &[(fkey, fwd), (rkey, reply), (okey, other)],
+            &names,
+            &config,
+            &crate::gc::NO_SNAT,
+            now,
+        );
         assert_eq!(rows.len(), 2);
         let r = &rows[0];
         assert!(r.hairpin);

@@ -23,8 +23,9 @@ use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4,
-        CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT,
+        ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY, SnatEntryV4, snat_forward_key,
+        snat_reply_key,
     },
 };
 
@@ -32,13 +33,35 @@ use crate::{datapath::Maps, dump::monotonic_ns};
 
 const SECOND_NS: u64 = 1_000_000_000;
 
-/// The reply key of a forward entry: `backend → client`, or for a hairpin
+/// SNAT_V4's forward entries (`client → backend` after DNAT), by key.
+pub type SnatIndex = BTreeMap<KeyOrd, SnatEntryV4>;
+
+/// For callers with no source-NATed flows to resolve.
+pub static NO_SNAT: SnatIndex = BTreeMap::new();
+
+/// The forward entries of SNAT_V4, for [`reply_key`].
+pub fn snat_index(maps: &Maps) -> SnatIndex {
+    maps.snat
+        .iter()
+        .filter_map(|e| e.ok())
+        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
+        .map(|(k, v)| (key_ord(&k), v))
+        .collect()
+}
+
+/// The reply key of a forward entry: `backend → client`; for a hairpin
 /// flow (the client reached itself; its source was rewritten)
-/// `backend → hairpin address`, with the client's port either way.
-pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4]) -> CtKeyV4 {
+/// `backend → hairpin address`, with the client's port either way; for a
+/// source-NATed flow `backend → node address:SNAT port`, from `snat`.
+pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], snat: &SnatIndex) -> CtKeyV4 {
     let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
     if entry.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = hairpin_addr;
+    }
+    if entry.flags & CT_FLAG_SNAT != 0
+        && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward, entry.nat_addr, entry.nat_port)))
+    {
+        key = snat_reply_key(forward.proto, entry.nat_addr, entry.nat_port, to_node.addr, to_node.port);
     }
     key
 }
@@ -101,6 +124,7 @@ pub fn plan_conntrack(
     entries: &[(CtKeyV4, CtEntryV4)],
     timeouts: &Timeouts,
     hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
     now: u64,
 ) -> CtPlan {
     let mut plan = CtPlan { scanned: entries.len() as u64, ..Default::default() };
@@ -114,7 +138,7 @@ pub fn plan_conntrack(
         .map(|(i, (k, _))| (*k, i))
         .collect();
     for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let rkey = reply_key(key, fwd, hairpin_addr);
+        let rkey = reply_key(key, fwd, hairpin_addr, snat);
         let reply = replies.get(&rkey).copied();
         if reply.is_some() {
             claimed.insert(reply_index[&rkey]);
@@ -167,8 +191,9 @@ pub fn plan_purge(
     entries: &[(CtKeyV4, CtEntryV4)],
     backend_ids: &BTreeSet<u32>,
     hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
 ) -> Vec<CtKeyV4> {
-    select(entries, hairpin_addr, |_, entry| backend_ids.contains(&entry.backend_id))
+    select(entries, hairpin_addr, snat, |_, entry| backend_ids.contains(&entry.backend_id))
 }
 
 /// The entries `kproxy conntrack flush` deletes: all of them, or those of the
@@ -177,10 +202,11 @@ pub fn plan_flush(
     entries: &[(CtKeyV4, CtEntryV4)],
     rev_nat_ids: Option<&BTreeSet<u16>>,
     hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
 ) -> Vec<CtKeyV4> {
     match rev_nat_ids {
         None => entries.iter().map(|(k, _)| *k).collect(),
-        Some(ids) => select(entries, hairpin_addr, |_, entry| ids.contains(&entry.rev_nat_id)),
+        Some(ids) => select(entries, hairpin_addr, snat, |_, entry| ids.contains(&entry.rev_nat_id)),
     }
 }
 
@@ -189,6 +215,7 @@ pub fn plan_flush(
 fn select(
     entries: &[(CtKeyV4, CtEntryV4)],
     hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
     wanted: impl Fn(&CtKeyV4, &CtEntryV4) -> bool,
 ) -> Vec<CtKeyV4> {
     let present: BTreeSet<KeyOrd> = entries.iter().map(|(k, _)| key_ord(k)).collect();
@@ -200,7 +227,7 @@ fn select(
             if seen.insert(key_ord(key)) {
                 forward.push(*key);
             }
-            let rkey = reply_key(key, entry, hairpin_addr);
+            let rkey = reply_key(key, entry, hairpin_addr, snat);
             if present.contains(&key_ord(&rkey)) && seen.insert(key_ord(&rkey)) {
                 reply.push(rkey);
             }
@@ -215,9 +242,9 @@ fn select(
     forward
 }
 
-type KeyOrd = ([u8; 4], [u8; 4], [u8; 2], [u8; 2], u8, u8);
+pub type KeyOrd = ([u8; 4], [u8; 4], [u8; 2], [u8; 2], u8, u8);
 
-fn key_ord(k: &CtKeyV4) -> KeyOrd {
+pub fn key_ord(k: &CtKeyV4) -> KeyOrd {
     (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.direction)
 }
 
@@ -282,6 +309,8 @@ pub struct GcReport {
     /// Conntrack entries deleted, by state.
     pub deleted: BTreeMap<&'static str, u64>,
     pub affinity_deleted: u64,
+    /// SNAT translations deleted because their flow was gone.
+    pub snat_deleted: u64,
     /// Conntrack entries left, and the map's capacity.
     pub remaining: u64,
     pub capacity: u64,
@@ -311,6 +340,17 @@ fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
     Ok(entries)
 }
 
+/// Deletes both SNAT_V4 entries of a source-NATed flow.
+fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) {
+    let key = snat_forward_key(forward_key, forward.nat_addr, forward.nat_port);
+    if let Ok(to_node) = maps.snat.get(&key, 0) {
+        let reverse =
+            snat_reply_key(key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);
+        let _ = maps.snat.remove(&reverse);
+    }
+    let _ = maps.snat.remove(&key);
+}
+
 fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
     match maps.conntrack.remove(key) {
         Ok(()) => Ok(true),
@@ -329,7 +369,8 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     let hairpin = hairpin_addr(&config);
     let now = monotonic_ns();
     let entries = read_conntrack(maps)?;
-    let plan = plan_conntrack(&entries, &timeouts, hairpin, now);
+    let snat = snat_index(maps);
+    let plan = plan_conntrack(&entries, &timeouts, hairpin, &snat, now);
     let mut report = GcReport { scanned: plan.scanned, ..Default::default() };
 
     for (fkey, rkey) in &plan.pairs {
@@ -341,6 +382,9 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         let mut n = u64::from(delete(maps, fkey)?);
         if let Some(rkey) = rkey {
             n += u64::from(delete(maps, rkey)?);
+        }
+        if fwd.flags & CT_FLAG_SNAT != 0 {
+            delete_snat(maps, fkey, &fwd);
         }
         *report.deleted.entry(state_name(fwd.state)).or_default() += n;
     }
@@ -369,6 +413,29 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         }
     }
 
+    // Translations whose flow is gone (its reply entry was evicted or
+    // deleted): the reverse SNAT key is the flow's reply key.
+    let stale: Vec<(CtKeyV4, SnatEntryV4)> = maps
+        .snat
+        .iter()
+        .filter_map(|e| e.ok())
+        .filter(|(k, _)| k.direction == CT_DIR_REPLY && maps.conntrack.get(k, 0).is_err())
+        .collect();
+    for (reverse, to_client) in stale {
+        let forward = CtKeyV4 {
+            saddr: to_client.addr,
+            daddr: reverse.saddr,
+            sport: to_client.port,
+            dport: reverse.sport,
+            proto: reverse.proto,
+            direction: CT_DIR_FORWARD,
+            _pad: [0; 2],
+        };
+        let _ = maps.snat.remove(&reverse);
+        let _ = maps.snat.remove(&forward);
+        report.snat_deleted += 1;
+    }
+
     report.remaining = maps.conntrack.keys().count() as u64;
     report.capacity = maps.conntrack.map().info().map_or(0, |i| u64::from(i.max_entries()));
     Ok(report)
@@ -391,7 +458,7 @@ pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<u64> {
     let ids: BTreeSet<u32> = backend_ids.iter().copied().collect();
     let entries = read_conntrack(maps)?;
     let mut deleted = 0;
-    for key in plan_purge(&entries, &ids, hairpin) {
+    for key in plan_purge(&entries, &ids, hairpin, &snat_index(maps)) {
         deleted += u64::from(delete(maps, &key)?);
     }
     Ok(deleted)
@@ -415,7 +482,7 @@ pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
     };
     let entries = read_conntrack(maps)?;
     let mut deleted = 0;
-    for key in plan_flush(&entries, ids.as_ref(), hairpin) {
+    for key in plan_flush(&entries, ids.as_ref(), hairpin, &snat_index(maps)) {
         deleted += u64::from(delete(maps, &key)?);
     }
     Ok(deleted)
@@ -481,9 +548,9 @@ mod tests {
     #[test]
     fn hairpin_reply_key_uses_the_hairpin_address() {
         let [(fkey, mut fwd), (rkey, _)] = flow(BACKEND, 4000, IPPROTO_TCP, CtState::Established, 0, 0);
-        assert_eq!(reply_key(&fkey, &fwd, HAIRPIN), rkey);
+        assert_eq!(reply_key(&fkey, &fwd, HAIRPIN, &NO_SNAT), rkey);
         fwd.flags |= CT_FLAG_HAIRPIN;
-        let hk = reply_key(&fkey, &fwd, HAIRPIN);
+        let hk = reply_key(&fkey, &fwd, HAIRPIN, &NO_SNAT);
         assert_eq!(
             (hk.saddr, hk.daddr, hk.sport, hk.dport),
             (BACKEND, HAIRPIN, 53u16.to_be_bytes(), 4000u16.to_be_bytes())
@@ -502,11 +569,11 @@ mod tests {
         let now = 10_000 * S;
         // UDP (60 s): forward idle 100 s, but the backend answered 30 s ago: alive.
         let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 100 * S, now - 30 * S);
-        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, &NO_SNAT, now);
         assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
         // Both sides idle 61 s: both entries go, counted under OPEN.
         let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 61 * S, now - 70 * S);
-        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, &NO_SNAT, now);
         assert_eq!(plan.pairs, vec![(entries[0].0, Some(entries[1].0))]);
         assert_eq!(plan.by_state.get("OPEN"), Some(&2));
         assert_eq!(plan.entries(), 2);
@@ -528,20 +595,20 @@ mod tests {
         ];
         for (state, alive, dead) in cases {
             let e = flow(CLIENT, 5000, IPPROTO_TCP, state, now - alive, now - alive);
-            assert!(plan_conntrack(&e, &t, HAIRPIN, now).pairs.is_empty(), "{state:?} alive");
+            assert!(plan_conntrack(&e, &t, HAIRPIN, &NO_SNAT, now).pairs.is_empty(), "{state:?} alive");
             let e = flow(CLIENT, 5000, IPPROTO_TCP, state, now - dead, now - dead);
-            let plan = plan_conntrack(&e, &t, HAIRPIN, now);
+            let plan = plan_conntrack(&e, &t, HAIRPIN, &NO_SNAT, now);
             assert_eq!(plan.pairs.len(), 1, "{state:?} dead");
             assert_eq!(plan.by_state.get(state.name()), Some(&2));
         }
         // Timeouts from CONFIG: UDP 5 s.
         let custom = Timeouts::from_config(&ConfigV4 { timeout_udp_ns: 5 * S, ..Default::default() });
         let e = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now - 6 * S, now - 6 * S);
-        assert_eq!(plan_conntrack(&e, &custom, HAIRPIN, now).pairs.len(), 1);
+        assert_eq!(plan_conntrack(&e, &custom, HAIRPIN, &NO_SNAT, now).pairs.len(), 1);
         // An unknown state expires like closing.
         let mut e = flow(CLIENT, 5000, IPPROTO_TCP, CtState::Open, now - 11 * S, now - 11 * S);
         e[0].1.state = 0;
-        let plan = plan_conntrack(&e, &t, HAIRPIN, now);
+        let plan = plan_conntrack(&e, &t, HAIRPIN, &NO_SNAT, now);
         assert_eq!(plan.by_state.get("UNKNOWN"), Some(&2));
     }
 
@@ -550,11 +617,11 @@ mod tests {
         // Entries touched after `now` was read (the datapath runs during the scan).
         let now = 1_000 * S;
         let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, now + 5 * S, now + 3 * S);
-        let plan = plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, now);
+        let plan = plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, &NO_SNAT, now);
         assert!(plan.pairs.is_empty());
         // A monotonic clock near boot (now < timeout) never underflows.
         let entries = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
-        assert!(plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, 30 * S).pairs.is_empty());
+        assert!(plan_conntrack(&entries, &Timeouts::DEFAULT, HAIRPIN, &NO_SNAT, 30 * S).pairs.is_empty());
         assert_eq!(time_left_ns(&Timeouts::DEFAULT, &entries[0].1, Some(&entries[1].1), 30 * S), 30 * S);
         assert_eq!(time_left_ns(&Timeouts::DEFAULT, &entries[0].1, None, 90 * S), 0);
     }
@@ -569,7 +636,7 @@ mod tests {
         // The reply entry was evicted: the forward entry alone decides.
         let [lonely, _] = flow(CLIENT, 5002, IPPROTO_UDP, CtState::Open, now - 61 * S, 0);
         let entries = [orphan_dead, orphan_alive, lonely];
-        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, &NO_SNAT, now);
         assert_eq!(plan.orphans, vec![orphan_dead.0]);
         assert_eq!(plan.pairs, vec![(lonely.0, None)]);
         assert_eq!(plan.entries(), 2);
@@ -582,11 +649,11 @@ mod tests {
         let [(fkey, mut fwd), (_, reply)] =
             flow(BACKEND, 4000, IPPROTO_TCP, CtState::Established, now - 7 * 3600 * S, now - 5 * S);
         fwd.flags |= CT_FLAG_HAIRPIN;
-        let hkey = reply_key(&fkey, &fwd, HAIRPIN);
+        let hkey = reply_key(&fkey, &fwd, HAIRPIN, &NO_SNAT);
         let entries = [(fkey, fwd), (hkey, CtEntryV4 { flags: CT_FLAG_HAIRPIN, ..reply })];
         // The reply is recent, so the pair lives; without the hairpin key the
         // forward entry would look lonely and be deleted.
-        let plan = plan_conntrack(&entries, &t, HAIRPIN, now);
+        let plan = plan_conntrack(&entries, &t, HAIRPIN, &NO_SNAT, now);
         assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
     }
 
@@ -626,9 +693,9 @@ mod tests {
         let mut c = flow(CLIENT, 5003, IPPROTO_UDP, CtState::Open, 0, 0);
         c[1].1.backend_id = 0;
         let entries = [a[0], a[1], b[0], b[1], orphan, c[0], c[1]];
-        let keys = plan_purge(&entries, &[7].into(), HAIRPIN);
+        let keys = plan_purge(&entries, &[7].into(), HAIRPIN, &NO_SNAT);
         assert_eq!(keys, vec![a[0].0, c[0].0, a[1].0, c[1].0, orphan.0]);
-        assert!(plan_purge(&entries, &BTreeSet::new(), HAIRPIN).is_empty());
+        assert!(plan_purge(&entries, &BTreeSet::new(), HAIRPIN, &NO_SNAT).is_empty());
         // Forward keys come before reply keys.
         let first_reply = keys.iter().position(|k| k.direction == CT_DIR_REPLY).unwrap();
         assert!(keys[first_reply..].iter().all(|k| k.direction == CT_DIR_REPLY));
@@ -641,9 +708,9 @@ mod tests {
         b[0].1.rev_nat_id = 4;
         b[1].1.rev_nat_id = 4;
         let entries = [a[0], a[1], b[0], b[1]];
-        assert_eq!(plan_flush(&entries, None, HAIRPIN).len(), 4);
-        assert_eq!(plan_flush(&entries, Some(&[4].into()), HAIRPIN), vec![b[0].0, b[1].0]);
-        assert!(plan_flush(&entries, Some(&BTreeSet::new()), HAIRPIN).is_empty());
+        assert_eq!(plan_flush(&entries, None, HAIRPIN, &NO_SNAT).len(), 4);
+        assert_eq!(plan_flush(&entries, Some(&[4].into()), HAIRPIN, &NO_SNAT), vec![b[0].0, b[1].0]);
+        assert!(plan_flush(&entries, Some(&BTreeSet::new()), HAIRPIN, &NO_SNAT).is_empty());
 
         let names = [
             (3, "kube-system/kube-dns:dns"),

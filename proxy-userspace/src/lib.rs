@@ -12,6 +12,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod model;
 pub mod model_cache;
+pub mod nodeport;
 pub mod source;
 pub mod sync;
 pub mod trace;

@@ -146,6 +146,25 @@ struct AgentArgs {
     /// 90 % full, grown 1.5x when a run deletes under 5 %).
     #[arg(long, default_value = "30s", value_parser = kproxy::agent::parse_duration)]
     conntrack_gc_interval: Duration,
+    /// NodePorts answer on the node addresses inside these prefixes (e.g.
+    /// 192.168.0.0/16); none: on every address of the external interfaces.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    nodeport_addresses: Vec<kproxy::model::Cidr4>,
+    /// The pod CIDR of the cluster: clients outside it that reach a cluster
+    /// IP through an external interface are masqueraded to the node address.
+    #[arg(long)]
+    cluster_cidr: Option<kproxy::model::Cidr4>,
+    /// Interfaces that carry traffic from outside the cluster (NodePorts,
+    /// ExternalIPs, LoadBalancer IPs); none: every interface holding a
+    /// non-loopback, non-link-local address that is not pod-facing.
+    #[arg(long, num_args = 1.., value_delimiter = ',')]
+    external_interfaces: Vec<String>,
+    /// Source ports for flows SNATed to the node address (MIN-MAX).
+    #[arg(long, default_value = "61000-65535", value_parser = kproxy::nodeport::parse_port_range)]
+    snat_port_range: (u16, u16),
+    /// XDP on the external interfaces for NodePort/LB flows to remote backends.
+    #[arg(long, value_enum, default_value = "native")]
+    xdp: kproxy::datapath::XdpSetting,
 }
 
 impl AgentArgs {
@@ -274,6 +293,13 @@ fn run(cli: Cli) -> Result<()> {
                     ..Default::default()
                 },
                 conntrack,
+                north_south: kproxy::nodeport::NorthSouthOptions {
+                    nodeport_addresses: args.nodeport_addresses,
+                    cluster_cidr: args.cluster_cidr,
+                    external_interfaces: args.external_interfaces,
+                    snat_ports: args.snat_port_range,
+                    xdp: args.xdp,
+                },
             };
             agent::run(config)?;
         }

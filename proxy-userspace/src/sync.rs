@@ -20,7 +20,7 @@ use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData, MapError};
 use proxy_common::maps::*;
 
-use crate::model::{BackendAddr, Desired, Frontend, Protocol};
+use crate::model::{BackendAddr, Cidr4, Desired, Frontend, FrontendKind, Protocol, Scope};
 
 /// A frontend as the maps key it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -28,22 +28,30 @@ pub struct FrontendKey {
     pub vip: Ipv4Addr,
     pub port: u16,
     pub proto: Protocol,
+    /// [`SCOPE_INTERNAL`] or [`SCOPE_EXTERNAL`].
+    pub scope: u8,
 }
 
 impl FrontendKey {
     pub fn of(frontend: &Frontend) -> Self {
-        Self { vip: frontend.vip, port: frontend.port, proto: frontend.proto }
+        let scope = match frontend.scope {
+            Scope::Internal => SCOPE_INTERNAL,
+            Scope::External => SCOPE_EXTERNAL,
+        };
+        Self { vip: frontend.vip, port: frontend.port, proto: frontend.proto, scope }
     }
 
     fn slot(&self, slot: u16) -> ServiceKeyV4 {
-        ServiceKeyV4::new(
-            self.vip.octets(),
-            self.port.to_be_bytes(),
-            self.proto.number(),
-            SCOPE_CLUSTER_IP,
-            slot,
-        )
+        ServiceKeyV4::new(self.vip.octets(), self.port.to_be_bytes(), self.proto.number(), self.scope, slot)
     }
+}
+
+/// The SOURCE_RANGES_V4 key of one of a frontend's loadBalancerSourceRanges.
+pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> aya::maps::lpm_trie::Key<SourceRangeV4> {
+    aya::maps::lpm_trie::Key::new(
+        SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
+        SourceRangeV4::new(rev_nat_id, range.addr.octets()),
+    )
 }
 
 impl Protocol {
@@ -81,6 +89,8 @@ struct Programmed {
     terminating_ids: Vec<u32>,
     flags: u16,
     affinity_timeout_s: u32,
+    /// Sorted.
+    source_ranges: Vec<Cidr4>,
 }
 
 impl Programmed {
@@ -119,6 +129,17 @@ pub trait Store {
     fn del_name(&mut self, id: u16) -> Result<()>;
     fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()>;
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()>;
+    /// Every frontend's loadBalancerSourceRanges. The defaults are for
+    /// stores that do not keep SOURCE_RANGES_V4.
+    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+        Ok(Vec::new())
+    }
+    fn put_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+        Ok(())
+    }
+    fn del_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The pinned (or freshly loaded) BPF maps.
@@ -130,6 +151,8 @@ pub struct BpfStore {
     /// `None`: VIPS_V4 is not maintained (callers of [`Syncer::new`] that did
     /// not add it with [`Syncer::with_vips`]).
     pub vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
+    /// `None`: SOURCE_RANGES_V4 is not maintained.
+    pub source_ranges: Option<aya::maps::LpmTrie<MapData, SourceRangeV4, u8>>,
 }
 
 impl Store for BpfStore {
@@ -181,6 +204,31 @@ impl Store for BpfStore {
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
         match &mut self.vips {
             Some(vips) => ignore_missing(vips.remove(&vip)),
+            None => Ok(()),
+        }
+    }
+    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+        let Some(trie) = &self.source_ranges else { return Ok(Vec::new()) };
+        let mut out = Vec::new();
+        for key in trie.keys() {
+            let key = key.context("reading the source ranges map")?;
+            let data = key.data();
+            let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+            if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
+                out.push((u16::from_be_bytes(data.rev_nat_id), range));
+            }
+        }
+        Ok(out)
+    }
+    fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        match &mut self.source_ranges {
+            Some(trie) => trie.insert(&source_range_key(rev_nat_id, range), 1, 0).map_err(map_full),
+            None => Ok(()),
+        }
+    }
+    fn del_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        match &mut self.source_ranges {
+            Some(trie) => ignore_missing(trie.remove(&source_range_key(rev_nat_id, range))),
             None => Ok(()),
         }
     }
@@ -288,6 +336,15 @@ pub fn frontend_flags(frontend: &Frontend) -> u16 {
     if frontend.terminating_fallback {
         flags |= SVC_FLAG_TERMINATING_FALLBACK;
     }
+    if frontend.kind != FrontendKind::ClusterIp {
+        flags |= SVC_FLAG_EXTERNAL_ADDR;
+    }
+    if frontend.external_local {
+        flags |= SVC_FLAG_EXTERNAL_LOCAL;
+    }
+    if !frontend.source_ranges.is_empty() {
+        flags |= SVC_FLAG_SOURCE_RANGES;
+    }
     flags
 }
 
@@ -302,7 +359,7 @@ impl Syncer<BpfStore> {
         rev_nat: HashMap<MapData, u16, RevNatV4>,
         names: HashMap<MapData, u16, FrontendNameV4>,
     ) -> Result<Self> {
-        Self::with_store(BpfStore { services, backends, rev_nat, names, vips: None })
+        Self::with_store(BpfStore { services, backends, rev_nat, names, vips: None, source_ranges: None })
     }
 
     /// Also keeps VIPS_V4 (VIP → number of frontends) in step.
@@ -312,8 +369,20 @@ impl Syncer<BpfStore> {
         Ok(self)
     }
 
+    /// Also keeps SOURCE_RANGES_V4 (loadBalancerSourceRanges) in step.
+    pub fn with_source_ranges(
+        mut self,
+        trie: aya::maps::LpmTrie<MapData, SourceRangeV4, u8>,
+    ) -> Result<Self> {
+        self.store.source_ranges = Some(trie);
+        self.reload()?;
+        Ok(self)
+    }
+
     pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
-        Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?.with_vips(maps.vips)
+        Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?
+            .with_vips(maps.vips)?
+            .with_source_ranges(maps.source_ranges)
     }
 }
 
@@ -350,8 +419,17 @@ impl<S: Store> Syncer<S> {
         let mut slots: BTreeMap<FrontendKey, BTreeMap<u16, ServiceValueV4>> = BTreeMap::new();
         for (key, value) in self.store.read_services()? {
             let Some(proto) = Protocol::from_number(key.proto) else { continue };
-            let fk = FrontendKey { vip: Ipv4Addr::from(key.vip), port: u16::from_be_bytes(key.port), proto };
+            let fk = FrontendKey {
+                vip: Ipv4Addr::from(key.vip),
+                port: u16::from_be_bytes(key.port),
+                proto,
+                scope: key.scope,
+            };
             slots.entry(fk).or_default().insert(key.slot, value);
+        }
+        let mut ranges: BTreeMap<u16, Vec<Cidr4>> = BTreeMap::new();
+        for (id, range) in self.store.read_source_ranges()? {
+            ranges.entry(id).or_default().push(range);
         }
         let mut frontends = BTreeMap::new();
         for (fk, slots) in slots {
@@ -373,6 +451,11 @@ impl<S: Store> Syncer<S> {
                 terminating_ids,
                 flags: master.flags,
                 affinity_timeout_s: master.affinity_timeout_s,
+                source_ranges: {
+                    let mut r = ranges.remove(&master.rev_nat_id).unwrap_or_default();
+                    r.sort();
+                    r
+                },
             };
             frontends.insert(fk, programmed);
         }
@@ -440,15 +523,21 @@ impl<S: Store> Syncer<S> {
 
         self.update_backend_flags(&flags, BACKEND_FLAG_ACTIVE, &mut report);
 
+        // Only cluster IPs refuse unknown ports: node addresses, external
+        // and LB IPs carry other traffic too.
         let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
-        for fk in wanted.keys() {
-            *per_vip.entry(fk.vip).or_default() += 1;
+        for (fk, frontend) in &wanted {
+            if frontend.kind == FrontendKind::ClusterIp {
+                *per_vip.entry(fk.vip).or_default() += 1;
+            }
         }
         for (fk, frontend) in &wanted {
             let name = format!("{}:{}", frontend.service, frontend.port_name);
-            let result = self
-                .ensure_vip(fk.vip, per_vip[&fk.vip])
-                .and_then(|()| self.apply_frontend(*fk, frontend, name, &flags, &mut report));
+            let vip = match per_vip.get(&fk.vip) {
+                Some(count) if frontend.kind == FrontendKind::ClusterIp => self.ensure_vip(fk.vip, *count),
+                _ => Ok(()),
+            };
+            let result = vip.and_then(|()| self.apply_frontend(*fk, frontend, name, &flags, &mut report));
             if let Err(e) = result {
                 report.errors.push(format!(
                     "Service {} port {}/{} ({}:{}): not programmed: {e:#}",
@@ -518,8 +607,10 @@ impl<S: Store> Syncer<S> {
     /// without any (after their frontends' slot 0 are gone).
     fn reconcile_vips(&mut self, report: &mut SyncReport) {
         let mut counts: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
-        for fk in self.frontends.keys() {
-            *counts.entry(fk.vip).or_default() += 1;
+        for (fk, programmed) in &self.frontends {
+            if programmed.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
+                *counts.entry(fk.vip).or_default() += 1;
+            }
         }
         for (vip, count) in &counts {
             if self.vips.get(vip) == Some(count) {
@@ -583,6 +674,9 @@ impl<S: Store> Syncer<S> {
 
         let flags = frontend_flags(frontend);
         let affinity_timeout_s = frontend.session_affinity_timeout.unwrap_or(0);
+        let mut source_ranges = frontend.source_ranges.clone();
+        source_ranges.sort();
+        source_ranges.dedup();
         // The common case at scale is "nothing changed": decide it without
         // copying what is programmed.
         if self.frontends.get(&fk).is_some_and(|p| {
@@ -591,6 +685,7 @@ impl<S: Store> Syncer<S> {
                 && p.name == name
                 && p.flags == flags
                 && p.affinity_timeout_s == affinity_timeout_s
+                && p.source_ranges == source_ranges
         }) {
             return Ok(());
         }
@@ -612,6 +707,12 @@ impl<S: Store> Syncer<S> {
         if previous.as_ref().is_none_or(|p| p.name != name) {
             self.store.put_name(rev_nat_id, &name).context("names map")?;
         }
+        // New ranges go in before slot 0 may carry the flag that makes the
+        // datapath check them; stale ones leave after it.
+        let old_ranges: Vec<Cidr4> = previous.as_ref().map(|p| p.source_ranges.clone()).unwrap_or_default();
+        for range in source_ranges.iter().filter(|r| !old_ranges.contains(r)) {
+            self.store.put_source_range(rev_nat_id, *range).context("source ranges map")?;
+        }
         let old_ids: Vec<u32> =
             previous.as_ref().map(|p| p.slot_ids().copied().collect()).unwrap_or_default();
         for (slot, value) in &slots[1..] {
@@ -624,6 +725,9 @@ impl<S: Store> Syncer<S> {
         for slot in slots.len()..=old_ids.len() {
             self.store.del_service(&fk.slot(slot as u16))?;
         }
+        for range in old_ranges.iter().filter(|r| !source_ranges.contains(r)) {
+            self.store.del_source_range(rev_nat_id, *range)?;
+        }
         if previous.is_some() {
             report.frontends_updated += 1;
         } else {
@@ -631,7 +735,15 @@ impl<S: Store> Syncer<S> {
         }
         self.frontends.insert(
             fk,
-            Programmed { rev_nat_id, name, backend_ids: ids, terminating_ids, flags, affinity_timeout_s },
+            Programmed {
+                rev_nat_id,
+                name,
+                backend_ids: ids,
+                terminating_ids,
+                flags,
+                affinity_timeout_s,
+                source_ranges,
+            },
         );
         Ok(())
     }
@@ -646,6 +758,9 @@ impl<S: Store> Syncer<S> {
         // dropping the rev-NAT entry only loses the name in dumps.
         self.store.del_rev_nat(programmed.rev_nat_id)?;
         self.store.del_name(programmed.rev_nat_id)?;
+        for range in &programmed.source_ranges {
+            self.store.del_source_range(programmed.rev_nat_id, *range)?;
+        }
         self.frontends.remove(&fk);
         Ok(())
     }

@@ -60,6 +60,10 @@ http {{
         location = /client {{
             return 200 "$remote_addr\n";
         }}
+        # Which backend answered, and whom it saw: "<backend ip> <client ip>".
+        location = /whoami {{
+            return 200 "$server_addr $remote_addr\n";
+        }}
         location = {BIG_FILE_PATH} {{
             default_type application/octet-stream;
             alias {big};

@@ -1,0 +1,351 @@
+//! The XDP fast path on external interfaces: the NodePort / ExternalIP / LB
+//! flows whose backend is on another node (DNAT + SNAT, sent straight back
+//! out with XDP_TX or a redirect) and the replies to them. It shares every map
+//! and decision with the tc path (`kproxy_external_ingress`); anything else —
+//! local backends, externalTrafficPolicy: Local, refusals, expired or
+//! rebalanced flows, IP options, unresolved neighbours — is passed untouched
+//! to the stack, where the tc program handles it.
+use aya_ebpf::{
+    bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
+    helpers::bpf_redirect,
+    programs::XdpContext,
+};
+use proxy_common::{
+    checksum,
+    maps::{
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
+        SVC_FLAG_SOURCE_RANGES,
+    },
+    packet::{
+        ETH_HLEN, ETH_P_IP, IP_OFF_CHECK, IPV4_MIN_HLEN, Skip, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS,
+        TCP_RST, TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
+    },
+    stats::Stat,
+};
+
+use crate::{
+    config,
+    conntrack::{self, ReplyTo},
+    fib, lb,
+    maps::EXTERNAL_IFACES,
+    parse::Flow,
+    snat, stats,
+};
+
+/// What to do with a packet, or why it is left alone.
+type Outcome = Result<u32, Stat>;
+
+#[inline(always)]
+fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Stat> {
+    let start = ctx.data();
+    if start + offset + core::mem::size_of::<T>() > ctx.data_end() {
+        return Err(Stat::PassTruncated);
+    }
+    Ok((start + offset) as *mut T)
+}
+
+/// Only option-less IPv4 headers: their L4 header sits at a fixed offset.
+const L4: usize = ETH_HLEN + IPV4_MIN_HLEN;
+
+#[inline(always)]
+fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
+    let eth: *mut [u8; 14] = pointer(ctx, 0)?;
+    // SAFETY: bounds checked by `pointer`.
+    let ethertype = unsafe { [(*eth)[12], (*eth)[13]] };
+    if u16::from_be_bytes(ethertype) != ETH_P_IP {
+        return Err(Stat::PassNotIpv4);
+    }
+    let ip: *mut [u8; 20] = pointer(ctx, ETH_HLEN)?;
+    // SAFETY: as above.
+    let ip = unsafe { *ip };
+    if ip[0] != 0x45 {
+        return Err(Stat::PassMalformed);
+    }
+    let total_len = u16::from_be_bytes([ip[2], ip[3]]);
+    let available = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN);
+    let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available).map_err(
+        |skip| match skip {
+            Skip::NotTcpUdp => Stat::PassNotTcpUdp,
+            Skip::Fragment => Stat::PassFragment,
+            Skip::Malformed => Stat::PassMalformed,
+            Skip::Truncated => Stat::PassTruncated,
+        },
+    )?;
+    let ports: *mut [u8; 4] = pointer(ctx, L4)?;
+    // SAFETY: as above.
+    let ports = unsafe { *ports };
+    let (tcp_flags, check) = if loc.proto == IPPROTO_TCP {
+        let flags: *mut u8 = pointer(ctx, L4 + TCP_OFF_FLAGS)?;
+        // SAFETY: as above.
+        (unsafe { *flags }, L4 + TCP_OFF_CHECK)
+    } else {
+        (0, L4 + UDP_OFF_CHECK)
+    };
+    Ok(Flow {
+        saddr: [ip[12], ip[13], ip[14], ip[15]],
+        daddr: [ip[16], ip[17], ip[18], ip[19]],
+        sport: [ports[0], ports[1]],
+        dport: [ports[2], ports[3]],
+        proto: loc.proto,
+        tcp_flags,
+        l4_offset: L4,
+        l4_check_offset: check,
+        ip_total_len: total_len,
+    })
+}
+
+/// The bytes XDP needs in a packet it rewrites: Ethernet, an option-less IPv4
+/// header and a TCP header (a UDP packet this short is left to tc).
+const REWRITE_SPAN: usize = L4 + 20;
+
+/// Rewrites the packet's four-tuple and Ethernet header, checksums included.
+/// `packet` is the start of the frame, checked to hold [`REWRITE_SPAN`]
+/// bytes: the verifier keeps that range across the call, while the context's
+/// end pointer cannot be passed along.
+#[inline(never)]
+fn rewrite(packet: *mut [u8; REWRITE_SPAN], flow: &Flow, new: &checksum::FourTuple, route: &fib::Route) {
+    let l4_check = if flow.proto == IPPROTO_UDP { L4 + UDP_OFF_CHECK } else { L4 + TCP_OFF_CHECK };
+    let mut old = [0u8; 12];
+    old[..4].copy_from_slice(&flow.saddr);
+    old[4..8].copy_from_slice(&flow.daddr);
+    old[8..10].copy_from_slice(&flow.sport);
+    old[10..].copy_from_slice(&flow.dport);
+    // SAFETY: every offset below is inside REWRITE_SPAN, which the caller
+    // checked against the end of the packet.
+    unsafe {
+        let p = &mut *packet;
+        let ip_check = ETH_HLEN + IP_OFF_CHECK;
+        let (ip, l4) = checksum::translated(
+            u16::from_be_bytes([p[ip_check], p[ip_check + 1]]),
+            u16::from_be_bytes([p[l4_check], p[l4_check + 1]]),
+            flow.proto,
+            &old,
+            new,
+        );
+        p[ip_check..ip_check + 2].copy_from_slice(&ip.to_be_bytes());
+        p[l4_check..l4_check + 2].copy_from_slice(&l4.to_be_bytes());
+        // Addresses at IP offset 12, ports at L4 offset 0.
+        p[ETH_HLEN + 12..ETH_HLEN + 20].copy_from_slice(&new[..8]);
+        p[L4..L4 + 4].copy_from_slice(&new[8..]);
+        p[..12].copy_from_slice(&route.macs);
+    }
+}
+
+#[inline(always)]
+fn send(route: &fib::Route, ingress: u32) -> u32 {
+    stats::count(Stat::XdpForwarded);
+    if route.ifindex == ingress {
+        XDP_TX
+    } else {
+        // SAFETY: a helper taking plain values.
+        unsafe { bpf_redirect(route.ifindex, 0) as u32 }
+    }
+}
+
+#[inline(always)]
+fn tuple(saddr: [u8; 4], daddr: [u8; 4], sport: [u8; 2], dport: [u8; 2]) -> checksum::FourTuple {
+    let mut t = [0u8; 12];
+    t[..4].copy_from_slice(&saddr);
+    t[4..8].copy_from_slice(&daddr);
+    t[8..10].copy_from_slice(&sport);
+    t[10..].copy_from_slice(&dport);
+    t
+}
+
+pub fn run(ctx: &XdpContext) -> u32 {
+    match handle(ctx) {
+        Ok(action) => action,
+        Err(stat) => {
+            stats::count(stat);
+            stats::count(Stat::XdpPass);
+            XDP_PASS
+        }
+    }
+}
+
+#[inline(always)]
+fn handle(ctx: &XdpContext) -> Outcome {
+    let flow = parse(ctx)?;
+    if ctx.data() + REWRITE_SPAN > ctx.data_end() {
+        return Err(Stat::PassTruncated);
+    }
+    let ingress = ctx.ingress_ifindex() as u32;
+    let mut out = Translation {
+        tuple: [0; 12],
+        route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
+    };
+    let (snat_min, snat_max) = config::nodeport().port_range();
+    let dport = u16::from_be_bytes(flow.dport);
+    if dport >= snat_min && dport <= snat_max {
+        let key = flow.ct_key(CT_DIR_REPLY);
+        if let Some(entry) = conntrack::lookup(&key)
+            // SAFETY: a map value valid for this program run.
+            && unsafe { (*entry).flags } & CT_FLAG_SNAT != 0
+        {
+            snat_reply(ctx, &flow, entry, &mut out)?;
+            return finish(ctx, &flow, &out, ingress);
+        }
+    }
+    // Each stage is called from here, none from another: the BPF stack limit
+    // counts a whole call chain.
+    let found = lb::lookup_external_frontend(&flow).ok_or(Stat::PassNoService)?;
+    let frontend = found.value;
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb::source_allowed(frontend.rev_nat_id, flow.saddr) {
+        stats::count(Stat::DropSourceRange);
+        return Ok(XDP_DROP);
+    }
+    if found.scope == SCOPE_EXTERNAL {
+        // externalTrafficPolicy: Local: local backends only, for tc.
+        return Err(Stat::PassNoService);
+    }
+    match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
+        Some(entry) => established(ctx, &flow, entry, &mut out)?,
+        None => {
+            let mut pick = Pick {
+                choice: lb::Choice {
+                    backend_id: 0,
+                    backend: proxy_common::maps::BackendV4::default(),
+                    slot: 0,
+                },
+                route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
+                rev_nat_id: 0,
+            };
+            new_flow(ctx, &flow, &found, &mut pick)?;
+            commit(ctx, &flow, &pick, &mut out)?;
+        }
+    }
+    finish(ctx, &flow, &out, ingress)
+}
+
+#[inline(always)]
+fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation, ingress: u32) -> Outcome {
+    let packet = pointer::<[u8; REWRITE_SPAN]>(ctx, 0).map_err(|_| Stat::RewriteFailed)?;
+    rewrite(packet, flow, &out.tuple, &out.route);
+    Ok(send(&out.route, ingress))
+}
+
+/// The rewrite a stage decided on, carried out by [`handle`].
+struct Translation {
+    tuple: checksum::FourTuple,
+    route: fib::Route,
+}
+
+#[inline(never)]
+fn snat_reply(
+    ctx: &XdpContext,
+    flow: &Flow,
+    entry: *mut proxy_common::maps::CtEntryV4,
+    out: &mut Translation,
+) -> Result<(), Stat> {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let client = snat::reverse(&key).ok_or(Stat::PassNoService)?;
+    // SAFETY: a map value valid for this program run.
+    let (frontend, frontend_port) = unsafe { ((*entry).nat_addr, (*entry).nat_port) };
+    let route = fib::route(ctx, ingress, frontend, client.addr, flow.ip_total_len)
+        .map_err(|_| Stat::FibLookupFailed)?;
+    if !route.neighbour_known {
+        return Err(Stat::FibLookupFailed);
+    }
+    let now = conntrack::now();
+    // SAFETY: as above.
+    unsafe {
+        conntrack::touch(entry, flow, CT_DIR_REPLY, now);
+        conntrack::track_reply(entry, flow, (client.addr, client.port), (frontend, frontend_port));
+    }
+    *out = Translation { tuple: tuple(frontend, client.addr, frontend_port, client.port), route };
+    stats::count(Stat::SnatReverse);
+    Ok(())
+}
+
+/// A packet of a known flow: only source-NATed ones to a current backend
+/// are XDP's.
+#[inline(never)]
+fn established(
+    ctx: &XdpContext,
+    flow: &Flow,
+    entry: *mut proxy_common::maps::CtEntryV4,
+    out: &mut Translation,
+) -> Result<(), Stat> {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let config = config::get();
+    let now = conntrack::now();
+    // SAFETY: a map value valid for this program run.
+    let entry_copy = unsafe { *entry };
+    if entry_copy.flags & CT_FLAG_SNAT == 0
+        || conntrack::expired(&key, &entry_copy, &config, now)
+        || !lb::backend_is_current(&entry_copy)
+    {
+        return Err(Stat::PassNoService);
+    }
+    let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port).ok_or(Stat::PassNoService)?;
+    let route = fib::route(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow.ip_total_len)
+        .map_err(|_| Stat::FibLookupFailed)?;
+    if !route.neighbour_known {
+        return Err(Stat::FibLookupFailed);
+    }
+    // SAFETY: as above.
+    unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
+    *out = Translation {
+        tuple: tuple(to_node.addr, entry_copy.nat_addr, to_node.port, entry_copy.nat_port),
+        route,
+    };
+    stats::count(Stat::DnatEstablished);
+    Ok(())
+}
+
+/// The backend a new flow goes to, when it is XDP's (remote).
+struct Pick {
+    choice: lb::Choice,
+    route: fib::Route,
+    rev_nat_id: u16,
+}
+
+/// Picks the backend of a new flow; only a backend on another node is XDP's.
+#[inline(never)]
+fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick) -> Result<(), Stat> {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let frontend = found.value;
+    if frontend.count == 0
+        || (flow.proto == IPPROTO_TCP && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN)
+    {
+        // Refusals and invalid segments are the tc program's.
+        return Err(Stat::PassNoService);
+    }
+    let choice = lb::select_backend(flow, found, conntrack::now()).map_err(|_| Stat::NoBackend)?;
+    let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)
+        .map_err(|_| Stat::FibLookupFailed)?;
+    if route.ifindex != ingress || !route.neighbour_known {
+        // A local backend (or one behind another interface): tc delivers it.
+        return Err(Stat::PassNoService);
+    }
+    *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
+    Ok(())
+}
+
+/// Takes a SNAT port for a picked flow and records it in conntrack.
+#[inline(never)]
+fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> Result<(), Stat> {
+    let ingress = ctx.ingress_ifindex() as u32;
+    let now = conntrack::now();
+    let backend = pick.choice.backend;
+    // SAFETY: the value is copied out at once.
+    let node_addr = unsafe { EXTERNAL_IFACES.get(ingress) }.map(|i| i.addr).ok_or(Stat::PassNoService)?;
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let port = snat::allocate(flow, &key, backend.addr, backend.port, node_addr, now)
+        .map_err(|_| Stat::SnatPortExhausted)?;
+    if conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::Snat(node_addr, port))
+        .is_err()
+    {
+        snat::remove(&key, backend.addr, backend.port);
+        return Err(Stat::ConntrackInsertFailed);
+    }
+    *out = Translation {
+        tuple: tuple(node_addr, backend.addr, port, backend.port),
+        route: fib::Route { ifindex: pick.route.ifindex, neighbour_known: true, macs: pick.route.macs },
+    };
+    stats::count(Stat::DnatNew);
+    stats::count(Stat::SnatNew);
+    Ok(())
+}

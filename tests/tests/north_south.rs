@@ -1,0 +1,321 @@
+//! North–south traffic through real nodes: a two-node sandbox (`sandbox::multinode`: node
+//! namespaces on an underlay bridge, pod CIDR routes between them, an external client at
+//! 192.168.100.200), one real `kproxy agent` per node programmed from `examples/north-south`,
+//! nginx and dnsmasq pods, and curl / dig run in the external client. What is asserted is what
+//! the client and the backends observe: who answered, and which source address the backend saw.
+
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use sandbox::{Pod, Spawned, multinode::MultiNode};
+
+mod common;
+use common::cluster::kproxy_bin;
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 200);
+/// A second address of the external client, outside web-ranges' loadBalancerSourceRanges.
+const OTHER_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 201);
+const WEB_A: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
+const WEB_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
+const DNS_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 21);
+const LB_LOCAL: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 10);
+const LB_RANGES: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 11);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 20);
+
+struct NorthSouth {
+    agents: Vec<Spawned>,
+    pins: Vec<PathBuf>,
+    _pods: Vec<Pod>,
+    multi: MultiNode,
+}
+
+impl Drop for NorthSouth {
+    fn drop(&mut self) {
+        for agent in &self.agents {
+            let _ = agent.terminate(Duration::from_secs(5));
+        }
+        for (i, pins) in self.pins.iter().enumerate() {
+            let bin = kproxy_bin();
+            let _ = self.multi.node(i).node_exec([
+                bin.to_str().unwrap(),
+                "--pin-dir",
+                pins.to_str().unwrap(),
+                "unload",
+            ]);
+        }
+    }
+}
+
+fn unique_pin_dir(node: usize) -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    PathBuf::from(format!(
+        "/sys/fs/bpf/kproxy-test-ns-{}-{}-n{node}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+impl NorthSouth {
+    fn start(tag: &str) -> Self {
+        Self::start_with(tag, &[])
+    }
+
+    fn start_with(tag: &str, extra_args: &[&str]) -> Self {
+        let multi = MultiNode::new(tag, 2).expect("building the two-node sandbox (needs root)");
+        let mut pods = Vec::new();
+        for (node, name, ip) in [(0, "web-a", WEB_A), (1, "web-b", WEB_B)] {
+            let pod = multi.add_pod(node, name, ip).unwrap();
+            pod.start_nginx(&format!("{name}\n")).unwrap();
+            pods.push(pod);
+        }
+        let dns = multi.add_pod(1, "dns-b", DNS_B).unwrap();
+        dns.start_dnsmasq(WEB_B).unwrap();
+        pods.push(dns);
+
+        let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/north-south");
+        let mut agents = Vec::new();
+        let mut pins = Vec::new();
+        for node in 0..multi.node_count() {
+            let pin_dir = unique_pin_dir(node);
+            let mut args: Vec<String> = vec![
+                kproxy_bin().display().to_string(),
+                "--pin-dir".into(),
+                pin_dir.display().to_string(),
+                "agent".into(),
+                "--manifests".into(),
+                manifests.display().to_string(),
+                "--interfaces".into(),
+                "veth*".into(),
+                "--external-interfaces".into(),
+                "eth0".into(),
+                "--cluster-cidr".into(),
+                "10.244.0.0/16".into(),
+                "--hostname-override".into(),
+                format!("node-{node}"),
+                "--poll-ms".into(),
+                "100".into(),
+            ];
+            args.extend(extra_args.iter().map(|a| a.to_string()));
+            agents.push(multi.node(node).node_spawn(&args).unwrap());
+            pins.push(pin_dir);
+        }
+        let cluster = NorthSouth { agents, pins, _pods: pods, multi };
+        for node in 0..2 {
+            let ip = cluster.multi.node_ip(node);
+            cluster.wait_for_frontend(node, &format!("{ip}:30080"), "TCP", 2);
+            cluster.wait_for_frontend(node, &format!("{ip}:30053"), "UDP", 1);
+            cluster.wait_for_frontend(node, &format!("{LB_RANGES}:80"), "TCP", 2);
+        }
+        cluster
+    }
+
+    fn kproxy(&self, node: usize, args: &[&str]) -> std::process::Output {
+        let bin = kproxy_bin();
+        let pins = self.pins[node].display().to_string();
+        let mut full = vec![bin.to_str().unwrap(), "--pin-dir", &pins];
+        full.extend(args);
+        self.multi.node(node).node_exec_output(&full).unwrap()
+    }
+
+    fn services(&self, node: usize) -> Vec<serde_json::Value> {
+        let out = self.kproxy(node, &["dump", "services", "--json"]);
+        serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    fn wait_for_frontend(&self, node: usize, frontend: &str, proto: &str, count: u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let found = self.services(node).iter().any(|r| {
+                r["frontend"] == frontend && r["protocol"] == proto && r["slot"] == 0 && r["count"] == count
+            });
+            if found {
+                return;
+            }
+            assert!(
+                self.agents[node].is_running(),
+                "agent of node {node} exited:\n{}",
+                self.agents[node].log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "node {node}: {frontend}/{proto} with {count} backends not programmed; agent log:\n{}",
+                self.agents[node].log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// curl from the external client; `Ok((backend, source seen by it))` from `/whoami`.
+    fn whoami(&self, url: &str, extra: &[&str]) -> Result<(Ipv4Addr, Ipv4Addr), String> {
+        let mut args = vec!["curl", "-sS", "--max-time", "2"];
+        args.extend(extra);
+        args.push(url);
+        let out = self.multi.external_exec_output(&args).unwrap();
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut parts = text.split_whitespace();
+        let parse = |p: Option<&str>| p.and_then(|p| p.parse().ok()).ok_or_else(|| format!("page {text:?}"));
+        Ok((parse(parts.next())?, parse(parts.next())?))
+    }
+
+    fn stat(&self, node: usize, reason: &str) -> u64 {
+        let out = self.kproxy(node, &["dump", "stats", "--json"]);
+        let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["reason"] == reason)
+            .and_then(|r| r["packets"].as_u64())
+            .unwrap_or_else(|| panic!("no counter {reason} in {rows}"))
+    }
+
+    fn agent_logs(&self) -> String {
+        self.agents.iter().enumerate().map(|(i, a)| format!("--- node {i}\n{}", a.log())).collect()
+    }
+}
+
+/// Which node a backend lives on.
+fn home_node(backend: Ipv4Addr) -> usize {
+    usize::from(backend.octets()[2])
+}
+
+#[test]
+fn nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted() {
+    let cluster = NorthSouth::start("np");
+    for node in 0..2 {
+        let node_ip = cluster.multi.node_ip(node);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..24 {
+            let (backend, source) = cluster
+                .whoami(&format!("http://{node_ip}:30080/whoami"), &[])
+                .unwrap_or_else(|e| panic!("NodePort via node {node}: {e}\n{}", cluster.agent_logs()));
+            // A remote backend must answer through this node, so it sees the node's address;
+            // a local one sees the client itself (as with Cilium's kube-proxy replacement).
+            let expected = if home_node(backend) == node { CLIENT } else { node_ip };
+            assert_eq!(source, expected, "backend {backend} reached through node {node}");
+            seen.insert(backend);
+        }
+        assert_eq!(seen, [WEB_A, WEB_B].into(), "both backends answer through node {node}");
+    }
+    assert!(cluster.stat(0, "snat_new_flow") > 0);
+    assert!(cluster.stat(0, "snat_reverse") > 0);
+}
+
+#[test]
+fn nodeport_serves_udp_and_tcp_on_the_same_port_number() {
+    let cluster = NorthSouth::start("np-dns");
+    for node in 0..2 {
+        let node_ip = cluster.multi.node_ip(node).to_string();
+        for transport in ["+notcp", "+tcp"] {
+            let answer = cluster
+                .multi
+                .external_exec([
+                    "dig",
+                    "+short",
+                    "+time=2",
+                    "+tries=1",
+                    transport,
+                    &format!("@{node_ip}"),
+                    "-p",
+                    "30053",
+                    "ip.kproxy.test",
+                    "A",
+                ])
+                .unwrap_or_else(|e| {
+                    panic!("dig {transport} via node {node}: {e:#}\n{}", cluster.agent_logs())
+                });
+            assert_eq!(answer.trim(), DNS_B.to_string(), "dig {transport} via node {node}");
+        }
+    }
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_the_client_address_and_drops_without_a_local_endpoint() {
+    let cluster = NorthSouth::start("etp-local");
+    let node1 = cluster.multi.node_ip(1);
+    for _ in 0..5 {
+        let (backend, source) = cluster.whoami(&format!("http://{node1}:30081/whoami"), &[]).unwrap();
+        assert_eq!((backend, source), (WEB_B, CLIENT), "no SNAT: the backend sees the real client");
+    }
+    let node0 = cluster.multi.node_ip(0);
+    let dropped_before = cluster.stat(0, "drop_no_local_endpoint");
+    let refused = cluster.whoami(&format!("http://{node0}:30081/whoami"), &[]);
+    assert!(refused.is_err(), "node 0 has no endpoint of web-local and must drop: {refused:?}");
+    // The LB IP is routed to node 0 by the client: dropped the same way.
+    assert!(cluster.whoami(&format!("http://{LB_LOCAL}/whoami"), &[]).is_err());
+    assert!(cluster.stat(0, "drop_no_local_endpoint") > dropped_before);
+
+    // The load balancer's view: healthCheckNodePort 32081 on each node.
+    for (node, code, count) in [(0, "503", 0), (1, "200", 1)] {
+        let ip = cluster.multi.node_ip(node);
+        let out = cluster
+            .multi
+            .external_exec([
+                "curl",
+                "-sS",
+                "--max-time",
+                "2",
+                "-w",
+                "\n%{http_code}",
+                &format!("http://{ip}:32081/"),
+            ])
+            .unwrap_or_else(|e| panic!("health check of node {node}: {e:#}\n{}", cluster.agent_logs()));
+        let (body, status) = out.trim_end().rsplit_once('\n').unwrap();
+        assert_eq!(status, code, "node {node}: {body}");
+        let json: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(json["localEndpoints"], count, "node {node}: {body}");
+        assert_eq!(json["service"]["name"], "web-local");
+    }
+}
+
+#[test]
+fn load_balancer_source_ranges_drop_other_clients_but_not_the_node_port() {
+    let cluster = NorthSouth::start("ranges");
+    cluster.multi.external_exec(["ip", "addr", "add", &format!("{OTHER_CLIENT}/24"), "dev", "eth0"]).unwrap();
+    let url = format!("http://{LB_RANGES}/whoami");
+    cluster.whoami(&url, &[]).unwrap_or_else(|e| panic!("allowed client: {e}\n{}", cluster.agent_logs()));
+    let before = cluster.stat(0, "drop_source_range");
+    let other = cluster.whoami(&url, &["--interface", &OTHER_CLIENT.to_string()]);
+    assert!(other.is_err(), "a client outside loadBalancerSourceRanges got through: {other:?}");
+    assert!(cluster.stat(0, "drop_source_range") > before);
+    // The Service's NodePort is not filtered (kube-proxy filters LB IPs only).
+    let node0 = cluster.multi.node_ip(0);
+    cluster
+        .whoami(&format!("http://{node0}:30082/whoami"), &["--interface", &OTHER_CLIENT.to_string()])
+        .expect("the NodePort of a Service with source ranges is open");
+    // Pods inside the cluster reach the LB IP whatever its ranges say.
+    let page = cluster._pods[0].curl(&url).unwrap();
+    assert!(page.contains(&WEB_A.to_string()) || page.contains(&WEB_B.to_string()), "{page}");
+}
+
+#[test]
+fn external_ips_are_served_and_cluster_ips_from_outside_are_masqueraded() {
+    let cluster = NorthSouth::start("extip");
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let (backend, _) = cluster.whoami(&format!("http://{EXTERNAL_IP}/whoami"), &[]).unwrap();
+        seen.insert(backend);
+    }
+    assert_eq!(seen, [WEB_A, WEB_B].into());
+
+    // A router that sends the service CIDR to node 0: the client is outside --cluster-cidr,
+    // so even the local backend sees node 0's address (kube-proxy's masquerade rule).
+    let node0 = cluster.multi.node_ip(0);
+    cluster.multi.external_exec(["ip", "route", "add", "10.96.0.0/12", "via", &node0.to_string()]).unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let (backend, source) = cluster.whoami("http://10.96.0.100/whoami", &[]).unwrap();
+        assert_eq!(source, node0, "backend {backend} saw the client unmasqueraded");
+        seen.insert(backend);
+    }
+    assert_eq!(seen, [WEB_A, WEB_B].into());
+}
