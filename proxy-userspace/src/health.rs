@@ -200,9 +200,16 @@ enum Router {
     Metrics(Metrics),
 }
 
-type Body = Full<Bytes>;
+pub(crate) type Body = Full<Bytes>;
 
-impl Router {
+/// What a listener answers, cloned into each connection; lets other HTTP
+/// endpoints (e.g. [`crate::service_health`]) share the connection handling
+/// (timeouts, graceful stop) below.
+pub(crate) trait Respond: Clone + Send + Sync + 'static {
+    fn respond(&self, path: &str) -> Response<Body>;
+}
+
+impl Respond for Router {
     fn respond(&self, path: &str) -> Response<Body> {
         match (self, path) {
             (Router::Health(health), "/healthz") => health_response(health, true),
@@ -240,7 +247,9 @@ fn health_response(health: &Health, with_node: bool) -> Response<Body> {
     text(status, "application/json", body)
 }
 
-fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
+/// A response with `X-Content-Type-Options: nosniff`, which every kube-proxy
+/// endpoint sends.
+pub(crate) fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -249,7 +258,14 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
     response
 }
 
-async fn accept_loop(listener: TcpListener, router: Router, mut stop: watch::Receiver<bool>) {
+/// Serve `listener` until `stop` turns true or its sender is dropped; then
+/// close the listener and give open connections [`SHUTDOWN_GRACE`] to finish.
+/// Aborting the task instead closes the listener and every connection at once.
+pub(crate) async fn accept_loop<R: Respond>(
+    listener: TcpListener,
+    router: R,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut connections = JoinSet::new();
     let for_connections = stop.clone();
     loop {
@@ -290,7 +306,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     }
 }
 
-async fn serve_connection(stream: TcpStream, router: Router, mut stop: watch::Receiver<bool>) {
+async fn serve_connection<R: Respond>(stream: TcpStream, router: R, mut stop: watch::Receiver<bool>) {
     let service = service_fn(move |request: Request<Incoming>| {
         let response = router.respond(request.uri().path());
         async move { Ok::<_, Infallible>(response) }
@@ -361,7 +377,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use crate::test_http::{HttpResponse, get};
 
     fn at(secs: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(secs)
@@ -457,48 +473,6 @@ mod tests {
         assert!(health.check(t0 + Duration::from_secs(2059)).healthy);
         assert!(!health.check(t0 + Duration::from_secs(2061)).healthy);
         assert_eq!(health.check(t0).last_updated, synced);
-    }
-
-    struct HttpResponse {
-        status: u16,
-        headers: Vec<(String, String)>,
-        body: String,
-    }
-
-    impl HttpResponse {
-        fn header(&self, name: &str) -> Option<&str> {
-            self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-        }
-    }
-
-    async fn get(addr: SocketAddr, path: &str) -> HttpResponse {
-        let mut stream = TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut raw = String::new();
-        tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut raw))
-            .await
-            .expect("response in time")
-            .unwrap();
-        let (head, body) = raw.split_once("\r\n\r\n").expect("header/body separator");
-        let mut lines = head.split("\r\n");
-        let status_line = lines.next().unwrap();
-        let status = status_line
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
-        let headers = lines
-            .map(|l| {
-                let (k, v) = l.split_once(':').unwrap();
-                (k.trim().to_owned(), v.trim().to_owned())
-            })
-            .collect();
-        let response = HttpResponse { status, headers, body: body.to_owned() };
-        if let Some(length) = response.header("content-length") {
-            assert_eq!(length.parse::<usize>().unwrap(), response.body.len());
-        }
-        response
     }
 
     fn json(response: &HttpResponse) -> serde_json::Value {

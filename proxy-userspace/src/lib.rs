@@ -13,9 +13,12 @@ pub mod metrics;
 pub mod model;
 pub mod model_cache;
 pub mod nodeport;
+pub mod service_health;
 pub mod source;
 pub mod sync;
 pub mod trace;
 
 #[cfg(test)]
 mod deploy_manifests;
+#[cfg(test)]
+mod test_http;
