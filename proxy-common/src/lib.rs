@@ -5,6 +5,7 @@
 
 pub mod checksum;
 pub mod conntrack;
+pub mod maglev;
 pub mod maps;
 pub mod packet;
 pub mod reject;
