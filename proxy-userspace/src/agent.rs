@@ -216,6 +216,9 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         pod_interfaces: selector,
         node_addresses: None,
     };
+    // healthCheckNodePorts answer on every address, as kube-proxy's do when
+    // --nodeport-addresses is not restricted.
+    let mut service_health = crate::service_health::ServiceHealthServers::new(std::net::Ipv4Addr::UNSPECIFIED);
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
     loop {
@@ -244,7 +247,8 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             }
             next_full_resync = Instant::now() + config.sync_period;
         }
-        loop_state.sync(&changes, &config.model);
+        let health_checks = loop_state.sync(&changes, &config.model);
+        service_health.update(&health_checks).await;
         last_sync = Some(Instant::now());
     }
     let _ = stop_tx.send(true);
@@ -300,7 +304,8 @@ impl SyncLoop<'_> {
         addresses.nodeport
     }
 
-    fn sync(&mut self, changes: &Changes, options: &ModelOptions) {
+    /// Applies the current objects; returns the healthCheckNodePorts to serve.
+    fn sync(&mut self, changes: &Changes, options: &ModelOptions) -> Vec<model::HealthCheck> {
         let started = Instant::now();
         let pending = changes.take_pending();
         let snapshot = changes.objects();
@@ -374,6 +379,7 @@ impl SyncLoop<'_> {
                 "synced"
             );
         }
+        desired.health_checks
     }
 }
 
