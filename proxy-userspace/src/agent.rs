@@ -218,7 +218,8 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     };
     // healthCheckNodePorts answer on every address, as kube-proxy's do when
     // --nodeport-addresses is not restricted.
-    let mut service_health = crate::service_health::ServiceHealthServers::new(std::net::Ipv4Addr::UNSPECIFIED);
+    let mut service_health =
+        crate::service_health::ServiceHealthServers::new(std::net::Ipv4Addr::UNSPECIFIED);
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
     loop {

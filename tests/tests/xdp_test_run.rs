@@ -1,0 +1,248 @@
+//! BPF_PROG_TEST_RUN of the real XDP program (`kproxy_xdp`) and the external tc program: byte-exact
+//! rewrites of a NodePort flow to a backend on another node (DNAT + SNAT, sent back out with
+//! XDP_TX) and of its reply, and the cases XDP leaves to tc.
+//!
+//! The route lookups the programs make need an interface, a route and neighbours: each test runs
+//! in a thread that moves itself into a new network namespace (`unshare(CLONE_NEWNET)`) holding
+//! one veth pair with static neighbours and no route out. The namespace disappears with the
+//! thread.
+
+use std::{net::Ipv4Addr, process::Command};
+
+use aya::programs::{TestRun, TestRunOptions, Xdp};
+use kproxy::{
+    datapath,
+    model::{BackendAddr, Cidr4, Frontend, FrontendKind, Protocol, Scope, ServiceName},
+    sync::Syncer,
+};
+use proxy_common::{
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, ExternalIfaceV4, IPPROTO_TCP},
+    packet::{TCP_ACK, TCP_SYN},
+    stats::Stat,
+};
+
+mod common;
+use common::{Packet, checksums_valid, harness::ct_key};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+
+const NODE: [u8; 4] = [192, 168, 100, 10];
+const CLIENT: [u8; 4] = [192, 168, 100, 200];
+const OTHER_CLIENT: [u8; 4] = [192, 168, 100, 201];
+const REMOTE_BACKEND: [u8; 4] = [10, 244, 1, 5];
+const LOCAL_BACKEND: [u8; 4] = [10, 244, 0, 5];
+const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xc8];
+const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn mac(m: [u8; 6]) -> String {
+    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// Runs `test` in a thread inside a fresh network namespace with `ext0` (the node's external
+/// interface, 192.168.100.10/24, peer node and client as permanent neighbours, the peer's pod CIDR
+/// routed via it) and `pod0` (a local pod's veth, 10.244.0.0/24 on it).
+fn in_private_netns(test: impl FnOnce(u32) + Send + 'static) {
+    let result = std::thread::spawn(move || {
+        // SAFETY: unshare affects only this thread, which owns nothing shared yet.
+        let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+        assert_eq!(ret, 0, "unshare(CLONE_NEWNET) needs root: {}", std::io::Error::last_os_error());
+        sh(&["ip", "link", "add", "ext0", "address", &mac(NODE_MAC), "type", "veth", "peer", "name", "ext1"]);
+        sh(&["ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1"]);
+        for dev in ["lo", "ext0", "ext1", "pod0", "pod1"] {
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["ip", "addr", "add", "192.168.100.10/24", "dev", "ext0"]);
+        sh(&["ip", "route", "add", "10.244.1.0/24", "via", "192.168.100.11"]);
+        sh(&["ip", "route", "add", "10.244.0.0/24", "dev", "pod0"]);
+        for (addr, m, dev) in [
+            ("192.168.100.11", PEER_MAC, "ext0"),
+            ("192.168.100.200", CLIENT_MAC, "ext0"),
+            ("10.244.0.5", [0x02, 0, 0, 0, 0, 0x05], "pod0"),
+        ] {
+            sh(&["ip", "neigh", "replace", addr, "lladdr", &mac(m), "dev", dev, "nud", "permanent"]);
+        }
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
+        let index = datapath::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
+        test(index);
+    })
+    .join();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+fn web(kind: FrontendKind, vip: [u8; 4], port: u16, backends: &[[u8; 4]]) -> Frontend {
+    let mut fe = Frontend::new(
+        ServiceName { namespace: "default".into(), name: "web".into() },
+        "http",
+        Ipv4Addr::from(vip),
+        port,
+        Protocol::Tcp,
+        backends.iter().map(|a| BackendAddr { addr: Ipv4Addr::from(*a), port: 80 }).collect(),
+    );
+    fe.kind = kind;
+    fe
+}
+
+struct Xdp0 {
+    ebpf: aya::Ebpf,
+    _syncer: Syncer,
+    conntrack:
+        aya::maps::HashMap<aya::maps::MapData, proxy_common::maps::CtKeyV4, proxy_common::maps::CtEntryV4>,
+    stats: aya::maps::PerCpuArray<aya::maps::MapData, u64>,
+    ingress: u32,
+}
+
+impl Xdp0 {
+    fn new(ingress: u32, frontends: Vec<Frontend>) -> Self {
+        let mut ebpf = datapath::load_unpinned().expect("loading the datapath needs root");
+        let mut maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+        maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
+        let (conntrack, stats) = (maps.conntrack, maps.stats);
+        let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
+            .unwrap()
+            .with_vips(maps.vips)
+            .unwrap()
+            .with_source_ranges(maps.source_ranges)
+            .unwrap();
+        let report = syncer.apply(&kproxy::model::Desired::new(frontends));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        Self { ebpf, _syncer: syncer, conntrack, stats, ingress }
+    }
+
+    fn xdp(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &Xdp = self.ebpf.program("kproxy_xdp").unwrap().try_into().unwrap();
+        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&self.ingress.to_ne_bytes());
+        let mut out = vec![0u8; frame.len() + 256];
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("XDP test run: {e:?}"));
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    fn stat(&self, stat: Stat) -> u64 {
+        self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
+    }
+}
+
+fn frame_to_node(packet: &Packet) -> Vec<u8> {
+    let mut frame = packet.frame();
+    frame[..6].copy_from_slice(&NODE_MAC);
+    frame[6..12].copy_from_slice(&CLIENT_MAC);
+    frame
+}
+
+fn expected(packet: &Packet, dmac: [u8; 6]) -> Vec<u8> {
+    let mut frame = packet.frame();
+    frame[..6].copy_from_slice(&dmac);
+    frame[6..12].copy_from_slice(&NODE_MAC);
+    frame
+}
+
+#[test]
+fn nodeport_to_a_remote_backend_is_dnated_snated_and_sent_back_out_and_so_is_its_reply() {
+    in_private_netns(|ingress| {
+        let x = Xdp0::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_SYN).with_payload(b"hello");
+        let (action, out) = x.xdp(&frame_to_node(&syn));
+        assert_eq!(action, XDP_TX, "{:?}", out);
+
+        // The SNAT port is the one the datapath picked: read it from conntrack.
+        let fwd =
+            x.conntrack.get(&ct_key(CLIENT, 40000, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD), 0).unwrap();
+        assert_eq!(fwd.flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        let port = u16::from_be_bytes([out[34], out[35]]);
+        assert!((61000..=65535).contains(&port), "SNAT port {port}");
+        let translated = Packet { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..syn.clone() };
+        assert_eq!(out, expected(&translated, PEER_MAC), "DNAT + SNAT, MACs of the route to the peer node");
+        assert!(checksums_valid(&out));
+
+        // The backend's answer comes back to the node address and SNAT port.
+        let reply = Packet::tcp(REMOTE_BACKEND, 80, NODE, port, TCP_SYN | TCP_ACK).with_payload(b"world!");
+        let mut frame = reply.frame();
+        frame[..6].copy_from_slice(&NODE_MAC);
+        frame[6..12].copy_from_slice(&PEER_MAC);
+        let (action, out) = x.xdp(&frame);
+        assert_eq!(action, XDP_TX);
+        let back = Packet { src: NODE, sport: 30080, dst: CLIENT, dport: 40000, ..reply };
+        assert_eq!(out, expected(&back, CLIENT_MAC), "reverse SNAT + DNAT, to the client's MAC");
+        assert!(checksums_valid(&out));
+        let rkey = ct_key(REMOTE_BACKEND, 80, NODE, port, IPPROTO_TCP, CT_DIR_REPLY);
+        assert_eq!(x.conntrack.get(&rkey, 0).unwrap().packets, 1);
+
+        // The next segment of the flow takes the same translation.
+        let ack = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_ACK);
+        let (action, out) = x.xdp(&frame_to_node(&ack));
+        assert_eq!(action, XDP_TX);
+        assert_eq!(
+            out,
+            expected(&Packet { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..ack }, PEER_MAC)
+        );
+        assert_eq!(x.stat(Stat::XdpForwarded), 3);
+        assert_eq!(x.stat(Stat::SnatNew), 1);
+    });
+}
+
+#[test]
+fn udp_nodeport_flows_get_distinct_snat_ports_and_valid_checksums() {
+    in_private_netns(|ingress| {
+        let mut dns = web(FrontendKind::NodePort, NODE, 30053, &[REMOTE_BACKEND]);
+        dns.proto = Protocol::Udp;
+        dns.backends[0].port = 53;
+        let x = Xdp0::new(ingress, vec![dns]);
+        let mut ports = std::collections::BTreeSet::new();
+        for sport in 50000..50020 {
+            let query = Packet::udp(CLIENT, sport, NODE, 30053, b"a DNS query, more or less");
+            let (action, out) = x.xdp(&frame_to_node(&query));
+            assert_eq!(action, XDP_TX);
+            assert!(checksums_valid(&out));
+            assert_eq!(&out[30..34], &REMOTE_BACKEND);
+            assert!(ports.insert(u16::from_be_bytes([out[34], out[35]])), "a SNAT port was handed out twice");
+        }
+        assert_eq!(x.stat(Stat::SnatNew), 20);
+    });
+}
+
+#[test]
+fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_ranges_drop() {
+    in_private_netns(|ingress| {
+        let local = web(FrontendKind::NodePort, NODE, 30081, &[LOCAL_BACKEND]);
+        let mut etp_local = web(FrontendKind::NodePort, NODE, 30082, &[LOCAL_BACKEND]);
+        etp_local.scope = Scope::External;
+        etp_local.external_local = true;
+        let mut ranged = web(FrontendKind::LoadBalancer, [192, 168, 200, 11], 80, &[REMOTE_BACKEND]);
+        ranged.source_ranges = vec![Cidr4::new(Ipv4Addr::from(CLIENT), 32).unwrap()];
+        let x = Xdp0::new(ingress, vec![local, etp_local, ranged]);
+
+        for port in [30081, 30082, 22] {
+            let frame = frame_to_node(&Packet::tcp(CLIENT, 40000, NODE, port, TCP_SYN));
+            let (action, out) = x.xdp(&frame);
+            assert_eq!((action, &out), (XDP_PASS, &frame), "port {port} is tc's, untouched");
+        }
+        let allowed = frame_to_node(&Packet::tcp(CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));
+        assert_eq!(x.xdp(&allowed).0, XDP_TX);
+        let other = frame_to_node(&Packet::tcp(OTHER_CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));
+        assert_eq!(x.xdp(&other).0, XDP_DROP);
+        assert_eq!(x.stat(Stat::DropSourceRange), 1);
+        // A segment that is not a SYN starts no flow (tc drops it).
+        let stray = frame_to_node(&Packet::tcp(CLIENT, 40002, [192, 168, 200, 11], 80, TCP_ACK));
+        assert_eq!(x.xdp(&stray).0, XDP_PASS);
+    });
+}
