@@ -19,6 +19,9 @@ use crate::{datapath::Maps, model::Protocol};
 pub struct ServiceRow {
     pub frontend: String,
     pub protocol: &'static str,
+    /// `internal` (pods and the node; external clients too unless an
+    /// `external` entry exists) or `external` (externalTrafficPolicy: Local).
+    pub scope: &'static str,
     pub slot: u16,
     pub service: String,
     pub rev_nat_id: u16,
@@ -66,9 +69,9 @@ pub struct ConntrackRow {
 /// One address translation in effect, per direction.
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct NatRow {
-    /// `DNAT` (client → VIP becomes client → backend), `SNAT` (hairpin: the
-    /// client's source becomes the hairpin address) or `un-NAT` (the reply's
-    /// source becomes the VIP again).
+    /// `DNAT` (client → VIP becomes client → backend), `SNAT` (the client's
+    /// source becomes the hairpin address, or a node address and SNAT port)
+    /// or `un-NAT` (the reply's source becomes the VIP again).
     pub kind: &'static str,
     pub protocol: &'static str,
     /// The tuple as it arrives.
@@ -132,6 +135,7 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
         rows.push(ServiceRow {
             frontend: endpoint(key.vip, key.port),
             protocol: proto_name(key.proto),
+            scope: if key.scope == proxy_common::maps::SCOPE_EXTERNAL { "external" } else { "internal" },
             slot: key.slot,
             service: names.get(&value.rev_nat_id).cloned().unwrap_or_default(),
             rev_nat_id: value.rev_nat_id,
@@ -142,10 +146,11 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
         });
     }
     rows.sort_by(|a, b| {
-        (Ipv4Addr::from(parse_ip(&a.frontend)), &a.frontend, a.protocol, a.slot).cmp(&(
+        (Ipv4Addr::from(parse_ip(&a.frontend)), &a.frontend, a.protocol, a.scope, a.slot).cmp(&(
             Ipv4Addr::from(parse_ip(&b.frontend)),
             &b.frontend,
             b.protocol,
+            b.scope,
             b.slot,
         ))
     });
@@ -348,7 +353,9 @@ pub fn nat(maps: &Maps) -> Result<Vec<NatRow>> {
             to: format!("{source} > {backend}"),
             service: row.service.clone(),
         });
-        if row.hairpin {
+        // Hairpin flows and external flows sent to another node (or
+        // masqueraded) leave with a new source too.
+        if row.hairpin || source != client {
             out.push(NatRow {
                 kind: "SNAT",
                 protocol: row.protocol,
@@ -419,8 +426,10 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
                 }
                 _ => format!("{} backends", r.count),
             };
+            let frontend =
+                if r.scope == "external" { format!("{} (external)", r.frontend) } else { r.frontend.clone() };
             vec![
-                r.frontend.clone(),
+                frontend,
                 r.protocol.to_owned(),
                 r.slot.to_string(),
                 target,
