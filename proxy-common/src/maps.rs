@@ -15,6 +15,8 @@ pub const MAP_SNAT_V4: &str = "SNAT_V4";
 pub const MAP_SOURCE_RANGES_V4: &str = "SOURCE_RANGES_V4";
 pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
 pub const MAP_NODEPORT_CONFIG: &str = "NODEPORT_CONFIG";
+pub const MAP_SOCK_REVNAT_V4: &str = "SOCK_REVNAT_V4";
+pub const MAP_SOCKET_LB_CONFIG: &str = "SOCKET_LB_CONFIG";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
@@ -23,6 +25,11 @@ pub const PROG_EGRESS: &str = "kproxy_egress";
 pub const PROG_EXTERNAL_INGRESS: &str = "kproxy_external_ingress";
 /// XDP on the node's external interfaces: the same path for remote backends.
 pub const PROG_XDP: &str = "kproxy_xdp";
+/// Socket-level load balancing (cgroup sock_addr hooks).
+pub const PROG_CONNECT4: &str = "kproxy_connect4";
+pub const PROG_SENDMSG4: &str = "kproxy_sendmsg4";
+pub const PROG_RECVMSG4: &str = "kproxy_recvmsg4";
+pub const PROG_GETPEERNAME4: &str = "kproxy_getpeername4";
 
 pub const SERVICES_V4_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V4_CAPACITY: u32 = 65_536;
@@ -34,6 +41,7 @@ pub const VIPS_V4_CAPACITY: u32 = 65_536;
 pub const SNAT_V4_CAPACITY: u32 = CONNTRACK_V4_CAPACITY;
 pub const SOURCE_RANGES_V4_CAPACITY: u32 = 16_384;
 pub const EXTERNAL_IFACES_CAPACITY: u32 = 64;
+pub const SOCK_REVNAT_V4_CAPACITY: u32 = 262_144;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -256,6 +264,42 @@ pub struct ExternalIfaceV4 {
     pub _pad: u32,
 }
 
+/// `(socket cookie, backend)` → the Service address the socket asked for:
+/// what recvmsg and getpeername show instead of the backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockRevNatKeyV4 {
+    pub cookie: u64,
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SockRevNatV4 {
+    pub vip: [u8; 4],
+    pub port: [u8; 2],
+    pub rev_nat_id: u16,
+}
+
+/// The one entry of SOCKET_LB_CONFIG.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SocketLbConfigV4 {
+    /// The agent's network namespace, for [`SOCKET_LB_HOST_ONLY`].
+    pub host_netns_cookie: u64,
+    pub mode: u32,
+    pub _pad: u32,
+}
+
+/// Socket-level load balancing off: the tc path translates everything.
+pub const SOCKET_LB_OFF: u32 = 0;
+/// Every socket in the attached cgroup is translated at connect/sendmsg.
+pub const SOCKET_LB_ALL: u32 = 1;
+/// Only sockets in the host's (the agent's) network namespace.
+pub const SOCKET_LB_HOST_ONLY: u32 = 2;
+
 /// The one entry of NODEPORT_CONFIG: the north-south settings.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -406,6 +450,9 @@ mod pod {
     unsafe impl aya::Pod for SourceRangeV4 {}
     unsafe impl aya::Pod for ExternalIfaceV4 {}
     unsafe impl aya::Pod for NodePortConfigV4 {}
+    unsafe impl aya::Pod for SockRevNatKeyV4 {}
+    unsafe impl aya::Pod for SockRevNatV4 {}
+    unsafe impl aya::Pod for SocketLbConfigV4 {}
 }
 
 #[cfg(test)]
@@ -432,6 +479,9 @@ mod tests {
         assert_eq!(size_of::<SourceRangeV4>(), 2 + 2 + 4);
         assert_eq!(size_of::<ExternalIfaceV4>(), 4 + 4);
         assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3);
+        assert_eq!(size_of::<SockRevNatKeyV4>(), 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2);
+        assert_eq!(size_of::<SocketLbConfigV4>(), 8 + 4 + 4);
     }
 
     #[test]

@@ -61,10 +61,16 @@ pub enum Stat {
     XdpForwarded,
     /// XDP left a packet to the stack (and tc).
     XdpPass,
+    /// A connect() or sendmsg() to a Service was sent to a backend.
+    SockTranslated,
+    /// A connect() or sendmsg() to a Service without endpoints was refused.
+    SockRefused,
+    /// recvmsg() or getpeername() showed the Service address again.
+    SockReverse,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 29;
+    pub const COUNT: u32 = 32;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -96,6 +102,9 @@ impl Stat {
         Stat::FibLookupFailed,
         Stat::XdpForwarded,
         Stat::XdpPass,
+        Stat::SockTranslated,
+        Stat::SockRefused,
+        Stat::SockReverse,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -129,6 +138,9 @@ impl Stat {
             Stat::FibLookupFailed => "fib_lookup_failed",
             Stat::XdpForwarded => "xdp_forwarded",
             Stat::XdpPass => "xdp_pass",
+            Stat::SockTranslated => "socket_lb_translated",
+            Stat::SockRefused => "socket_lb_refused",
+            Stat::SockReverse => "socket_lb_reverse",
         }
     }
 }

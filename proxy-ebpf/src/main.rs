@@ -17,13 +17,14 @@ mod nat;
 mod parse;
 mod reject;
 mod snat;
+mod sock;
 mod stats;
 mod xdp;
 
 use aya_ebpf::{
     helpers::{bpf_redirect, generated::bpf_redirect_neigh},
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
@@ -130,6 +131,30 @@ pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
 #[xdp]
 pub fn kproxy_xdp(ctx: XdpContext) -> u32 {
     xdp::run(&ctx)
+}
+
+/// Socket-level load balancing: connect() to a Service goes to a backend.
+#[cgroup_sock_addr(connect4)]
+pub fn kproxy_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// Unconnected UDP: each sendmsg() to a Service goes to a backend.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kproxy_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// recvmsg() shows the Service as the source of a backend's datagram.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn kproxy_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+/// getpeername() shows the Service a socket connected to.
+#[cgroup_sock_addr(getpeername4)]
+pub fn kproxy_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 #[inline(always)]

@@ -76,3 +76,11 @@ pub static FIB_SCRATCH: PerCpuArray<aya_ebpf::bindings::bpf_fib_lookup> = PerCpu
 #[map(name = "EVENT_SCRATCH")]
 pub static EVENT_SCRATCH: PerCpuArray<proxy_common::trace::TraceEventV4> =
     PerCpuArray::with_max_entries(1, 0);
+
+/// Socket-level load balancing: what a translated socket asked for.
+#[map(name = "SOCK_REVNAT_V4")]
+pub static SOCK_REVNAT_V4: LruHashMap<SockRevNatKeyV4, SockRevNatV4> =
+    LruHashMap::with_max_entries(SOCK_REVNAT_V4_CAPACITY, 0);
+
+#[map(name = "SOCKET_LB_CONFIG")]
+pub static SOCKET_LB_CONFIG: Array<SocketLbConfigV4> = Array::with_max_entries(1, 0);

@@ -18,11 +18,12 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray},
     programs::{
-        SchedClassifier, TcAttachType, Xdp,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType, Xdp,
         links::{FdLink, PinnedLink},
         xdp::{XdpLink, XdpMode},
     },
 };
+use aya_obj::programs::CgroupSockAddrAttachType;
 use proxy_common::maps::*;
 
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kproxy";
@@ -31,7 +32,7 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 15] = [
+const ALL_MAPS: [&str; 17] = [
     proxy_common::trace::MAP_EVENTS,
     proxy_common::trace::MAP_TRACE,
     MAP_SERVICES_V4,
@@ -47,6 +48,16 @@ const ALL_MAPS: [&str; 15] = [
     MAP_SOURCE_RANGES_V4,
     MAP_EXTERNAL_IFACES,
     MAP_NODEPORT_CONFIG,
+    MAP_SOCK_REVNAT_V4,
+    MAP_SOCKET_LB_CONFIG,
+];
+
+/// The socket-level load balancing programs and their hooks.
+pub const SOCKET_PROGRAMS: [(&str, CgroupSockAddrAttachType); 4] = [
+    (PROG_CONNECT4, CgroupSockAddrAttachType::Connect4),
+    (PROG_SENDMSG4, CgroupSockAddrAttachType::UDPSendMsg4),
+    (PROG_RECVMSG4, CgroupSockAddrAttachType::UDPRecvMsg4),
+    (PROG_GETPEERNAME4, CgroupSockAddrAttachType::GetPeerName4),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -220,6 +231,13 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
         .ok_or_else(|| anyhow!("program {PROG_XDP} missing from the object"))?
         .try_into()?;
     xdp.load().with_context(|| format!("verifier rejected {PROG_XDP}"))?;
+    for (name, _) in SOCKET_PROGRAMS {
+        let program: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?
+            .try_into()?;
+        program.load().with_context(|| format!("verifier rejected {name}"))?;
+    }
     Ok(ebpf)
 }
 
@@ -277,6 +295,8 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         MAP_SOURCE_RANGES_V4 => sizes(4 + size_of::<SourceRangeV4>(), 1),
         MAP_EXTERNAL_IFACES => sizes(size_of::<u32>(), size_of::<ExternalIfaceV4>()),
         MAP_NODEPORT_CONFIG => sizes(size_of::<u32>(), size_of::<NodePortConfigV4>()),
+        MAP_SOCK_REVNAT_V4 => sizes(size_of::<SockRevNatKeyV4>(), size_of::<SockRevNatV4>()),
+        MAP_SOCKET_LB_CONFIG => sizes(size_of::<u32>(), size_of::<SocketLbConfigV4>()),
         proxy_common::trace::MAP_TRACE => {
             sizes(size_of::<u32>(), size_of::<proxy_common::trace::TraceConfig>())
         }
@@ -324,7 +344,94 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
     remove_file_if_present(&path)?;
     xdp.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
     move_xdp_links(pins, xdp)?;
+    let cgroups = detach_socket_lb(pins)?;
+    for (name, _) in SOCKET_PROGRAMS {
+        let program: &mut CgroupSockAddr = ebpf.program_mut(name).expect("loaded above").try_into()?;
+        let path = pins.program(name);
+        remove_file_if_present(&path)?;
+        program.pin(&path).with_context(|| format!("pinning {}", path.display()))?;
+    }
+    // Socket hooks are re-attached rather than moved: between the two, new
+    // sockets are translated per packet by the tc programs instead.
+    for cgroup in cgroups {
+        attach_socket_lb(pins, &cgroup)?;
+    }
     Ok(fresh)
+}
+
+/// The cgroup2 mount point, from /proc/self/mounts.
+pub fn cgroup2_mount() -> Option<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_, target, fstype) = (fields.next(), fields.next(), fields.next());
+        if fstype == Some("cgroup2") { target.map(PathBuf::from) } else { None }
+    })
+}
+
+/// Link pins of the socket programs: `cgroup@<inode>-<program>`, with the
+/// cgroup's path kept next to them (bpffs names cannot hold it).
+fn socket_link(pins: &PinDir, inode: u64, program: &str) -> PathBuf {
+    pins.links_dir().join(format!("cgroup@{inode}-{program}"))
+}
+
+fn cgroup_record(pins: &PinDir) -> PathBuf {
+    pins.root().join("socket-lb-cgroups")
+}
+
+/// Attaches the socket-level load balancing programs to a cgroup (v2)
+/// directory and everything below it. Idempotent. Returns the hooks attached.
+pub fn attach_socket_lb(pins: &PinDir, cgroup: &Path) -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt as _;
+    let dir = fs::File::open(cgroup).with_context(|| format!("opening the cgroup {}", cgroup.display()))?;
+    let inode = dir.metadata()?.ino();
+    fs::create_dir_all(pins.links_dir())?;
+    let mut attached = Vec::new();
+    for (name, attach_type) in SOCKET_PROGRAMS {
+        let link_path = socket_link(pins, inode, name);
+        if link_path.exists() {
+            continue;
+        }
+        let mut program = CgroupSockAddr::from_pin(pins.program(name), attach_type)
+            .with_context(|| format!("opening pinned program {name}"))?;
+        // Other programs (another CNI's) may hold the same hooks.
+        let id = program
+            .attach(&dir, CgroupAttachMode::AllowMultiple)
+            .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        let link: FdLink = program.take_link(id)?.try_into().map_err(|e| anyhow!("{e:?}"))?;
+        link.pin(&link_path).with_context(|| format!("pinning {}", link_path.display()))?;
+        attached.push(format!("{}/{name}", cgroup.display()));
+    }
+    let record = cgroup_record(pins);
+    let mut known: Vec<String> =
+        fs::read_to_string(&record).unwrap_or_default().lines().map(str::to_owned).collect();
+    let path = cgroup.display().to_string();
+    if !known.contains(&path) {
+        known.push(path);
+        fs::write(&record, known.join("\n") + "\n")
+            .with_context(|| format!("writing {}", record.display()))?;
+    }
+    Ok(attached)
+}
+
+/// Detaches the socket programs from every cgroup; returns the cgroups they
+/// were attached to.
+pub fn detach_socket_lb(pins: &PinDir) -> Result<Vec<PathBuf>> {
+    if let Ok(entries) = fs::read_dir(pins.links_dir()) {
+        for entry in entries {
+            let path = entry?.path();
+            if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cgroup@")) {
+                match PinnedLink::from_pin(&path) {
+                    Ok(link) => drop(link.unpin()?),
+                    Err(_) => remove_file_if_present(&path)?,
+                }
+            }
+        }
+    }
+    let record = cgroup_record(pins);
+    let cgroups = fs::read_to_string(&record).unwrap_or_default().lines().map(PathBuf::from).collect();
+    remove_file_if_present(&record)?;
+    Ok(cgroups)
 }
 
 /// The end of an XDP link pin's name.
@@ -635,6 +742,8 @@ pub struct Maps {
     pub source_ranges: LpmTrie<MapData, SourceRangeV4, u8>,
     pub external_ifaces: HashMap<MapData, u32, ExternalIfaceV4>,
     pub nodeport_config: Array<MapData, NodePortConfigV4>,
+    pub sock_revnat: HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>,
+    pub socket_lb_config: Array<MapData, SocketLbConfigV4>,
 }
 
 impl Maps {
@@ -658,6 +767,8 @@ impl Maps {
             source_ranges: LpmTrie::try_from(Map::LpmTrie(open(MAP_SOURCE_RANGES_V4)?))?,
             external_ifaces: HashMap::try_from(Map::HashMap(open(MAP_EXTERNAL_IFACES)?))?,
             nodeport_config: Array::try_from(Map::Array(open(MAP_NODEPORT_CONFIG)?))?,
+            sock_revnat: HashMap::try_from(Map::LruHashMap(open(MAP_SOCK_REVNAT_V4)?))?,
+            socket_lb_config: Array::try_from(Map::Array(open(MAP_SOCKET_LB_CONFIG)?))?,
         })
     }
 
@@ -678,6 +789,8 @@ impl Maps {
             source_ranges: LpmTrie::try_from(take(MAP_SOURCE_RANGES_V4)?)?,
             external_ifaces: HashMap::try_from(take(MAP_EXTERNAL_IFACES)?)?,
             nodeport_config: Array::try_from(take(MAP_NODEPORT_CONFIG)?)?,
+            sock_revnat: HashMap::try_from(take(MAP_SOCK_REVNAT_V4)?)?,
+            socket_lb_config: Array::try_from(take(MAP_SOCKET_LB_CONFIG)?)?,
         })
     }
 }

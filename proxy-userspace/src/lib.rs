@@ -14,6 +14,7 @@ pub mod model;
 pub mod model_cache;
 pub mod nodeport;
 pub mod service_health;
+pub mod sockdiag;
 pub mod source;
 pub mod sync;
 pub mod trace;

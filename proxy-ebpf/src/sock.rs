@@ -1,0 +1,117 @@
+//! Socket-level load balancing: a connect() (TCP, connected UDP) or a
+//! sendmsg() (unconnected UDP) to a Service is sent to a backend before any
+//! packet exists, so the flow needs no per-packet NAT at all; recvmsg() and
+//! getpeername() show the Service address again. Services with session
+//! affinity are left to the tc path, which knows the client address.
+use aya_ebpf::{
+    helpers::generated::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    maps::{
+        IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY, SockRevNatKeyV4,
+        SockRevNatV4,
+    },
+    stats::Stat,
+};
+
+use crate::{
+    conntrack, lb,
+    maps::{SOCK_REVNAT_V4, SOCKET_LB_CONFIG},
+    parse::Flow,
+    stats,
+};
+
+const ECONNREFUSED: i32 = 111;
+/// What a cgroup sock_addr program returns to let the call go on.
+const PROCEED: i32 = 1;
+
+#[inline(always)]
+fn enabled(ctx: &SockAddrContext) -> bool {
+    let Some(config) = SOCKET_LB_CONFIG.get(0) else { return false };
+    match config.mode {
+        SOCKET_LB_ALL => true,
+        SOCKET_LB_HOST_ONLY => {
+            // SAFETY: a helper reading the context's socket.
+            let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
+            netns == config.host_netns_cookie
+        }
+        _ => false,
+    }
+}
+
+/// connect4 and sendmsg4: the destination becomes a backend.
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    if !enabled(ctx) {
+        return PROCEED;
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: the context the kernel passed; these fields are readable.
+    let (proto, ip, port) = unsafe { ((*sa).protocol, (*sa).user_ip4, (*sa).user_port) };
+    let proto = proto as u8;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return PROCEED;
+    }
+    let flow = Flow {
+        saddr: [0; 4],
+        daddr: ip.to_ne_bytes(),
+        sport: [0; 2],
+        dport: (port as u16).to_ne_bytes(),
+        proto,
+        tcp_flags: 0,
+        l4_offset: 0,
+        l4_check_offset: 0,
+        ip_total_len: 0,
+    };
+    let Some(found) = lb::lookup_frontend(&flow) else { return PROCEED };
+    let frontend = found.value;
+    if frontend.flags & SVC_FLAG_AFFINITY != 0 {
+        return PROCEED;
+    }
+    if frontend.count == 0 {
+        stats::count(Stat::SockRefused);
+        // SAFETY: a helper setting this program's return value to the caller.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return 0;
+    }
+    let Ok(choice) = lb::select_backend(&flow, &found, conntrack::now()) else { return PROCEED };
+    // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
+    unsafe {
+        (*sa).user_ip4 = u32::from_ne_bytes(choice.backend.addr);
+        (*sa).user_port = u32::from(u16::from_ne_bytes(choice.backend.port));
+    }
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    let key = SockRevNatKeyV4 { cookie, addr: choice.backend.addr, port: choice.backend.port, _pad: [0; 2] };
+    let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id: frontend.rev_nat_id };
+    // A full LRU evicts an old socket's entry; the call still goes on.
+    let _ = SOCK_REVNAT_V4.insert(key, value, 0);
+    stats::count(Stat::SockTranslated);
+    PROCEED
+}
+
+/// recvmsg4 and getpeername4: a backend's address becomes the Service's.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    if !enabled(ctx) {
+        return PROCEED;
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: as in `translate`.
+    let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port) };
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    let key =
+        SockRevNatKeyV4 { cookie, addr: ip.to_ne_bytes(), port: (port as u16).to_ne_bytes(), _pad: [0; 2] };
+    // SAFETY: the value is copied out at once.
+    if let Some(vip) = unsafe { SOCK_REVNAT_V4.get(key) }.copied() {
+        // SAFETY: as in `translate`.
+        unsafe {
+            (*sa).user_ip4 = u32::from_ne_bytes(vip.vip);
+            (*sa).user_port = u32::from(u16::from_ne_bytes(vip.port));
+        }
+        stats::count(Stat::SockReverse);
+    }
+    PROCEED
+}

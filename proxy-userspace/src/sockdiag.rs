@@ -1,0 +1,290 @@
+//! Destroying the sockets connected to backends that are gone.
+//!
+//! With socket-level load balancing a connected socket talks to the backend's own address: no
+//! conntrack entry stands between it and a dead pod, and a connected UDP socket (a DNS client's)
+//! would send into the void forever. So when a backend leaves, the agent asks the kernel
+//! (`NETLINK_SOCK_DIAG`, `SOCK_DESTROY`, like `ss -K`) to abort every TCP and UDP socket whose
+//! peer is that backend, in every network namespace of the node (pods have their own): the
+//! application sees ECONNABORTED and reconnects, through the Service again.
+
+use std::{
+    collections::BTreeMap,
+    ffi::c_void,
+    fs, io,
+    mem::size_of,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::PathBuf,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::model::Protocol;
+
+const NETLINK_SOCK_DIAG: i32 = 4;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLM_F_DUMP: u16 = 0x300;
+const TCP_LISTEN: u8 = 10;
+const NLMSG_HDRLEN: usize = 16;
+const REQ_LEN: usize = 56;
+const MSG_LEN: usize = 72;
+
+/// A peer whose sockets must go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Peer {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+/// `struct inet_diag_sockid`, as the kernel reported it (it must be sent back unchanged,
+/// cookie included, to name the socket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SockId([u8; 48]);
+
+impl SockId {
+    fn dst(&self) -> (Ipv4Addr, u16) {
+        let port = u16::from_be_bytes([self.0[2], self.0[3]]);
+        (Ipv4Addr::new(self.0[20], self.0[21], self.0[22], self.0[23]), port)
+    }
+}
+
+/// `nlmsghdr` + `inet_diag_req_v2` for IPv4 sockets of `proto` in any state.
+fn request(kind: u16, flags: u16, seq: u32, proto: Protocol, id: Option<&SockId>) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(NLMSG_HDRLEN + REQ_LEN);
+    msg.extend_from_slice(&((NLMSG_HDRLEN + REQ_LEN) as u32).to_ne_bytes());
+    msg.extend_from_slice(&kind.to_ne_bytes());
+    msg.extend_from_slice(&flags.to_ne_bytes());
+    msg.extend_from_slice(&seq.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.push(libc::AF_INET as u8);
+    msg.push(proto.number());
+    msg.push(0); // no extensions
+    msg.push(0);
+    msg.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
+    msg.extend_from_slice(id.map_or(&[0u8; 48], |id| &id.0));
+    msg
+}
+
+/// The sockets of one dump reply buffer: `(state, id)`; `None` at NLMSG_DONE.
+fn parse_dump(buf: &[u8]) -> Result<Option<Vec<(u8, SockId)>>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + NLMSG_HDRLEN <= buf.len() {
+        let len = u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
+        let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().unwrap());
+        if len < NLMSG_HDRLEN || at + len > buf.len() {
+            bail!("truncated netlink message");
+        }
+        match kind {
+            NLMSG_DONE => return Ok(None),
+            NLMSG_ERROR => {
+                let code = i32::from_ne_bytes(buf[at + 16..at + 20].try_into().unwrap());
+                return Err(io::Error::from_raw_os_error(-code)).context("sock_diag dump");
+            }
+            SOCK_DIAG_BY_FAMILY if len >= NLMSG_HDRLEN + MSG_LEN => {
+                let body = &buf[at + NLMSG_HDRLEN..at + len];
+                let mut id = [0u8; 48];
+                id.copy_from_slice(&body[4..52]);
+                out.push((body[1], SockId(id)));
+            }
+            _ => {}
+        }
+        at += (len + 3) & !3;
+    }
+    Ok(Some(out))
+}
+
+struct Netlink(OwnedFd);
+
+impl Netlink {
+    fn open() -> Result<Self> {
+        // SAFETY: plain socket(2); the descriptor is owned at once.
+        let fd = unsafe {
+            libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error()).context("opening a NETLINK_SOCK_DIAG socket");
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn send(&self, msg: &[u8]) -> Result<()> {
+        // SAFETY: sending from a live buffer of the given length.
+        let sent = unsafe { libc::send(self.0.as_raw_fd(), msg.as_ptr() as *const c_void, msg.len(), 0) };
+        if sent < 0 {
+            return Err(io::Error::last_os_error()).context("sending to sock_diag");
+        }
+        Ok(())
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> Result<usize> {
+        // SAFETY: receiving into a live buffer of the given length.
+        let got = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut c_void, buf.len(), 0) };
+        if got < 0 {
+            return Err(io::Error::last_os_error()).context("receiving from sock_diag");
+        }
+        Ok(got as usize)
+    }
+
+    fn dump(&self, proto: Protocol) -> Result<Vec<(u8, SockId)>> {
+        self.send(&request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, proto, None))?;
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut all = Vec::new();
+        loop {
+            let n = self.recv(&mut buf)?;
+            match parse_dump(&buf[..n])? {
+                Some(mut part) => all.append(&mut part),
+                None => return Ok(all),
+            }
+        }
+    }
+
+    fn destroy(&self, proto: Protocol, id: &SockId) -> Result<()> {
+        self.send(&request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, proto, Some(id)))?;
+        let mut buf = [0u8; 512];
+        let n = self.recv(&mut buf)?;
+        if n >= NLMSG_HDRLEN + 4 && u16::from_ne_bytes([buf[4], buf[5]]) == NLMSG_ERROR {
+            let code = i32::from_ne_bytes(buf[16..20].try_into().unwrap());
+            // ENOENT: the socket closed meanwhile.
+            if code != 0 && code != -libc::ENOENT {
+                return Err(io::Error::from_raw_os_error(-code)).context("SOCK_DESTROY");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Destroys, in this thread's network namespace, the sockets whose peer is one of `peers`.
+/// Returns how many.
+pub fn destroy_here(peers: &[Peer]) -> Result<usize> {
+    let netlink = Netlink::open()?;
+    let mut destroyed = 0;
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let wanted: Vec<(Ipv4Addr, u16)> =
+            peers.iter().filter(|p| p.proto == proto).map(|p| (p.addr, p.port)).collect();
+        if wanted.is_empty() {
+            continue;
+        }
+        for (state, id) in netlink.dump(proto)? {
+            if state != TCP_LISTEN && wanted.contains(&id.dst()) {
+                netlink.destroy(proto, &id)?;
+                destroyed += 1;
+            }
+        }
+    }
+    Ok(destroyed)
+}
+
+/// One `/proc/<pid>/ns/net` per network namespace of the node.
+fn network_namespaces() -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut by_inode: BTreeMap<(u64, u64), PathBuf> = BTreeMap::new();
+    let Ok(entries) = fs::read_dir("/proc") else { return Vec::new() };
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let path = entry.path().join("ns/net");
+        if let Ok(meta) = fs::metadata(&path) {
+            by_inode.entry((meta.dev(), meta.ino())).or_insert(path);
+        }
+    }
+    by_inode.into_values().collect()
+}
+
+/// Destroys the sockets whose peer is one of `peers` in every network namespace of the node
+/// (each visited from a thread of its own, which enters it with setns). Returns how many.
+pub fn destroy_everywhere(peers: &[Peer]) -> Result<usize> {
+    if peers.is_empty() {
+        return Ok(0);
+    }
+    let mut total = 0;
+    for ns in network_namespaces() {
+        let peers = peers.to_vec();
+        let visit = std::thread::spawn(move || -> Result<usize> {
+            let file = fs::File::open(&ns).with_context(|| format!("opening {}", ns.display()))?;
+            // SAFETY: setns on this thread only, with a descriptor we hold.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(io::Error::last_os_error()).with_context(|| format!("entering {}", ns.display()));
+            }
+            destroy_here(&peers)
+        });
+        match visit.join() {
+            Ok(Ok(n)) => total += n,
+            // A process (and its namespace) may be gone by now.
+            Ok(Err(e)) => tracing::debug!(error = %format!("{e:#}"), "destroying sockets in a namespace"),
+            Err(_) => bail!("a socket-destroying thread panicked"),
+        }
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_have_the_kernel_layout() {
+        assert_eq!(size_of::<libc::nlmsghdr>(), NLMSG_HDRLEN);
+        let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, Protocol::Udp, None);
+        assert_eq!(msg.len(), NLMSG_HDRLEN + REQ_LEN);
+        assert_eq!(u32::from_ne_bytes(msg[0..4].try_into().unwrap()), 72);
+        assert_eq!(u16::from_ne_bytes(msg[4..6].try_into().unwrap()), SOCK_DIAG_BY_FAMILY);
+        assert_eq!(msg[16], libc::AF_INET as u8);
+        assert_eq!(msg[17], libc::IPPROTO_UDP as u8);
+        assert_eq!(&msg[20..24], &[0xff; 4], "all states");
+    }
+
+    #[test]
+    fn dump_replies_yield_peers_and_end_at_done() {
+        let mut id = [0u8; 48];
+        id[2..4].copy_from_slice(&53u16.to_be_bytes());
+        id[20..24].copy_from_slice(&[10, 244, 0, 21]);
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&((NLMSG_HDRLEN + MSG_LEN) as u32).to_ne_bytes());
+        buf.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        buf.extend_from_slice(&[0; 10]);
+        let mut body = [0u8; MSG_LEN];
+        body[0] = libc::AF_INET as u8;
+        body[1] = 1;
+        body[4..52].copy_from_slice(&id);
+        buf.extend_from_slice(&body);
+        let parsed = parse_dump(&buf).unwrap().unwrap();
+        assert_eq!(parsed.len(), 1);
+        assert_eq!(parsed[0].1.dst(), (Ipv4Addr::new(10, 244, 0, 21), 53));
+        let mut done = Vec::new();
+        done.extend_from_slice(&20u32.to_ne_bytes());
+        done.extend_from_slice(&NLMSG_DONE.to_ne_bytes());
+        done.extend_from_slice(&[0; 14]);
+        assert!(parse_dump(&done).unwrap().is_none());
+    }
+
+    /// A connected UDP socket in this (test) namespace, on loopback, is destroyed by its peer;
+    /// a socket connected elsewhere is not.
+    #[test]
+    fn a_connected_udp_socket_to_a_gone_peer_is_destroyed() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let peer = server.local_addr().unwrap();
+        client.connect(peer).unwrap();
+        let other = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        other.connect(client.local_addr().unwrap()).unwrap();
+        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port: peer.port(), proto: Protocol::Udp };
+        let destroyed = destroy_here(&[gone]).expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "only the socket connected to the gone peer");
+        // The owner learns it on its next receive, and the socket is no longer connected.
+        client.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+        let err = client.recv(&mut [0u8; 16]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNABORTED), "{err}");
+        let err = client.send(b"hello").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EDESTADDRREQ), "{err}");
+        other.send(b"still fine").unwrap();
+    }
+}
