@@ -51,6 +51,62 @@ pub struct AgentConfig {
     pub model: ModelOptions,
     pub conntrack: ConntrackOptions,
     pub north_south: NorthSouthOptions,
+    pub socket_lb: SocketLbOptions,
+}
+
+/// `--socket-lb` and where its programs attach.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SocketLbOptions {
+    pub mode: SocketLbMode,
+    /// The cgroup (v2) whose processes' sockets are translated, with its
+    /// descendants: the cgroup2 root on a node.
+    pub cgroup: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SocketLbMode {
+    /// Translate at connect()/sendmsg() for every process in the cgroup.
+    On,
+    /// Only for processes in the host's network namespace (hostNetwork pods,
+    /// node daemons); pods keep the tc path.
+    HostOnly,
+    /// The tc path translates everything.
+    Off,
+}
+
+impl SocketLbOptions {
+    fn config(&self) -> Result<proxy_common::maps::SocketLbConfigV4> {
+        use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF, SocketLbConfigV4};
+        let mode = match self.mode {
+            SocketLbMode::On => SOCKET_LB_ALL,
+            SocketLbMode::HostOnly => SOCKET_LB_HOST_ONLY,
+            SocketLbMode::Off => SOCKET_LB_OFF,
+        };
+        Ok(SocketLbConfigV4 { host_netns_cookie: own_netns_cookie()?, mode, _pad: 0 })
+    }
+}
+
+/// This process's network namespace cookie (SO_NETNS_COOKIE), as
+/// bpf_get_netns_cookie() reports it for sockets in the same namespace.
+fn own_netns_cookie() -> Result<u64> {
+    const SO_NETNS_COOKIE: i32 = 71;
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("a socket to read the netns cookie")?;
+    let mut cookie = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt writing a u64 into a live, correctly sized buffer.
+    let ret = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error()).context("getsockopt(SO_NETNS_COOKIE)");
+    }
+    Ok(cookie)
 }
 
 /// Conntrack timeouts, table size and garbage collection.
@@ -141,7 +197,21 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     if write_config(&mut maps, &config.conntrack.config())? {
         tracing::info!(timeouts = ?config.conntrack.timeouts, "wrote the datapath configuration");
     }
+    maps.socket_lb_config.set(0, config.socket_lb.config()?, 0).context("writing SOCKET_LB_CONFIG[0]")?;
     drop(maps);
+    match (&config.socket_lb.mode, &config.socket_lb.cgroup) {
+        (SocketLbMode::Off, _) => {
+            let detached = datapath::detach_socket_lb(&config.pins)?;
+            if !detached.is_empty() {
+                tracing::info!(cgroups = ?detached, "socket-level load balancing off: detached");
+            }
+        }
+        (_, None) => anyhow::bail!("--socket-lb needs a cgroup2 hierarchy: mount one or pass --cgroup-root"),
+        (mode, Some(cgroup)) => {
+            let attached = datapath::attach_socket_lb(&config.pins, cgroup)?;
+            tracing::info!(cgroup = %cgroup.display(), ?mode, hooks = attached.len(), "socket-level load balancing on");
+        }
+    }
     let mut syncer = Syncer::from_maps(Maps::from_pins(&config.pins)?).context("reading the pinned maps")?;
     tracing::info!(
         frontends = syncer.frontend_count(),
@@ -213,6 +283,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         pins: config.pins.clone(),
         cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
         north_south: config.north_south.clone(),
+        socket_lb: config.socket_lb.mode,
         pod_interfaces: selector,
         node_addresses: None,
     };
@@ -270,6 +341,7 @@ struct SyncLoop<'a> {
     /// also reports a Service defined twice.
     cache: Option<crate::model_cache::ModelCache>,
     north_south: NorthSouthOptions,
+    socket_lb: SocketLbMode,
     pod_interfaces: InterfaceSelector,
     /// As last written to the maps.
     node_addresses: Option<NodeAddresses>,
@@ -316,6 +388,20 @@ impl SyncLoop<'_> {
             None => model::build_with(&snapshot.services, &snapshot.slices, options),
         };
         let report = self.syncer.apply(&desired);
+        if self.socket_lb != SocketLbMode::Off && !report.removed_backend_addrs.is_empty() {
+            let peers: Vec<crate::sockdiag::Peer> = report
+                .removed_backend_addrs
+                .iter()
+                .map(|(b, proto)| crate::sockdiag::Peer { addr: b.addr, port: b.port, proto: *proto })
+                .collect();
+            match crate::sockdiag::destroy_everywhere(&peers) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(sockets = n, "destroyed the sockets connected to removed backends"),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "destroying sockets of removed backends failed")
+                }
+            }
+        }
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live
             // backend with its next packet (the CoreDNS problem).

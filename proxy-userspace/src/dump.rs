@@ -219,7 +219,7 @@ pub fn conntrack_rows(
     let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
     let mut rows = Vec::new();
     for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr, &snat)).copied();
+        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr, snat)).copied();
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
         let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
         if fwd.flags & proxy_common::maps::CT_FLAG_SNAT != 0

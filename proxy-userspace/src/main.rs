@@ -165,6 +165,15 @@ struct AgentArgs {
     /// XDP on the external interfaces for NodePort/LB flows to remote backends.
     #[arg(long, value_enum, default_value = "native")]
     xdp: kproxy::datapath::XdpSetting,
+    /// Socket-level load balancing: translate connect()/sendmsg() to Services
+    /// for the processes of --cgroup-root (on), only for those in the host's
+    /// network namespace (host-only), or leave it all to the tc path (off).
+    #[arg(long, value_enum, default_value = "off")]
+    socket_lb: kproxy::agent::SocketLbMode,
+    /// The cgroup (v2) the socket programs attach to; default: the cgroup2
+    /// mount (every process of the node).
+    #[arg(long)]
+    cgroup_root: Option<PathBuf>,
 }
 
 impl AgentArgs {
@@ -299,6 +308,10 @@ fn run(cli: Cli) -> Result<()> {
                     external_interfaces: args.external_interfaces,
                     snat_ports: args.snat_port_range,
                     xdp: args.xdp,
+                },
+                socket_lb: kproxy::agent::SocketLbOptions {
+                    mode: args.socket_lb,
+                    cgroup: args.cgroup_root.or_else(kproxy::datapath::cgroup2_mount),
                 },
             };
             agent::run(config)?;

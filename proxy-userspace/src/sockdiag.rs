@@ -11,7 +11,6 @@ use std::{
     collections::BTreeMap,
     ffi::c_void,
     fs, io,
-    mem::size_of,
     net::Ipv4Addr,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::PathBuf,
@@ -232,7 +231,7 @@ mod tests {
 
     #[test]
     fn requests_have_the_kernel_layout() {
-        assert_eq!(size_of::<libc::nlmsghdr>(), NLMSG_HDRLEN);
+        assert_eq!(std::mem::size_of::<libc::nlmsghdr>(), NLMSG_HDRLEN);
         let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, Protocol::Udp, None);
         assert_eq!(msg.len(), NLMSG_HDRLEN + REQ_LEN);
         assert_eq!(u32::from_ne_bytes(msg[0..4].try_into().unwrap()), 72);

@@ -262,6 +262,9 @@ pub struct SyncReport {
     /// Ids of the backends deleted by this sync, with their protocol: the
     /// agent purges the conntrack entries of the UDP ones.
     pub removed_backends: Vec<(u32, Protocol)>,
+    /// The same backends by address, for destroying the sockets connected to
+    /// them (socket-level load balancing).
+    pub removed_backend_addrs: Vec<(BackendAddr, Protocol)>,
     /// Frontends left as they were because a map refused a write.
     pub errors: Vec<String>,
 }
@@ -779,6 +782,7 @@ impl<S: Store> Syncer<S> {
                     self.backends.remove(&key);
                     report.backends_removed += 1;
                     report.removed_backends.push((id, key.1));
+                    report.removed_backend_addrs.push(key);
                 }
                 Err(e) => {
                     report.errors.push(format!("removing backend {}:{}: {e:#}", key.0.addr, key.0.port))
