@@ -369,47 +369,43 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
     })
 }
 
-/// Link pins of the socket programs: `cgroup@<inode>-<program>`, with the
-/// cgroup's path kept next to them (bpffs names cannot hold it).
-fn socket_link(pins: &PinDir, inode: u64, program: &str) -> PathBuf {
-    pins.links_dir().join(format!("cgroup@{inode}-{program}"))
+/// Link pins of the socket programs: `cgroup@<cgroup path in hex>-<program>`
+/// (bpffs holds no regular files and no dots, so the path that a reload must
+/// re-attach to is kept in the name).
+fn socket_link(pins: &PinDir, cgroup: &Path, program: &str) -> PathBuf {
+    let hex: String = cgroup.as_os_str().as_encoded_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    pins.links_dir().join(format!("cgroup@{hex}-{program}"))
 }
 
-fn cgroup_record(pins: &PinDir) -> PathBuf {
-    pins.root().join("socket-lb-cgroups")
+/// The cgroup of a socket link pin's name.
+fn socket_link_cgroup(name: &str) -> Option<PathBuf> {
+    let hex = name.strip_prefix("cgroup@")?.split('-').next()?;
+    let bytes: Option<Vec<u8>> =
+        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+    String::from_utf8(bytes?).ok().map(PathBuf::from)
 }
 
 /// Attaches the socket-level load balancing programs to a cgroup (v2)
 /// directory and everything below it. Idempotent. Returns the hooks attached.
 pub fn attach_socket_lb(pins: &PinDir, cgroup: &Path) -> Result<Vec<String>> {
-    use std::os::unix::fs::MetadataExt as _;
     let dir = fs::File::open(cgroup).with_context(|| format!("opening the cgroup {}", cgroup.display()))?;
-    let inode = dir.metadata()?.ino();
     fs::create_dir_all(pins.links_dir())?;
     let mut attached = Vec::new();
     for (name, attach_type) in SOCKET_PROGRAMS {
-        let link_path = socket_link(pins, inode, name);
+        let link_path = socket_link(pins, cgroup, name);
         if link_path.exists() {
             continue;
         }
         let mut program = CgroupSockAddr::from_pin(pins.program(name), attach_type)
             .with_context(|| format!("opening pinned program {name}"))?;
-        // Other programs (another CNI's) may hold the same hooks.
+        // A BPF link takes no attach flags; links always coexist with other
+        // programs (another CNI's) on the same hook.
         let id = program
-            .attach(&dir, CgroupAttachMode::AllowMultiple)
+            .attach(&dir, CgroupAttachMode::Single)
             .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
         let link: FdLink = program.take_link(id)?.try_into().map_err(|e| anyhow!("{e:?}"))?;
         link.pin(&link_path).with_context(|| format!("pinning {}", link_path.display()))?;
         attached.push(format!("{}/{name}", cgroup.display()));
-    }
-    let record = cgroup_record(pins);
-    let mut known: Vec<String> =
-        fs::read_to_string(&record).unwrap_or_default().lines().map(str::to_owned).collect();
-    let path = cgroup.display().to_string();
-    if !known.contains(&path) {
-        known.push(path);
-        fs::write(&record, known.join("\n") + "\n")
-            .with_context(|| format!("writing {}", record.display()))?;
     }
     Ok(attached)
 }
@@ -417,21 +413,21 @@ pub fn attach_socket_lb(pins: &PinDir, cgroup: &Path) -> Result<Vec<String>> {
 /// Detaches the socket programs from every cgroup; returns the cgroups they
 /// were attached to.
 pub fn detach_socket_lb(pins: &PinDir) -> Result<Vec<PathBuf>> {
+    let mut cgroups = BTreeSet::new();
     if let Ok(entries) = fs::read_dir(pins.links_dir()) {
         for entry in entries {
             let path = entry?.path();
-            if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cgroup@")) {
-                match PinnedLink::from_pin(&path) {
-                    Ok(link) => drop(link.unpin()?),
-                    Err(_) => remove_file_if_present(&path)?,
-                }
+            let Some(cgroup) = path.file_name().and_then(|n| socket_link_cgroup(&n.to_string_lossy())) else {
+                continue;
+            };
+            match PinnedLink::from_pin(&path) {
+                Ok(link) => drop(link.unpin()?),
+                Err(_) => remove_file_if_present(&path)?,
             }
+            cgroups.insert(cgroup);
         }
     }
-    let record = cgroup_record(pins);
-    let cgroups = fs::read_to_string(&record).unwrap_or_default().lines().map(PathBuf::from).collect();
-    remove_file_if_present(&record)?;
-    Ok(cgroups)
+    Ok(cgroups.into_iter().collect())
 }
 
 /// The end of an XDP link pin's name.
@@ -640,7 +636,9 @@ pub fn attach_all(
     fs::create_dir_all(pins.links_dir())?;
     for entry in fs::read_dir(pins.links_dir())? {
         let path = entry?.path();
-        if !expected.contains(&path) {
+        // Socket programs are attached to cgroups, not interfaces.
+        let socket_link = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cgroup@"));
+        if !expected.contains(&path) && !socket_link {
             // The interface is gone (or renamed): its link is already
             // detached by the kernel or no longer wanted.
             if let Ok(link) = PinnedLink::from_pin(&path) {

@@ -29,6 +29,8 @@ const PACKAGES: &[&str] = &[
     "util-linux",
     "procps",
     "nftables",
+    // The socket-level load balancing tests drive sockets from small scripts.
+    "python3",
 ];
 
 const LLVM_BIN: &str = "/usr/lib/llvm-22/bin";
@@ -189,6 +191,21 @@ fn bpffs(mode: Mode) -> Result<()> {
     run_cmd(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
 }
 
+/// Where a cgroup2 hierarchy is mounted on a machine that has none (a cgroup
+/// v1 host): the socket-level load balancing programs attach to cgroup2.
+const CGROUP2_FALLBACK: &str = "/sys/fs/cgroup/unified";
+
+fn cgroup2(mode: Mode) -> Result<()> {
+    let mounts = std::fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    if let Some(line) = mounts.lines().find(|l| l.split_whitespace().nth(2) == Some("cgroup2")) {
+        present(mode, &format!("cgroup2 at {}", line.split_whitespace().nth(1).unwrap_or("?")));
+        return Ok(());
+    }
+    eprintln!("mounting cgroup2 at {CGROUP2_FALLBACK}");
+    std::fs::create_dir_all(CGROUP2_FALLBACK).with_context(|| format!("creating {CGROUP2_FALLBACK}"))?;
+    run_cmd(Command::new("mount").args(["-t", "cgroup2", "none", CGROUP2_FALLBACK]))
+}
+
 /// Installs whatever is missing; with [`Mode::Verbose`] also lists what is present.
 pub fn run(mode: Mode) -> Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -202,6 +219,7 @@ pub fn run(mode: Mode) -> Result<()> {
     rust_toolchain(mode)?;
     bpf_linker(mode)?;
     bpffs(mode)?;
+    cgroup2(mode)?;
     if mode == Mode::Verbose {
         eprintln!("setup complete");
     }

@@ -1,0 +1,266 @@
+//! Socket-level load balancing with the real agent (`--socket-lb on`) attached to a child cgroup
+//! this test creates (never the machine's root cgroup). Client processes are moved into that
+//! cgroup, then enter a pod's network namespace; Python scripts make the socket calls whose
+//! results a user would see: where connect() goes, what getpeername() and recvfrom() report, what
+//! a connected UDP socket experiences when its backend leaves.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+mod common;
+use common::cluster::{Cluster, DNS_VIP, WEB_VIP};
+
+/// A cgroup (v2) made for one test; its processes are killed and it is removed on drop.
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let root = kproxy::datapath::cgroup2_mount().expect(
+            "no cgroup2 hierarchy is mounted: `cargo xtask setup` mounts one at /sys/fs/cgroup/unified",
+        );
+        let path =
+            root.join(format!("kproxy-test-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir(&path).unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
+        TestCgroup(path)
+    }
+
+    /// `sh` moves itself into the cgroup, then runs `args` in the pod's network namespace.
+    fn command(&self, netns: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#, "sh"]);
+        cmd.arg(&self.0).args(["ip", "netns", "exec", netns]).args(args);
+        cmd
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+            // SAFETY: signalling processes this test started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(&self.0).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A DNS query for `name` (TXT when `txt`, else A), as bytes, and the code that sends it.
+const DNS_HELPERS: &str = r#"
+import socket, struct, sys, errno, time
+def query(name, qtype):
+    q = struct.pack('>HHHHHH', 0x1234, 0x0100, 1, 0, 0, 0)
+    for label in name.split('.'):
+        q += bytes([len(label)]) + label.encode()
+    return q + b'\x00' + struct.pack('>HH', qtype, 1)
+def backend(reply):
+    at = reply.find(b'coredns-')
+    return reply[at:at + 9].decode() if at >= 0 else '?'
+"#;
+
+fn start(tag: &str, cgroup: &TestCgroup) -> Cluster {
+    let mut cluster = Cluster::start(tag);
+    cluster.stop_agent();
+    cluster.extra_agent_args =
+        vec!["--socket-lb".into(), "on".into(), "--cgroup-root".into(), cgroup.0.display().to_string()];
+    cluster.start_agent();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster.agent_log().contains("socket-level load balancing on") {
+        assert!(Instant::now() < deadline, "socket LB not attached:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cluster
+}
+
+fn stat(cluster: &Cluster, reason: &str) -> u64 {
+    cluster.dump_json("stats").as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"]
+        .as_u64()
+        .unwrap()
+}
+
+fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
+    let out = cgroup.command(netns, &["python3", "-c", script]).output().unwrap();
+    assert!(out.status.success(), "{script}\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted() {
+    let cgroup = TestCgroup::new();
+    let cluster = start("sock-tcp", &cgroup);
+    let dnat_before = stat(&cluster, "dnat_new_flow");
+    let script = format!(
+        r#"
+import socket
+for _ in range(6):
+    s = socket.create_connection(('{WEB_VIP}', 80), timeout=5)
+    s.sendall(b'GET /whoami HTTP/1.0\r\n\r\n')
+    page = b''
+    while True:
+        chunk = s.recv(4096)
+        if not chunk: break
+        page += chunk
+    print(s.getpeername()[0], s.getpeername()[1], page.split(b'\r\n\r\n', 1)[1].decode().split()[0])
+    s.close()
+"#
+    );
+    let out = run(&cgroup, cluster.client.netns(), &script);
+    let mut backends = std::collections::BTreeSet::new();
+    for line in out.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            &fields[..2],
+            [WEB_VIP.to_string().as_str(), "80"],
+            "getpeername shows the Service: {line}"
+        );
+        backends.insert(fields[2].to_owned());
+    }
+    assert!(backends.iter().all(|b| b.starts_with("10.244.0.1")), "{out}");
+    assert!(stat(&cluster, "socket_lb_translated") >= 6);
+    assert!(stat(&cluster, "socket_lb_reverse") >= 6, "getpeername was rewritten");
+    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before, "the tc path translated nothing: no double NAT");
+
+    // A process outside the cgroup still goes through the tc path.
+    let page = cluster.client.curl(&format!("http://{WEB_VIP}/whoami")).unwrap();
+    assert!(page.starts_with("10.244.0.1"), "{page}");
+    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before + 1);
+}
+
+#[test]
+fn unconnected_udp_answers_come_from_the_service_and_dig_works() {
+    let cgroup = TestCgroup::new();
+    let cluster = start("sock-udp", &cgroup);
+    let script = format!(
+        r#"{DNS_HELPERS}
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(5)
+for _ in range(4):
+    s.sendto(query('whoami.kproxy.test', 16), ('{DNS_VIP}', 53))
+    reply, source = s.recvfrom(512)
+    print(source[0], source[1], backend(reply))
+"#
+    );
+    let out = run(&cgroup, cluster.client.netns(), &script);
+    for line in out.lines() {
+        assert!(line.starts_with(&format!("{DNS_VIP} 53 coredns-")), "recvfrom shows the Service: {line}");
+    }
+    let dig = cgroup
+        .command(
+            cluster.client.netns(),
+            &["dig", "+short", "+time=2", "+tries=1", &format!("@{DNS_VIP}"), "ip.kproxy.test"],
+        )
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&dig.stdout);
+    assert!(answer.trim().starts_with("10.244.0.2"), "dig through socket LB: {answer}");
+    assert!(stat(&cluster, "socket_lb_translated") >= 5);
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_connect() {
+    let cgroup = TestCgroup::new();
+    let cluster = start("sock-refuse", &cgroup);
+    std::fs::write(
+        cluster.manifest("empty.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: empty\n  namespace: default\nspec:\n  clusterIP: 10.96.0.200\n  ports:\n  - name: http\n    port: 80\n",
+    )
+    .unwrap();
+    cluster.wait_for_frontends(&[("10.96.0.200:80", "TCP", 0)]);
+    let script = r#"
+import socket, errno
+try:
+    socket.create_connection(('10.96.0.200', 80), timeout=5)
+    print('connected')
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"#;
+    assert_eq!(run(&cgroup, cluster.client.netns(), script).trim(), "ECONNREFUSED");
+    assert!(stat(&cluster, "socket_lb_refused") >= 1);
+}
+
+#[test]
+fn a_connected_udp_socket_to_a_removed_backend_is_destroyed() {
+    let cgroup = TestCgroup::new();
+    let cluster = start("sock-destroy", &cgroup);
+    let script = format!(
+        r#"{DNS_HELPERS}
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect(('{DNS_VIP}', 53))
+s.settimeout(2)
+s.send(query('whoami.kproxy.test', 16))
+print('backend', backend(s.recv(512)), s.getpeername()[0], flush=True)
+deadline = time.time() + 30
+while time.time() < deadline:
+    try:
+        s.send(query('whoami.kproxy.test', 16))
+        s.recv(512)
+    except socket.timeout:
+        pass
+    except OSError as e:
+        print('error', errno.errorcode[e.errno], flush=True)
+        sys.exit(0)
+    time.sleep(0.2)
+print('still connected', flush=True)
+"#
+    );
+    let mut child = cgroup
+        .command(cluster.client.netns(), &["python3", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("the script printed nothing").unwrap();
+    let fields: Vec<&str> = first.split_whitespace().collect();
+    assert_eq!(fields.len(), 3, "{first}");
+    assert_eq!(fields[2], DNS_VIP.to_string(), "getpeername of the connected UDP socket shows the Service");
+    let gone = fields[1].to_owned();
+    let gone_ip = match gone.as_str() {
+        "coredns-1" => "10.244.0.21",
+        "coredns-2" => "10.244.0.22",
+        other => panic!("unknown backend {other}"),
+    };
+
+    // The backend leaves the EndpointSlice.
+    let path = cluster.manifest("kube-dns.yaml");
+    let yaml = std::fs::read_to_string(&path).unwrap();
+    let without: String = remove_endpoint(&yaml, gone_ip);
+    std::fs::write(&path, without).unwrap();
+    cluster.wait_for_frontends(&[("10.96.0.10:53", "UDP", 1)]);
+
+    let verdict = lines.next().expect("the script ended silently").unwrap();
+    let _ = child.wait();
+    assert!(
+        verdict == "error ECONNABORTED" || verdict == "error EDESTADDRREQ",
+        "the socket connected to {gone} was not destroyed: {verdict}\n{}",
+        cluster.agent_log()
+    );
+    assert!(cluster.agent_log().contains("destroyed the sockets connected to removed backends"));
+}
+
+/// The EndpointSlice YAML without the endpoint whose address is `ip`.
+fn remove_endpoint(yaml: &str, ip: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].starts_with("- addresses:") && lines.get(i + 1).is_some_and(|l| l.contains(ip)) {
+            i += 1;
+            while i < lines.len() && lines[i].starts_with("  ") {
+                i += 1;
+            }
+            continue;
+        }
+        out.push(lines[i]);
+        i += 1;
+    }
+    out.join("\n") + "\n"
+}
