@@ -1,8 +1,9 @@
 //! The desired datapath state, computed from Services and EndpointSlices with kube-proxy's semantics.
 //!
-//! Pure: no BPF, no I/O. [`build`] (or [`build_with`], for a node name and a service proxy name) turns the
-//! objects read by [`crate::manifest`] into a sorted list of [`Frontend`]s (cluster IP × port × protocol,
-//! each with the backends new connections may use) plus the problems it found.
+//! Pure: no BPF, no I/O. [`build`] (or [`build_with`], for a node name, a service proxy name and node
+//! addresses) turns the objects read by [`crate::manifest`] into a sorted list of [`Frontend`]s (address ×
+//! port × protocol × scope, each with the backends new connections may use), the health checks to serve,
+//! plus the problems it found.
 //!
 //! Endpoint selection follows kube-proxy (`pkg/proxy/topology.go`, KEP-1669 and KEP-2086):
 //! 1. the endpoints of a Service port are those of all its EndpointSlices, merged by address and target port
@@ -13,12 +14,24 @@
 //! 3. `internalTrafficPolicy: Local` keeps only endpoints whose `nodeName` is this node's;
 //! 4. the ready ones are used; when there are none, the serving-and-terminating ones are
 //!    (the "terminating fallback").
+//!
+//! North–south frontends (node ports on [`ModelOptions::node_addresses`], `spec.externalIPs`, and the
+//! `status.loadBalancer.ingress` IPs of LoadBalancer Services) follow kube-proxy too:
+//! - their [`Scope::Internal`] entry uses every endpoint of the cluster, whatever the traffic policies:
+//!   kube-proxy sends traffic from inside the cluster to an external address as if it had gone out to a
+//!   load balancer and come back ("short-circuiting"), and with `externalTrafficPolicy: Cluster` external
+//!   clients use it as well;
+//! - with `externalTrafficPolicy: Local` a [`Scope::External`] entry is added for clients from outside,
+//!   using only this node's endpoints (the terminating fallback applies among them);
+//! - `ipMode: Proxy` ingress entries are left to the load balancer, and only the LoadBalancer IPs are
+//!   subject to `spec.loadBalancerSourceRanges`.
 
-use std::borrow::Borrow;
+use std::borrow::{Borrow, Cow};
 use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::ops::Range;
 
 use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -193,7 +206,9 @@ pub struct Frontend {
     /// `Some(seconds)` for `sessionAffinity: ClientIP` (from `sessionAffinityConfig.clientIP.timeoutSeconds`,
     /// 10800 when absent or invalid); `None` for no affinity.
     pub session_affinity_timeout: Option<u32>,
-    /// `internalTrafficPolicy: Local`: only endpoints on this node are used (none if the node is unknown).
+    /// Only endpoints on this node are used (none if the node is unknown): `internalTrafficPolicy: Local`
+    /// on a ClusterIP frontend, `externalTrafficPolicy: Local` on a [`Scope::External`] entry. Always
+    /// false on the [`Scope::Internal`] entry of a north–south frontend, which ignores both policies.
     pub local_only: bool,
     /// `backends` are terminating endpoints that still serve, used because no endpoint is ready.
     pub terminating_fallback: bool,
@@ -240,7 +255,7 @@ impl Frontend {
 }
 
 /// What the model is built for.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ModelOptions {
     /// This node's name (--hostname-override / NODE_NAME); endpoints with this nodeName are local.
     /// `None` (or empty) means no endpoint is local.
@@ -259,14 +274,14 @@ pub struct ModelOptions {
 pub struct ModelStats {
     /// Service objects given to the model, including skipped and invalid ones.
     pub services_seen: usize,
-    /// Services with at least one frontend.
+    /// Services with at least one frontend entry.
     pub services_programmed: usize,
     /// Services labelled `service.kubernetes.io/headless` or with `clusterIP: None`.
     pub services_skipped_headless: usize,
     pub services_skipped_external_name: usize,
     /// Services left to another proxy by the `service.kubernetes.io/service-proxy-name` label.
     pub services_skipped_other_proxy: usize,
-    /// Frontends built (same as `Desired::frontends.len()`).
+    /// Frontend entries built, each scope counted (same as `Desired::frontends.len()`).
     pub frontends: usize,
     /// Frontends with no backend (connections to them are rejected).
     pub frontends_without_backends: usize,
@@ -284,7 +299,8 @@ pub struct ModelStats {
 /// Everything the datapath should hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
-    /// Sorted by (vip, port, proto); no two frontends share that key.
+    /// Sorted by (vip, port, proto, scope); no two frontends share that key, and the entries of one
+    /// (vip, port, proto) belong to one Service.
     pub frontends: Vec<Frontend>,
     pub stats: ModelStats,
     /// For each programmed Service whose EndpointSlices carry it, the newest
@@ -321,12 +337,248 @@ pub fn build_with<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>
     slices: &[E],
     options: &ModelOptions,
 ) -> (Desired, Vec<ManifestError>) {
+    let mut merge = Merge::default();
+    merge.add(Cow::Owned(build_parts(services, slices, options)));
+    merge.finish()
+}
+
+/// What the model makes of some Services, each taken on its own: everything but the rules that span
+/// Services, which [`Merge`] applies. [`crate::model_cache::ModelCache`] keeps one per Service and merges
+/// them as [`build_with`] does, so both give the same result.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Parts {
+    services: Vec<ServiceParts>,
+    /// The Services' claims one after the other, in the order they are claimed.
+    claims: Vec<Claim>,
+    /// All counters but `services_programmed` and the frontend ones, which depend on the merge.
+    stats: ModelStats,
+    errors: Vec<ManifestError>,
+}
+
+/// One Service's candidate frontends, health check and trigger time.
+#[derive(Clone, Debug)]
+struct ServiceParts {
+    origin: String,
+    name: ServiceName,
+    /// Its part of [`Parts::claims`].
+    claims: Range<usize>,
+    health_check: Option<HealthCheck>,
+    trigger_time: Option<String>,
+}
+
+/// The entries of one address:port/protocol. They are claimed together so that internal and external
+/// clients of an address always reach the same Service.
+#[derive(Clone, Debug)]
+struct Claim {
+    /// What to blame when another Service has the address:port/protocol already.
+    field: ClaimField,
+    internal: Frontend,
+    /// The [`Scope::External`] entry of a north–south address with `externalTrafficPolicy: Local`.
+    external: Option<Frontend>,
+}
+
+impl Claim {
+    fn entries(&self) -> impl Iterator<Item = &Frontend> {
+        std::iter::once(&self.internal).chain(&self.external)
+    }
+
+    fn into_entries(self) -> impl Iterator<Item = Frontend> {
+        std::iter::once(self.internal).chain(self.external)
+    }
+}
+
+/// The field a [`Claim`] comes from (an index into the Service's lists).
+#[derive(Clone, Copy, Debug)]
+enum ClaimField {
+    ClusterIp { port: usize },
+    NodePort { port: usize },
+    ExternalIp { ip: usize },
+    LoadBalancerIp { ingress: usize },
+}
+
+impl ClaimField {
+    fn path(self) -> String {
+        match self {
+            ClaimField::ClusterIp { port } => format!("spec.ports[{port}]"),
+            ClaimField::NodePort { port } => format!("spec.ports[{port}].nodePort"),
+            ClaimField::ExternalIp { ip } => format!("spec.externalIPs[{ip}]"),
+            ClaimField::LoadBalancerIp { ingress } => format!("status.loadBalancer.ingress[{ingress}].ip"),
+        }
+    }
+
+    /// What a conflict leaves out.
+    fn skipped(self) -> &'static str {
+        match self {
+            ClaimField::ClusterIp { .. } => "the port",
+            ClaimField::NodePort { .. } => "the NodePort",
+            ClaimField::ExternalIp { .. } => "the external IP",
+            ClaimField::LoadBalancerIp { .. } => "the load-balancer IP",
+        }
+    }
+}
+
+/// Puts [`Parts`] together in order, applying the rules that span Services: an address:port/protocol,
+/// and a health check port, belong to the first Service that claims them.
+#[derive(Default)]
+pub(crate) struct Merge {
+    frontends: Vec<Frontend>,
+    stats: ModelStats,
+    trigger_times: Vec<(ServiceName, String)>,
+    health_checks: Vec<HealthCheck>,
+    /// The problems found in the parts, in order.
+    errors: Vec<ManifestError>,
+    /// Problems found by the merge; reported after the others.
+    conflicts: Vec<ManifestError>,
+    /// Who holds an address:port/protocol: the position of its first entry in `frontends`.
+    taken: HashMap<(Ipv4Addr, u16, Protocol), usize>,
+    /// Who holds a health check port: the position of its check in `health_checks`.
+    health_ports: HashMap<u16, usize>,
+}
+
+/// A [`Claim`] the merge may keep: moved out of owned parts, copied from borrowed ones.
+trait ClaimSource {
+    fn claim(&self) -> &Claim;
+    fn keep(self, frontends: &mut Vec<Frontend>);
+}
+
+impl ClaimSource for Claim {
+    fn claim(&self) -> &Claim {
+        self
+    }
+
+    fn keep(self, frontends: &mut Vec<Frontend>) {
+        frontends.extend(self.into_entries());
+    }
+}
+
+impl ClaimSource for &Claim {
+    fn claim(&self) -> &Claim {
+        self
+    }
+
+    fn keep(self, frontends: &mut Vec<Frontend>) {
+        frontends.extend(self.entries().cloned());
+    }
+}
+
+impl Merge {
+    /// Adds the next parts. Owned parts are moved in; borrowed ones (a cache's) are copied.
+    pub(crate) fn add(&mut self, parts: Cow<'_, Parts>) {
+        self.stats.add(&parts.stats);
+        self.frontends.reserve(parts.claims.len());
+        match parts {
+            Cow::Owned(parts) => {
+                self.errors.extend(parts.errors);
+                let mut claims = parts.claims.into_iter();
+                for service in &parts.services {
+                    let its_claims = claims.by_ref().take(service.claims.len());
+                    self.add_service(service, its_claims);
+                }
+            }
+            Cow::Borrowed(parts) => {
+                self.errors.extend(parts.errors.iter().cloned());
+                for service in &parts.services {
+                    self.add_service(service, &parts.claims[service.claims.clone()]);
+                }
+            }
+        }
+    }
+
+    /// Keeps the claims of a Service that no earlier Service holds, then its health check if it got any.
+    fn add_service<C: ClaimSource>(&mut self, service: &ServiceParts, claims: impl IntoIterator<Item = C>) {
+        let error =
+            |field: String, message: String| service_error(&service.origin, &service.name, field, message);
+        let mut programmed = false;
+        for source in claims {
+            let claim = source.claim();
+            let Frontend { vip, port, proto, .. } = claim.internal;
+            if let Some(&holder) = self.taken.get(&(vip, port, proto)) {
+                let message = format!(
+                    "{vip}:{port}/{proto} is already used by Service {}; {} is skipped",
+                    self.frontends[holder].service,
+                    claim.field.skipped()
+                );
+                self.conflicts.push(error(claim.field.path(), message));
+                continue;
+            }
+            self.taken.insert((vip, port, proto), self.frontends.len());
+            for entry in claim.entries() {
+                self.stats.frontends += 1;
+                self.stats.frontends_without_backends += usize::from(entry.backends.is_empty());
+                self.stats.frontends_terminating_fallback += usize::from(entry.terminating_fallback);
+            }
+            programmed = true;
+            source.keep(&mut self.frontends);
+        }
+        self.stats.services_programmed += usize::from(programmed);
+        // A load balancer probing a Service that has no frontend here would only be misled.
+        if let Some(check) = service.health_check.as_ref().filter(|_| programmed) {
+            match self.health_ports.get(&check.port) {
+                Some(&holder) => {
+                    let message = format!(
+                        "healthCheckNodePort {} is already used by Service {}; no health check is served",
+                        check.port, self.health_checks[holder].service
+                    );
+                    self.conflicts.push(error("spec.healthCheckNodePort".to_string(), message));
+                }
+                None => {
+                    self.health_ports.insert(check.port, self.health_checks.len());
+                    self.health_checks.push(check.clone());
+                }
+            }
+        }
+        if let Some(time) = &service.trigger_time {
+            self.trigger_times.push((service.name.clone(), time.clone()));
+        }
+    }
+
+    pub(crate) fn finish(mut self) -> (Desired, Vec<ManifestError>) {
+        self.frontends.sort_by_key(|f| (f.vip, f.port, f.proto, f.scope));
+        self.trigger_times.sort();
+        self.health_checks.sort_by_key(|check| check.port);
+        self.errors.append(&mut self.conflicts);
+        let desired = Desired {
+            frontends: self.frontends,
+            stats: self.stats,
+            trigger_times: self.trigger_times,
+            health_checks: self.health_checks,
+        };
+        (desired, self.errors)
+    }
+}
+
+impl ModelStats {
+    fn add(&mut self, other: &ModelStats) {
+        self.services_seen += other.services_seen;
+        self.services_programmed += other.services_programmed;
+        self.services_skipped_headless += other.services_skipped_headless;
+        self.services_skipped_external_name += other.services_skipped_external_name;
+        self.services_skipped_other_proxy += other.services_skipped_other_proxy;
+        self.frontends += other.frontends;
+        self.frontends_without_backends += other.frontends_without_backends;
+        self.frontends_terminating_fallback += other.frontends_terminating_fallback;
+        self.endpoints_ready += other.endpoints_ready;
+        self.endpoints_terminating += other.endpoints_terminating;
+        self.endpoints_not_ready += other.endpoints_not_ready;
+    }
+}
+
+/// Validates the Services and EndpointSlices and builds each Service's candidate frontends.
+pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>>(
+    services: &[S],
+    slices: &[E],
+    options: &ModelOptions,
+) -> Parts {
     let mut errors = Vec::new();
     let mut stats = ModelStats { services_seen: services.len(), ..Default::default() };
     let filter = Filter {
         node_name: options.node_name.as_deref().filter(|n| !n.is_empty()),
         proxy_name: options.service_proxy_name.as_deref().filter(|n| !n.is_empty()),
     };
+    // A repeated address would only make a Service collide with itself.
+    let mut node_addresses = options.node_addresses.clone();
+    node_addresses.sort();
+    node_addresses.dedup();
 
     let mut not_ours = HashSet::new();
     let mut seen_services = HashMap::new();
@@ -346,62 +598,96 @@ pub fn build_with<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>
         }
     }
 
-    let mut frontends = Vec::new();
-    let mut trigger_times = Vec::new();
-    let mut taken: HashMap<(Ipv4Addr, u16, Protocol), &ServiceName> = HashMap::new();
-    for plan in &plans {
+    let mut parts = Vec::with_capacity(plans.len());
+    let mut claims = Vec::with_capacity(plans.len());
+    for plan in plans {
         let slices = by_service.get(&plan.name).map(Vec::as_slice).unwrap_or_default();
-        count_endpoints(plan, slices, &mut stats);
-        if let Some((_, text)) = slices.iter().filter_map(|s| s.trigger_time.as_ref()).max_by(|a, b| a.cmp(b))
-        {
-            trigger_times.push((plan.name.clone(), text.clone()));
-        }
-        let mut programmed = false;
-        for port in &plan.ports {
-            let (backends, terminating_fallback, terminating_backends) = backends_for(plan, port, slices);
-            for &vip in &plan.vips {
-                let key = (vip, port.port, port.proto);
-                if let Some(other) = taken.get(&key) {
-                    let message = format!(
-                        "{vip}:{}/{} is already used by Service {other}; the port is skipped",
-                        port.port, port.proto
-                    );
-                    errors.push(service_error(
-                        plan.origin,
-                        &plan.name,
-                        format!("spec.ports[{}]", port.index),
-                        message,
-                    ));
-                    continue;
-                }
-                taken.insert(key, &plan.name);
-                programmed = true;
-                stats.frontends += 1;
-                stats.frontends_without_backends += usize::from(backends.is_empty());
-                stats.frontends_terminating_fallback += usize::from(terminating_fallback);
-                frontends.push(Frontend {
-                    service: plan.name.clone(),
-                    port_name: port.name.clone(),
-                    vip,
-                    port: port.port,
-                    proto: port.proto,
-                    backends: backends.clone(),
-                    session_affinity_timeout: plan.affinity_timeout,
-                    local_only: plan.local_only,
-                    terminating_fallback,
-                    terminating_backends: terminating_backends.clone(),
-                    kind: FrontendKind::ClusterIp,
-                    scope: Scope::Internal,
-                    external_local: false,
-                    source_ranges: Vec::new(),
-                });
-            }
-        }
-        stats.services_programmed += usize::from(programmed);
+        count_endpoints(&plan, slices, &mut stats);
+        let trigger_time = slices
+            .iter()
+            .filter_map(|s| s.trigger_time.as_ref())
+            .max_by(|a, b| a.cmp(b))
+            .map(|(_, text)| text);
+        let health_check = plan.health_check_port.map(|port| {
+            let (local_ready, local_terminating) = local_endpoint_counts(&plan, slices);
+            HealthCheck { service: plan.name.clone(), port, local_ready, local_terminating }
+        });
+        let first = claims.len();
+        add_claims(&plan, slices, &node_addresses, &mut claims);
+        parts.push(ServiceParts {
+            origin: plan.origin.to_string(),
+            name: plan.name,
+            claims: first..claims.len(),
+            health_check,
+            trigger_time: trigger_time.cloned(),
+        });
     }
-    frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
-    trigger_times.sort();
-    (Desired { frontends, stats, trigger_times, health_checks: Vec::new() }, errors)
+    Parts { services: parts, claims, stats, errors }
+}
+
+/// Adds a Service's frontend entries, port by port: its cluster IPs, then the node ports, external IPs
+/// and load-balancer IPs.
+fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Addr], claims: &mut Vec<Claim>) {
+    for port in &plan.ports {
+        let endpoints = endpoints_for(plan, port, slices);
+        let entry =
+            |vip: Ipv4Addr, number: u16, kind: FrontendKind, scope: Scope, selected: &Selection| Frontend {
+                service: plan.name.clone(),
+                port_name: port.name.clone(),
+                vip,
+                port: number,
+                proto: port.proto,
+                backends: selected.backends.clone(),
+                session_affinity_timeout: plan.affinity_timeout,
+                local_only: selected.local_only,
+                terminating_fallback: selected.terminating_fallback,
+                terminating_backends: selected.terminating_backends.clone(),
+                kind,
+                scope,
+                external_local: kind != FrontendKind::ClusterIp && plan.external_local,
+                source_ranges: if kind == FrontendKind::LoadBalancer {
+                    plan.source_ranges.clone()
+                } else {
+                    Vec::new()
+                },
+            };
+
+        let internal = select(&endpoints, plan.local_only);
+        for &vip in &plan.vips {
+            claims.push(Claim {
+                field: ClaimField::ClusterIp { port: port.index },
+                internal: entry(vip, port.port, FrontendKind::ClusterIp, Scope::Internal, &internal),
+                external: None,
+            });
+        }
+
+        let node_ports = port.node_port.map(|number| {
+            node_addresses.iter().map(move |&vip| {
+                (vip, number, FrontendKind::NodePort, ClaimField::NodePort { port: port.index })
+            })
+        });
+        let external_ips = plan
+            .external_ips
+            .iter()
+            .map(|&(vip, ip)| (vip, port.port, FrontendKind::ExternalIp, ClaimField::ExternalIp { ip }));
+        let load_balancer_ips = plan.load_balancer_ips.iter().map(|&(vip, ingress)| {
+            (vip, port.port, FrontendKind::LoadBalancer, ClaimField::LoadBalancerIp { ingress })
+        });
+        let mut north_south =
+            node_ports.into_iter().flatten().chain(external_ips).chain(load_balancer_ips).peekable();
+        if north_south.peek().is_none() {
+            continue;
+        }
+        let cluster_wide = select(&endpoints, false);
+        let node_local = plan.external_local.then(|| select(&endpoints, true));
+        for (vip, number, kind, field) in north_south {
+            claims.push(Claim {
+                field,
+                internal: entry(vip, number, kind, Scope::Internal, &cluster_wide),
+                external: node_local.as_ref().map(|local| entry(vip, number, kind, Scope::External, local)),
+            });
+        }
+    }
 }
 
 /// The options, as the selection of objects and endpoints needs them.
@@ -432,10 +718,22 @@ impl Filter<'_> {
 struct ServicePlan<'a> {
     origin: &'a str,
     name: ServiceName,
+    /// Its IPv4 cluster IPs.
     vips: Vec<Ipv4Addr>,
     ports: Vec<PortPlan>,
+    /// Usable IPv4 `spec.externalIPs`, each with its index there.
+    external_ips: Vec<(Ipv4Addr, usize)>,
+    /// Usable IPv4 `status.loadBalancer.ingress[].ip` of a LoadBalancer Service, each with its index.
+    load_balancer_ips: Vec<(Ipv4Addr, usize)>,
+    /// The valid IPv4 `spec.loadBalancerSourceRanges` of a LoadBalancer Service.
+    source_ranges: Vec<Cidr4>,
     affinity_timeout: Option<u32>,
+    /// `internalTrafficPolicy: Local`.
     local_only: bool,
+    /// `externalTrafficPolicy: Local`.
+    external_local: bool,
+    /// A valid `healthCheckNodePort`, kept only with `externalTrafficPolicy: Local`.
+    health_check_port: Option<u16>,
     publish_not_ready: bool,
 }
 
@@ -455,6 +753,8 @@ struct PortPlan {
     name: String,
     port: u16,
     proto: Protocol,
+    /// For NodePort and LoadBalancer Services; absent is legal (`allocateLoadBalancerNodePorts: false`).
+    node_port: Option<u16>,
 }
 
 /// An endpoint's conditions, with kube-proxy's defaults applied.
@@ -649,6 +949,8 @@ fn plan_service<'a>(
         return None;
     }
 
+    let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
+    let is_load_balancer = spec.type_.as_deref() == Some("LoadBalancer");
     let mut ports: Vec<PortPlan> = Vec::new();
     for (index, sp) in spec.ports.iter().flatten().enumerate() {
         let proto = match parse_protocol(sp.protocol.as_deref()) {
@@ -680,7 +982,20 @@ fn plan_service<'a>(
             errors.push(service_error(origin, &name, format!("spec.ports[{index}].name"), message));
             continue;
         }
-        ports.push(PortPlan { index, name: port_name, port, proto });
+        let node_port = match sp.node_port {
+            None | Some(0) => None,
+            Some(number) if !has_node_ports => {
+                debug!(service = %name, index, number, "ignoring the nodePort of a Service without node ports");
+                None
+            }
+            Some(number) => port_number(number).or_else(|| {
+                let message =
+                    format!("nodePort {number} is not in 1-65535; no NodePort is programmed for the port");
+                errors.push(service_error(origin, &name, format!("spec.ports[{index}].nodePort"), message));
+                None
+            }),
+        };
+        ports.push(PortPlan { index, name: port_name, port, proto, node_port });
     }
 
     let affinity_timeout = affinity_timeout(spec, &mut |field, message| {
@@ -695,8 +1010,124 @@ fn plan_service<'a>(
             false
         }
     };
+    let external_local = match spec.external_traffic_policy.as_deref() {
+        None | Some("") | Some("Cluster") => false,
+        Some("Local") => true,
+        Some(other) => {
+            let message = format!("externalTrafficPolicy {other:?} is not Cluster or Local; Cluster is used");
+            errors.push(service_error(origin, &name, "spec.externalTrafficPolicy".to_string(), message));
+            false
+        }
+    };
+
+    let mut external_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
+    for (index, text) in spec.external_ips.iter().flatten().enumerate() {
+        match north_south_address(text, "external IP") {
+            Ok(Some(ip)) if !external_ips.iter().any(|&(seen, _)| seen == ip) => {
+                external_ips.push((ip, index))
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => debug!(service = %name, ip = text, "IPv6 external IPs are not programmed yet"),
+            Err(message) => {
+                errors.push(service_error(origin, &name, format!("spec.externalIPs[{index}]"), message));
+            }
+        }
+    }
+
+    let mut load_balancer_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
+    let mut source_ranges = Vec::new();
+    if is_load_balancer {
+        let ingress = svc.object.status.as_ref().and_then(|status| status.load_balancer.as_ref());
+        for (index, entry) in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten().enumerate() {
+            // Hostname-only entries (e.g. AWS ELB) have no address to answer on.
+            let Some(text) = entry.ip.as_deref().filter(|ip| !ip.is_empty()) else { continue };
+            if entry.ip_mode.as_deref() == Some("Proxy") {
+                // The load balancer proxies to the nodes itself; answering its IP on the node would let
+                // in-cluster clients bypass it (and whatever it does, e.g. TLS or PROXY protocol).
+                debug!(service = %name, ip = text, "not programming a load-balancer IP with ipMode Proxy");
+                continue;
+            }
+            match north_south_address(text, "load-balancer IP") {
+                Ok(Some(ip)) if !load_balancer_ips.iter().any(|&(seen, _)| seen == ip) => {
+                    load_balancer_ips.push((ip, index))
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    debug!(service = %name, ip = text, "IPv6 load-balancer IPs are not programmed yet")
+                }
+                Err(message) => {
+                    let field = format!("status.loadBalancer.ingress[{index}].ip");
+                    errors.push(service_error(origin, &name, field, message));
+                }
+            }
+        }
+        for (index, text) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+            match source_range(text) {
+                Ok(Some(range)) => {
+                    if !source_ranges.contains(&range) {
+                        source_ranges.push(range);
+                    }
+                }
+                Ok(None) => debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4"),
+                Err(message) => {
+                    let field = format!("spec.loadBalancerSourceRanges[{index}]");
+                    errors.push(service_error(origin, &name, field, message));
+                }
+            }
+        }
+        source_ranges.sort();
+    }
+
+    let health_check_port = match spec.health_check_node_port {
+        Some(number) if external_local && number != 0 => port_number(number).or_else(|| {
+            let message =
+                format!("healthCheckNodePort {number} is not in 1-65535; no health check is served");
+            errors.push(service_error(origin, &name, "spec.healthCheckNodePort".to_string(), message));
+            None
+        }),
+        _ => None,
+    };
+
     let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
-    Some(ServicePlan { origin, name, vips, ports, affinity_timeout, local_only, publish_not_ready })
+    Some(ServicePlan {
+        origin,
+        name,
+        vips,
+        ports,
+        external_ips,
+        load_balancer_ips,
+        source_ranges,
+        affinity_timeout,
+        local_only,
+        external_local,
+        health_check_port,
+        publish_not_ready,
+    })
+}
+
+/// An external or load-balancer address: `Ok(None)` for IPv6 (not programmed yet), `Err` for text that
+/// is not an address or an address the datapath cannot use.
+fn north_south_address(text: &str, what: &str) -> Result<Option<Ipv4Addr>, String> {
+    match text.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => match unusable(ip) {
+            Some(problem) => Err(format!("{ip} is {problem}, not a usable {what}; it is skipped")),
+            None => Ok(Some(ip)),
+        },
+        Ok(IpAddr::V6(_)) => Ok(None),
+        Err(_) => Err(format!("{text:?} is not an IP address; it is skipped")),
+    }
+}
+
+/// One `loadBalancerSourceRanges` entry: `Ok(None)` for an IPv6 range, which does not restrict IPv4
+/// clients (as in kube-proxy). The API server has accepted entries with spaces around them, so those
+/// are trimmed.
+fn source_range(text: &str) -> Result<Option<Cidr4>, String> {
+    let text = text.trim();
+    let addr = text.split_once('/').map_or(text, |(addr, _)| addr);
+    if addr.parse::<Ipv6Addr>().is_ok() {
+        return Ok(None);
+    }
+    text.parse::<Cidr4>().map(Some).map_err(|problem| format!("{problem}; the range is skipped"))
 }
 
 /// The ClientIP affinity timeout, if the Service asks for affinity. Invalid values are reported (through
@@ -841,15 +1272,14 @@ fn use_slice<'a>(
     Some((service, SliceUse { ports, endpoints, trigger_time }))
 }
 
-/// The backends of one Service port, whether they come from the terminating fallback, and the
-/// serving-and-terminating endpoints left out of them (they keep their flows). Slice ports are matched by
-/// name (absent and empty are equal) and must have the same protocol; the slice port's number is the target
-/// port of that slice's endpoints.
-fn backends_for(
+/// The endpoints of one Service port across its slices, merged, in their state as the Service sees them.
+/// Slice ports are matched by name (absent and empty are equal) and must have the same protocol; the slice
+/// port's number is the target port of that slice's endpoints.
+fn endpoints_for(
     plan: &ServicePlan,
     port: &PortPlan,
     slices: &[SliceUse],
-) -> (Vec<BackendAddr>, bool, Vec<BackendAddr>) {
+) -> Vec<(BackendAddr, EndpointState)> {
     let mut merged = BTreeMap::new();
     for slice in slices {
         for (name, target, proto) in &slice.ports {
@@ -865,18 +1295,59 @@ fn backends_for(
             }
         }
     }
-    let eligible: Vec<(BackendAddr, EndpointState)> =
-        merged.into_iter().filter(|(_, state)| !plan.local_only || state.local).collect();
+    merged.into_iter().collect()
+}
+
+/// The endpoints one frontend entry uses.
+struct Selection {
+    backends: Vec<BackendAddr>,
+    terminating_fallback: bool,
+    terminating_backends: Vec<BackendAddr>,
+    /// Only this node's endpoints were eligible.
+    local_only: bool,
+}
+
+/// The backends among `endpoints` (sorted by address): the ready ones, or the serving-and-terminating ones
+/// when none is ready; and the serving-and-terminating ones left out of them (they keep their flows).
+fn select(endpoints: &[(BackendAddr, EndpointState)], local_only: bool) -> Selection {
     let pick = |keep: fn(EndpointState) -> bool| -> Vec<BackendAddr> {
-        eligible.iter().filter(|(_, state)| keep(*state)).map(|(backend, _)| *backend).collect()
+        endpoints
+            .iter()
+            .filter(|(_, state)| (!local_only || state.local) && keep(*state))
+            .map(|(backend, _)| *backend)
+            .collect()
     };
     let ready = pick(|state| state.ready);
     let fallback = pick(|state| !state.ready && state.fallback());
     if !ready.is_empty() {
-        return (ready, false, fallback);
+        return Selection {
+            backends: ready,
+            terminating_fallback: false,
+            terminating_backends: fallback,
+            local_only,
+        };
     }
     let used = !fallback.is_empty();
-    (fallback, used, Vec::new())
+    Selection { backends: fallback, terminating_fallback: used, terminating_backends: Vec::new(), local_only }
+}
+
+/// The distinct addresses of a Service's endpoints on this node (all slices and ports) that are ready,
+/// and those that are serving and terminating but not ready, for its health check.
+fn local_endpoint_counts(plan: &ServicePlan, slices: &[SliceUse]) -> (usize, usize) {
+    let mut ready = BTreeSet::new();
+    let mut terminating = BTreeSet::new();
+    for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
+        let state = plan.adjust(state);
+        if !state.local {
+            continue;
+        }
+        if state.ready {
+            ready.insert(addr);
+        } else if state.fallback() {
+            terminating.insert(addr);
+        }
+    }
+    (ready.len(), terminating.difference(&ready).count())
 }
 
 /// Adds a programmed Service's distinct endpoint addresses to the stats, each in its best state.
@@ -2334,5 +2805,452 @@ ports:
         assert_eq!(desired.frontends, [other, fe]);
         assert_eq!(desired.stats, ModelStats::default());
         assert!(desired.trigger_times.is_empty());
+    }
+
+    // ---- north–south frontends: node ports, external IPs, load-balancer IPs, health checks ----
+
+    /// `kind vip:port/proto scope` of every entry, in order.
+    fn entries(desired: &Desired) -> Vec<String> {
+        desired
+            .frontends
+            .iter()
+            .map(|f| format!("{} {}:{}/{} {:?}", f.kind, f.vip, f.port, f.proto, f.scope))
+            .collect()
+    }
+
+    fn entry<'a>(desired: &'a Desired, vip: &str, port: u16, proto: Protocol, scope: Scope) -> &'a Frontend {
+        let vip: Ipv4Addr = vip.parse().unwrap();
+        desired
+            .frontends
+            .iter()
+            .find(|f| f.vip == vip && f.port == port && f.proto == proto && f.scope == scope)
+            .unwrap_or_else(|| panic!("no {scope:?} entry {vip}:{port}/{proto} in {desired:#?}"))
+    }
+
+    /// Options for node `kind-worker` with these node addresses.
+    fn on_worker(addresses: &[&str]) -> ModelOptions {
+        ModelOptions {
+            node_name: Some("kind-worker".into()),
+            node_addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn build_opts_from(docs: &[&str], options: &ModelOptions) -> (Desired, Vec<ManifestError>) {
+        let objects = parse(docs);
+        build_with(&objects.services, &objects.slices, options)
+    }
+
+    /// `(field, message)` of each error, after checking it names `Service shop/web`.
+    fn web_errors(errors: &[ManifestError]) -> Vec<(String, String)> {
+        errors
+            .iter()
+            .map(|e| {
+                assert_eq!(e.object.as_deref(), Some("Service shop/web"), "{e}");
+                (e.field.clone().unwrap_or_default(), e.message.clone())
+            })
+            .collect()
+    }
+
+    /// An EndpointSlice of `shop/web` with port `http` 8080/TCP and these (address, node, conditions).
+    fn web_endpoints(name: &str, endpoints: &[(&str, &str, &str)]) -> String {
+        let mut body = String::from("endpoints:\n");
+        for (addr, node, conditions) in endpoints {
+            body.push_str(&format!(
+                "- addresses: [{addr}]\n  conditions: {conditions}\n  nodeName: {node}\n"
+            ));
+        }
+        body.push_str("ports:\n- name: http\n  port: 8080\n  protocol: TCP\n");
+        web_slice(name, &body)
+    }
+
+    /// A LoadBalancer `shop/web` (port http 80, nodePort 30080) with the given extra spec lines and an
+    /// ingress IP 198.51.100.10.
+    fn load_balancer(spec_extra: &str) -> String {
+        web(&format!(
+            "  type: LoadBalancer\n  clusterIP: 10.96.12.7\n{spec_extra}  ports:\n  - name: http\n    port: 80\n    nodePort: 30080\nstatus:\n  loadBalancer:\n    ingress:\n    - ip: 198.51.100.10\n"
+        ))
+    }
+
+    #[test]
+    fn node_ports_answer_on_every_node_address_for_each_protocol() {
+        let svc = web(
+            "  type: NodePort\n  clusterIP: 10.96.12.7\n  internalTrafficPolicy: Local\n  ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n    nodePort: 30053\n  - name: dns-tcp\n    port: 53\n    protocol: TCP\n    nodePort: 30053\n  - name: http\n    port: 80\n",
+        );
+        let slice = web_slice(
+            "web-x1",
+            "endpoints:\n- addresses: [10.244.1.5]\n  nodeName: kind-worker\n- addresses: [10.244.2.5]\n  nodeName: kind-worker2\nports:\n- name: dns\n  port: 5353\n  protocol: UDP\n- name: dns-tcp\n  port: 5353\n  protocol: TCP\n",
+        );
+        // A repeated node address is one address.
+        let options = on_worker(&["192.168.1.10", "10.0.0.5", "192.168.1.10"]);
+        let desired = build_opts(&[&svc, &slice], &options);
+        assert_eq!(
+            entries(&desired),
+            [
+                "NodePort 10.0.0.5:30053/TCP Internal",
+                "NodePort 10.0.0.5:30053/UDP Internal",
+                "ClusterIP 10.96.12.7:53/TCP Internal",
+                "ClusterIP 10.96.12.7:53/UDP Internal",
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "NodePort 192.168.1.10:30053/TCP Internal",
+                "NodePort 192.168.1.10:30053/UDP Internal",
+            ]
+        );
+        // The cluster IP honours internalTrafficPolicy: Local; node ports use every endpoint.
+        let cluster_ip = entry(&desired, "10.96.12.7", 53, Protocol::Udp, Scope::Internal);
+        assert_eq!(cluster_ip.backends, backends(&[("10.244.1.5", 5353)]));
+        assert!(cluster_ip.local_only);
+        for vip in ["10.0.0.5", "192.168.1.10"] {
+            for proto in [Protocol::Tcp, Protocol::Udp] {
+                let fe = entry(&desired, vip, 30053, proto, Scope::Internal);
+                assert_eq!(fe.backends, backends(&[("10.244.1.5", 5353), ("10.244.2.5", 5353)]));
+                assert_eq!(fe.port_name, if proto == Protocol::Tcp { "dns-tcp" } else { "dns" });
+                assert!(!fe.local_only && !fe.external_local && fe.source_ranges.is_empty());
+            }
+        }
+        assert_eq!(desired.stats.frontends, 7);
+        assert_eq!(desired.stats.services_programmed, 1);
+
+        // No node address: no NodePort frontend.
+        let desired = build_opts(&[&svc, &slice], &on_node("kind-worker"));
+        assert!(desired.frontends.iter().all(|f| f.kind == FrontendKind::ClusterIp));
+
+        // A nodePort on a ClusterIP Service is not a node port (the API server refuses it anyway).
+        let cluster_ip_only = svc.replace("type: NodePort", "type: ClusterIP");
+        let desired = build_opts(&[&cluster_ip_only, &slice], &options);
+        assert_eq!(desired.frontends.len(), 3);
+    }
+
+    #[test]
+    fn a_port_without_node_port_has_no_node_port_frontend() {
+        // allocateLoadBalancerNodePorts: false leaves the nodePorts out; that is legal.
+        let svc = web(
+            "  type: LoadBalancer\n  allocateLoadBalancerNodePorts: false\n  clusterIP: 10.96.12.7\n  ports:\n  - name: http\n    port: 80\n  - name: admin\n    port: 81\n    nodePort: 0\n",
+        );
+        let desired = build_opts(&[&svc], &on_worker(&["192.168.1.10"]));
+        assert_eq!(
+            entries(&desired),
+            ["ClusterIP 10.96.12.7:80/TCP Internal", "ClusterIP 10.96.12.7:81/TCP Internal"]
+        );
+    }
+
+    #[test]
+    fn out_of_range_node_port_is_reported_and_the_port_keeps_its_cluster_ip() {
+        let svc = web(
+            "  type: NodePort\n  clusterIP: 10.96.12.7\n  ports:\n  - name: a\n    port: 80\n    nodePort: 70000\n  - name: b\n    port: 81\n    nodePort: -1\n  - name: c\n    port: 82\n    nodePort: 30082\n",
+        );
+        let (desired, errors) = build_opts_from(&[&svc], &on_worker(&["192.168.1.10"]));
+        assert_eq!(
+            entries(&desired),
+            [
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "ClusterIP 10.96.12.7:81/TCP Internal",
+                "ClusterIP 10.96.12.7:82/TCP Internal",
+                "NodePort 192.168.1.10:30082/TCP Internal",
+            ]
+        );
+        assert_eq!(
+            errors[0].to_string(),
+            "test-0.yaml: Service shop/web: spec.ports[0].nodePort: nodePort 70000 is not in 1-65535; no NodePort is programmed for the port"
+        );
+        let fields: Vec<_> = web_errors(&errors).into_iter().map(|(field, _)| field).collect();
+        assert_eq!(fields, ["spec.ports[0].nodePort", "spec.ports[1].nodePort"]);
+    }
+
+    #[test]
+    fn external_traffic_policy_local_adds_an_external_entry_with_this_nodes_endpoints() {
+        let svc = load_balancer("  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n");
+        let slice = web_endpoints(
+            "web-x1",
+            &[
+                ("10.244.1.5", "kind-worker", READY),
+                ("10.244.1.6", "kind-worker", TERMINATING),
+                ("10.244.2.5", "kind-worker2", READY),
+                ("10.244.2.6", "kind-worker2", TERMINATING),
+            ],
+        );
+        let desired = build_opts(&[&svc, &slice], &on_worker(&["192.168.1.10"]));
+        assert_eq!(
+            entries(&desired),
+            [
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "NodePort 192.168.1.10:30080/TCP Internal",
+                "NodePort 192.168.1.10:30080/TCP External",
+                "LoadBalancer 198.51.100.10:80/TCP Internal",
+                "LoadBalancer 198.51.100.10:80/TCP External",
+            ]
+        );
+        let cluster_ip = entry(&desired, "10.96.12.7", 80, Protocol::Tcp, Scope::Internal);
+        assert!(!cluster_ip.external_local, "the policy is about external addresses only");
+        for (vip, port) in [("192.168.1.10", 30080), ("198.51.100.10", 80)] {
+            let internal = entry(&desired, vip, port, Protocol::Tcp, Scope::Internal);
+            assert_eq!(internal.backends, at_8080(&["10.244.1.5", "10.244.2.5"]));
+            assert_eq!(internal.terminating_backends, at_8080(&["10.244.1.6", "10.244.2.6"]));
+            assert!(internal.external_local && !internal.local_only);
+            let external = entry(&desired, vip, port, Protocol::Tcp, Scope::External);
+            assert_eq!(external.backends, at_8080(&["10.244.1.5"]));
+            assert_eq!(external.terminating_backends, at_8080(&["10.244.1.6"]));
+            assert!(external.external_local && external.local_only && !external.terminating_fallback);
+        }
+        assert_eq!(desired.stats.frontends, 5);
+
+        // This node's pods are terminating while others are ready: external clients stay on the node and
+        // use the local terminating pod; internal ones use the ready pods elsewhere.
+        let slice = web_endpoints(
+            "web-x1",
+            &[
+                ("10.244.1.6", "kind-worker", TERMINATING),
+                ("10.244.1.7", "kind-worker", TERMINATING_NOT_SERVING),
+                ("10.244.2.5", "kind-worker2", READY),
+            ],
+        );
+        let desired = build_opts(&[&svc, &slice], &on_worker(&["192.168.1.10"]));
+        let internal = entry(&desired, "198.51.100.10", 80, Protocol::Tcp, Scope::Internal);
+        assert_eq!(internal.backends, at_8080(&["10.244.2.5"]));
+        assert_eq!(internal.terminating_backends, at_8080(&["10.244.1.6"]));
+        let external = entry(&desired, "198.51.100.10", 80, Protocol::Tcp, Scope::External);
+        assert_eq!(external.backends, at_8080(&["10.244.1.6"]));
+        assert!(external.terminating_fallback);
+        assert!(external.terminating_backends.is_empty());
+
+        // No endpoint on this node (or no node name): the external entry exists, without backends.
+        for options in
+            [on_worker(&["192.168.1.10"]), ModelOptions { node_name: None, ..on_worker(&["192.168.1.10"]) }]
+        {
+            let remote = web_endpoints("web-x1", &[("10.244.2.5", "kind-worker2", READY)]);
+            let desired = build_opts(&[&svc, &remote], &options);
+            assert!(
+                entry(&desired, "192.168.1.10", 30080, Protocol::Tcp, Scope::External).backends.is_empty()
+            );
+            assert_eq!(desired.stats.frontends_without_backends, 2);
+        }
+
+        // Cluster (explicit or absent): only the internal entries, which external clients use as well.
+        for policy in ["  externalTrafficPolicy: Cluster\n", ""] {
+            let desired = build_opts(&[&load_balancer(policy), &slice], &on_worker(&["192.168.1.10"]));
+            assert!(desired.frontends.iter().all(|f| f.scope == Scope::Internal && !f.external_local));
+            assert_eq!(desired.frontends.len(), 3);
+        }
+    }
+
+    #[test]
+    fn unknown_external_traffic_policy_is_reported_and_cluster_is_used() {
+        let svc = load_balancer("  externalTrafficPolicy: local\n  healthCheckNodePort: 32100\n");
+        let (desired, errors) = build_opts_from(&[&svc], &on_worker(&["192.168.1.10"]));
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert_eq!(
+            errors[0].to_string(),
+            "test-0.yaml: Service shop/web: spec.externalTrafficPolicy: externalTrafficPolicy \"local\" is not Cluster or Local; Cluster is used"
+        );
+        assert!(desired.frontends.iter().all(|f| f.scope == Scope::Internal && !f.external_local));
+        assert!(desired.health_checks.is_empty(), "only Local Services are health-checked");
+    }
+
+    #[test]
+    fn external_ips_answer_on_the_service_port_and_bad_ones_are_reported() {
+        let svc = web(
+            "  clusterIP: 10.96.12.7\n  externalIPs: [203.0.113.7, \"fd00::7\", bogus, 127.0.0.1, 203.0.113.8, 203.0.113.7, 224.0.0.1]\n  ports:\n  - name: http\n    port: 80\n  - name: dns\n    port: 53\n    protocol: UDP\n",
+        );
+        let (desired, errors) = build_opts_from(&[&svc], &ModelOptions::default());
+        assert_eq!(
+            entries(&desired),
+            [
+                "ClusterIP 10.96.12.7:53/UDP Internal",
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "ExternalIP 203.0.113.7:53/UDP Internal",
+                "ExternalIP 203.0.113.7:80/TCP Internal",
+                "ExternalIP 203.0.113.8:53/UDP Internal",
+                "ExternalIP 203.0.113.8:80/TCP Internal",
+            ]
+        );
+        assert_eq!(entry(&desired, "203.0.113.8", 53, Protocol::Udp, Scope::Internal).port_name, "dns");
+        assert_eq!(
+            web_errors(&errors),
+            [
+                (
+                    "spec.externalIPs[2]".to_string(),
+                    "\"bogus\" is not an IP address; it is skipped".to_string()
+                ),
+                (
+                    "spec.externalIPs[3]".to_string(),
+                    "127.0.0.1 is a loopback address, not a usable external IP; it is skipped".to_string()
+                ),
+                (
+                    "spec.externalIPs[6]".to_string(),
+                    "224.0.0.1 is a multicast address, not a usable external IP; it is skipped".to_string()
+                ),
+            ]
+        );
+
+        // With externalTrafficPolicy: Local, on a ClusterIP Service too.
+        let local = web(
+            "  clusterIP: 10.96.12.7\n  externalTrafficPolicy: Local\n  externalIPs: [203.0.113.7]\n  ports:\n  - name: http\n    port: 80\n",
+        );
+        let slice = web_endpoints(
+            "web-x1",
+            &[("10.244.1.5", "kind-worker", READY), ("10.244.2.5", "kind-worker2", READY)],
+        );
+        let desired = build_opts(&[&local, &slice], &on_node("kind-worker"));
+        assert_eq!(
+            entry(&desired, "203.0.113.7", 80, Protocol::Tcp, Scope::External).backends,
+            at_8080(&["10.244.1.5"])
+        );
+        assert_eq!(entry(&desired, "203.0.113.7", 80, Protocol::Tcp, Scope::Internal).backends.len(), 2);
+    }
+
+    #[test]
+    fn load_balancer_ingress_ips_skip_proxy_mode_hostnames_and_other_types() {
+        let svc = web(
+            "  type: LoadBalancer\n  clusterIP: 10.96.12.7\n  ports:\n  - name: http\n    port: 80\n    nodePort: 30080\nstatus:\n  loadBalancer:\n    ingress:\n    - ip: 198.51.100.10\n    - ip: 198.51.100.11\n      ipMode: Proxy\n    - hostname: lb.example.com\n    - ip: 198.51.100.12\n      ipMode: VIP\n    - ip: \"2001:db8::1\"\n    - ip: 198.51.100.300\n    - ip: 0.0.0.0\n",
+        );
+        let (desired, errors) = build_opts_from(&[&svc], &ModelOptions::default());
+        assert_eq!(
+            entries(&desired),
+            [
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "LoadBalancer 198.51.100.10:80/TCP Internal",
+                "LoadBalancer 198.51.100.12:80/TCP Internal",
+            ]
+        );
+        let fields: Vec<_> = web_errors(&errors).into_iter().map(|(field, _)| field).collect();
+        assert_eq!(fields, ["status.loadBalancer.ingress[5].ip", "status.loadBalancer.ingress[6].ip"]);
+        assert!(errors[1].message.contains("0.0.0.0 is the unspecified address"), "{}", errors[1].message);
+
+        // A left-over status on a Service that is no longer a LoadBalancer is not programmed.
+        let cluster_ip = svc.replace("type: LoadBalancer", "type: NodePort");
+        let desired = build_opts(
+            &[&cluster_ip.replace("    - ip: 198.51.100.300\n    - ip: 0.0.0.0\n", "")],
+            &ModelOptions::default(),
+        );
+        assert!(desired.frontends.iter().all(|f| f.kind != FrontendKind::LoadBalancer), "{desired:#?}");
+    }
+
+    #[test]
+    fn source_ranges_apply_to_load_balancer_ips_only_and_bad_ones_are_reported() {
+        let svc = load_balancer(
+            "  externalIPs: [203.0.113.7]\n  loadBalancerSourceRanges:\n  - 10.0.0.0/8\n  - \" 192.168.0.0/16 \"\n  - 10.1.2.3/33\n  - nonsense\n  - 2001:db8::/32\n  - 172.16.5.4/12\n  - 10.0.0.0/8\n  - 10.9.8.7\n",
+        );
+        let (desired, errors) = build_opts_from(&[&svc], &on_worker(&["192.168.1.10"]));
+        let ranges: Vec<String> = entry(&desired, "198.51.100.10", 80, Protocol::Tcp, Scope::Internal)
+            .source_ranges
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(ranges, ["10.0.0.0/8", "10.9.8.7/32", "172.16.0.0/12", "192.168.0.0/16"]);
+        for fe in desired.frontends.iter().filter(|f| f.kind != FrontendKind::LoadBalancer) {
+            assert!(fe.source_ranges.is_empty(), "{fe:?}");
+        }
+        assert_eq!(
+            web_errors(&errors),
+            [
+                (
+                    "spec.loadBalancerSourceRanges[2]".to_string(),
+                    "\"10.1.2.3/33\": prefix length above 32; the range is skipped".to_string()
+                ),
+                (
+                    "spec.loadBalancerSourceRanges[3]".to_string(),
+                    "\"nonsense\" is not an IPv4 CIDR; the range is skipped".to_string()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn node_port_collisions_are_reported_on_the_later_service() {
+        let first = web(
+            "  type: NodePort\n  clusterIP: 10.96.12.7\n  ports:\n  - name: http\n    port: 80\n    nodePort: 30080\n",
+        );
+        let second = "apiVersion: v1\nkind: Service\nmetadata:\n  name: api\n  namespace: shop\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.12.8\n  externalTrafficPolicy: Local\n  ports:\n  - name: http\n    port: 8080\n    nodePort: 30080\n  - name: udp\n    port: 8080\n    protocol: UDP\n    nodePort: 30080\n";
+        let options = on_worker(&["192.168.1.10", "10.0.0.5"]);
+        let (desired, errors) = build_opts_from(&[&first, second], &options);
+        assert_eq!(
+            entries(&desired),
+            [
+                "NodePort 10.0.0.5:30080/TCP Internal",
+                "NodePort 10.0.0.5:30080/UDP Internal",
+                "NodePort 10.0.0.5:30080/UDP External",
+                "ClusterIP 10.96.12.7:80/TCP Internal",
+                "ClusterIP 10.96.12.8:8080/TCP Internal",
+                "ClusterIP 10.96.12.8:8080/UDP Internal",
+                "NodePort 192.168.1.10:30080/TCP Internal",
+                "NodePort 192.168.1.10:30080/UDP Internal",
+                "NodePort 192.168.1.10:30080/UDP External",
+            ]
+        );
+        assert_eq!(entry(&desired, "10.0.0.5", 30080, Protocol::Tcp, Scope::Internal).service.name, "web");
+        // One error per address: the internal and external entries of an address go together.
+        let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            texts,
+            [
+                "test-1.yaml: Service shop/api: spec.ports[0].nodePort: 10.0.0.5:30080/TCP is already used by Service shop/web; the NodePort is skipped",
+                "test-1.yaml: Service shop/api: spec.ports[0].nodePort: 192.168.1.10:30080/TCP is already used by Service shop/web; the NodePort is skipped",
+            ]
+        );
+
+        // An external IP may not take another Service's address either.
+        let thief = "apiVersion: v1\nkind: Service\nmetadata:\n  name: thief\n  namespace: shop\nspec:\n  clusterIP: 10.96.12.9\n  externalIPs: [10.96.12.7]\n  ports:\n  - port: 80\n";
+        let (desired, errors) = build_opts_from(&[&first, thief], &options);
+        assert_eq!(desired.frontends.len(), 4);
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert_eq!(errors[0].field.as_deref(), Some("spec.externalIPs[0]"));
+        assert!(errors[0].message.ends_with("already used by Service shop/web; the external IP is skipped"));
+    }
+
+    #[test]
+    fn health_checks_count_this_nodes_endpoints_and_ports_are_unique() {
+        let web_svc = load_balancer("  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n");
+        // The same pods in two slices and two ports: each address counts once.
+        let slice_a = web_slice(
+            "web-x1",
+            "endpoints:\n- addresses: [10.244.1.5]\n  nodeName: kind-worker\n- addresses: [10.244.1.6]\n  conditions: {ready: false, serving: true, terminating: true}\n  nodeName: kind-worker\n- addresses: [10.244.1.7]\n  conditions: {ready: false, serving: false, terminating: true}\n  nodeName: kind-worker\n- addresses: [10.244.2.5]\n  nodeName: kind-worker2\nports:\n- name: http\n  port: 8080\n- name: admin\n  port: 9090\n",
+        );
+        let slice_b = web_slice(
+            "web-x2",
+            "endpoints:\n- addresses: [10.244.1.5]\n  nodeName: kind-worker\n- addresses: [10.244.1.8]\n  nodeName: kind-worker\n- addresses: [10.244.1.6]\n  conditions: {ready: true}\n  nodeName: kind-worker\nports:\n- name: http\n  port: 8080\n",
+        );
+        let other = |name: &str, ip: &str, node_port: u16, health: &str| {
+            format!(
+                "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: shop\nspec:\n  type: LoadBalancer\n  clusterIP: {ip}\n  externalTrafficPolicy: Local\n  healthCheckNodePort: {health}\n  ports:\n  - port: 80\n    nodePort: {node_port}\n"
+            )
+        };
+        let api = other("api", "10.96.12.8", 30081, "31000");
+        let copy = other("copy", "10.96.12.9", 30082, "32100");
+        let bad = other("bad", "10.96.12.10", 30083, "70000");
+        let cluster = other("cluster", "10.96.12.11", 30084, "32200")
+            .replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
+        let options = on_worker(&["192.168.1.10"]);
+        let (desired, errors) =
+            build_opts_from(&[&web_svc, &slice_a, &slice_b, &api, &copy, &bad, &cluster], &options);
+        let service = |name: &str| ServiceName { namespace: "shop".into(), name: name.into() };
+        assert_eq!(
+            desired.health_checks,
+            [
+                HealthCheck { service: service("api"), port: 31000, local_ready: 0, local_terminating: 0 },
+                // .1.5, .1.8 and .1.6 (ready in its second copy) are ready; .1.7 no longer serves.
+                HealthCheck { service: service("web"), port: 32100, local_ready: 3, local_terminating: 0 },
+            ]
+        );
+        let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            texts,
+            [
+                "test-5.yaml: Service shop/bad: spec.healthCheckNodePort: healthCheckNodePort 70000 is not in 1-65535; no health check is served",
+                "test-4.yaml: Service shop/copy: spec.healthCheckNodePort: healthCheckNodePort 32100 is already used by Service shop/web; no health check is served",
+            ]
+        );
+
+        // Terminating pods that still serve are counted apart from the ready ones.
+        let (desired, _) = build_opts_from(&[&web_svc, &slice_a], &options);
+        assert_eq!(
+            (desired.health_checks[0].local_ready, desired.health_checks[0].local_terminating),
+            (1, 1)
+        );
+        // Elsewhere, nothing is local.
+        let (desired, _) = build_opts_from(&[&web_svc, &slice_a], &on_node("kind-control-plane"));
+        assert_eq!(
+            (desired.health_checks[0].local_ready, desired.health_checks[0].local_terminating),
+            (0, 0)
+        );
     }
 }

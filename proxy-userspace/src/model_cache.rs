@@ -1,26 +1,26 @@
 //! The model, rebuilt incrementally for the agent's API-server source.
 //!
-//! What the model makes of a Service depends only on that Service and its
-//! EndpointSlices, so a sync rebuilds just the Services whose objects changed
-//! (the watcher replaces an object's `Arc` when it changes, so identity is the
-//! test) and reuses the rest. The one rule that spans Services — a
-//! VIP:port/protocol belongs to the first Service that claims it — is applied
-//! when the cached results are merged, in the same order as a full build.
+//! What the model makes of a Service on its own depends only on that Service,
+//! its EndpointSlices and the options, so a sync rebuilds just the Services
+//! whose objects changed (the watcher replaces an object's `Arc` when it
+//! changes, so identity is the test) and reuses the rest; a change of options
+//! rebuilds everything. The rules that span Services (an address:port/protocol
+//! or a health check port belongs to the first Service that claims it) are
+//! applied by the same merge as a full build, in the same order.
 
-use std::{collections::HashMap, net::Ipv4Addr, sync::Arc};
+use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
     manifest::{ManifestError, Sourced},
-    model::{self, Desired, LABEL_SERVICE_NAME, ModelOptions, ModelStats, Protocol, ServiceName},
+    model::{self, Desired, LABEL_SERVICE_NAME, Merge, ModelOptions, Parts},
 };
 
 struct Entry {
     service: Arc<Sourced<Service>>,
     slices: Vec<Arc<Sourced<EndpointSlice>>>,
-    desired: Desired,
-    errors: Vec<ManifestError>,
+    parts: Parts,
 }
 
 /// Per-Service model results of the last sync, keyed by the identity of the
@@ -28,22 +28,10 @@ struct Entry {
 #[derive(Default)]
 pub struct ModelCache {
     entries: HashMap<*const Sourced<Service>, Entry>,
+    /// The options the entries were built with.
+    options: Option<ModelOptions>,
     /// Services rebuilt by the last call (for logs and tests).
     pub rebuilt: usize,
-}
-
-fn add(total: &mut ModelStats, part: &ModelStats) {
-    total.services_seen += part.services_seen;
-    total.services_programmed += part.services_programmed;
-    total.services_skipped_headless += part.services_skipped_headless;
-    total.services_skipped_external_name += part.services_skipped_external_name;
-    total.services_skipped_other_proxy += part.services_skipped_other_proxy;
-    total.frontends += part.frontends;
-    total.frontends_without_backends += part.frontends_without_backends;
-    total.frontends_terminating_fallback += part.frontends_terminating_fallback;
-    total.endpoints_ready += part.endpoints_ready;
-    total.endpoints_terminating += part.endpoints_terminating;
-    total.endpoints_not_ready += part.endpoints_not_ready;
 }
 
 fn same<T>(a: &[Arc<T>], b: &[Arc<T>]) -> bool {
@@ -60,6 +48,12 @@ impl ModelCache {
         slices: &'a [Arc<Sourced<EndpointSlice>>],
         options: &ModelOptions,
     ) -> (Desired, Vec<ManifestError>) {
+        if self.options.as_ref() != Some(options) {
+            // The node name decides which endpoints are local and the node
+            // addresses which NodePort frontends exist: nothing kept is valid.
+            self.entries.clear();
+            self.options = Some(options.clone());
+        }
         let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
         for slice in slices {
             let meta = &slice.object.metadata;
@@ -69,11 +63,7 @@ impl ModelCache {
         }
 
         let mut next = HashMap::with_capacity(services.len());
-        let mut frontends = Vec::new();
-        let mut errors = Vec::new();
-        let mut stats = ModelStats::default();
-        let mut trigger_times = Vec::new();
-        let mut taken: HashMap<(Ipv4Addr, u16, Protocol), ServiceName> = HashMap::new();
+        let mut merge = Merge::default();
         self.rebuilt = 0;
         for service in services {
             let meta = &service.object.metadata;
@@ -85,53 +75,24 @@ impl ModelCache {
                 Some(e) if Arc::ptr_eq(&e.service, service) && same(&e.slices, &its_slices) => e,
                 _ => {
                     self.rebuilt += 1;
-                    let (desired, errors) =
-                        model::build_with(std::slice::from_ref(service), &its_slices, options);
-                    Entry { service: Arc::clone(service), slices: its_slices, desired, errors }
+                    let parts = model::build_parts(std::slice::from_ref(service), &its_slices, options);
+                    Entry { service: Arc::clone(service), slices: its_slices, parts }
                 }
             };
-            let mut part = entry.desired.stats.clone();
-            let mut kept = 0;
-            for frontend in &entry.desired.frontends {
-                let claim = (frontend.vip, frontend.port, frontend.proto);
-                if let Some(other) = taken.get(&claim) {
-                    part.frontends -= 1;
-                    part.frontends_without_backends -= usize::from(frontend.backends.is_empty());
-                    part.frontends_terminating_fallback -= usize::from(frontend.terminating_fallback);
-                    errors.push(ManifestError {
-                        origin: service.origin.clone(),
-                        object: Some(format!("Service {}", frontend.service)),
-                        field: Some("spec.ports".to_owned()),
-                        message: format!(
-                            "{}:{}/{} is already used by Service {other}; the port is skipped",
-                            frontend.vip, frontend.port, frontend.proto
-                        ),
-                    });
-                    continue;
-                }
-                taken.insert(claim, frontend.service.clone());
-                frontends.push(frontend.clone());
-                kept += 1;
-            }
-            if kept == 0 {
-                part.services_programmed = 0;
-            }
-            errors.extend(entry.errors.iter().cloned());
-            add(&mut stats, &part);
-            trigger_times.extend(entry.desired.trigger_times.iter().cloned());
+            merge.add(Cow::Borrowed(&entry.parts));
             next.insert(key, entry);
         }
         self.entries = next;
-        frontends.sort_by_key(|f| (f.vip, f.port, f.proto));
-        trigger_times.sort();
-        (Desired { frontends, stats, trigger_times, health_checks: Vec::new() }, errors)
+        merge.finish()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
-    use crate::manifest::parse_str;
+    use crate::{manifest::parse_str, model::FrontendKind};
 
     const OBJECTS: &str = "
 apiVersion: v1
@@ -168,7 +129,56 @@ metadata: {name: thief, namespace: default}
 spec:
   clusterIP: 10.96.0.100
   ports: [{name: http, port: 80, protocol: TCP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: shop, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.200
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  externalIPs: [203.0.113.7, bogus]
+  loadBalancerSourceRanges: [10.0.0.0/8, 10.0.0.0/40]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30080}]
+status:
+  loadBalancer:
+    ingress: [{ip: 198.51.100.10}, {ip: 198.51.100.11, ipMode: Proxy}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: shop-1, namespace: default, labels: {kubernetes.io/service-name: shop}}
+addressType: IPv4
+endpoints:
+- {addresses: [10.244.1.31], nodeName: worker-1}
+- {addresses: [10.244.2.31], nodeName: worker-2}
+- {addresses: [10.244.1.32], nodeName: worker-1, conditions: {ready: false, serving: true, terminating: true}}
+ports: [{name: http, port: 8080, protocol: TCP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: copycat, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.201
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  ports: [{name: http, port: 81, protocol: TCP, nodePort: 30080}, {name: other, port: 82, protocol: TCP, nodePort: 30082}]
 ";
+
+    fn on_node(addresses: &[&str]) -> ModelOptions {
+        ModelOptions {
+            node_name: Some("worker-1".into()),
+            node_addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn sorted(errors: &[ManifestError]) -> Vec<String> {
+        let mut texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        texts.sort();
+        texts
+    }
 
     type Shared = (Vec<Arc<Sourced<Service>>>, Vec<Arc<Sourced<EndpointSlice>>>);
 
@@ -184,15 +194,27 @@ spec:
     #[test]
     fn equals_a_full_build_and_rebuilds_only_what_changed() {
         let (services, slices) = objects(OBJECTS);
-        let options = ModelOptions::default();
+        let options = on_node(&["192.168.1.10", "10.0.0.5"]);
         let mut cache = ModelCache::default();
         let (desired, errors) = cache.build(&services, &slices, &options);
         let (full, full_errors) = model::build_with(&services, &slices, &options);
         assert_eq!(desired, full);
-        assert_eq!(errors.len(), full_errors.len(), "{errors:?} / {full_errors:?}");
+        assert_eq!(sorted(&errors), sorted(&full_errors));
         assert!(errors.iter().any(|e| e.to_string().contains("already used by Service default/web")));
         assert!(errors.iter().any(|e| e.to_string().contains("70000")));
-        assert_eq!(cache.rebuilt, 3);
+        assert!(errors.iter().any(|e| e.to_string().contains("spec.externalIPs[1]")));
+        assert!(errors.iter().any(|e| e.to_string().contains("spec.loadBalancerSourceRanges[1]")));
+        let collisions = errors.iter().filter(|e| e.field.as_deref() == Some("spec.ports[0].nodePort"));
+        assert_eq!(collisions.count(), 2, "copycat's nodePort on each node address: {errors:#?}");
+        assert!(errors.iter().any(|e| e.field.as_deref() == Some("spec.healthCheckNodePort")));
+        // shop: cluster IP, two node addresses, an external IP and a load-balancer IP (the Proxy-mode one
+        // is left out), each but the cluster IP in both scopes; copycat: two cluster-IP ports, and 82 on
+        // both node addresses, in both scopes.
+        assert_eq!(full.frontends.iter().filter(|f| f.service.name == "shop").count(), 9);
+        assert_eq!(full.frontends.iter().filter(|f| f.service.name == "copycat").count(), 6);
+        assert_eq!(full.health_checks.len(), 1);
+        assert_eq!((full.health_checks[0].local_ready, full.health_checks[0].local_terminating), (1, 1));
+        assert_eq!(cache.rebuilt, 5);
 
         // Nothing changed: nothing rebuilt, same result.
         let (again, _) = cache.build(&services, &slices, &options);
@@ -211,5 +233,30 @@ spec:
         let (desired, _) = cache.build(&services[1..], &slices2, &options);
         assert_eq!(desired, model::build_with(&services[1..], &slices2, &options).0);
         assert_eq!(cache.rebuilt, 0);
+
+        // Other options (node addresses, node name) invalidate everything.
+        for options in
+            [on_node(&["192.168.1.11"]), ModelOptions { node_name: None, ..on_node(&["192.168.1.11"]) }]
+        {
+            let (desired, errors) = cache.build(&services, &slices2, &options);
+            assert_eq!(cache.rebuilt, services.len());
+            let (full, full_errors) = model::build_with(&services, &slices2, &options);
+            assert_eq!(desired, full);
+            assert_eq!(sorted(&errors), sorted(&full_errors));
+        }
+        let node_ports = |desired: &Desired| -> Vec<Ipv4Addr> {
+            let mut vips: Vec<_> = desired
+                .frontends
+                .iter()
+                .filter(|f| f.kind == FrontendKind::NodePort)
+                .map(|f| f.vip)
+                .collect();
+            vips.dedup();
+            vips
+        };
+        assert_eq!(
+            node_ports(&cache.build(&services, &slices2, &on_node(&["192.168.1.12"])).0),
+            [Ipv4Addr::new(192, 168, 1, 12)]
+        );
     }
 }
