@@ -1,12 +1,12 @@
 //! The XDP fast path on external interfaces: the NodePort / ExternalIP / LB
 //! flows whose backend is on another node (DNAT + SNAT, sent straight back
-//! out with XDP_TX or a redirect) and the replies to them. It shares every map
+//! out with a redirect) and the replies to them. It shares every map
 //! and decision with the tc path (`kproxy_external_ingress`); anything else —
 //! local backends, externalTrafficPolicy: Local, refusals, expired or
 //! rebalanced flows, IP options, unresolved neighbours — is passed untouched
 //! to the stack, where the tc program handles it.
 use aya_ebpf::{
-    bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
+    bindings::xdp_action::{XDP_DROP, XDP_PASS},
     helpers::bpf_redirect,
     programs::XdpContext,
 };
@@ -131,15 +131,16 @@ fn rewrite(packet: *mut [u8; REWRITE_SPAN], flow: &Flow, new: &checksum::FourTup
     }
 }
 
+/// Sends the rewritten frame out of the route's interface — the one it came
+/// in on, for a remote backend — with a redirect rather than XDP_TX: a
+/// redirect ends with an explicit flush to the device (XDP_XMIT_FLUSH), while
+/// veth only wakes its peer after XDP_TX when the peer runs an XDP program
+/// itself, and NIC drivers with XDP support both.
 #[inline(always)]
-fn send(route: &fib::Route, ingress: u32) -> u32 {
+fn send(route: &fib::Route) -> u32 {
     stats::count(Stat::XdpForwarded);
-    if route.ifindex == ingress {
-        XDP_TX
-    } else {
-        // SAFETY: a helper taking plain values.
-        unsafe { bpf_redirect(route.ifindex, 0) as u32 }
-    }
+    // SAFETY: a helper taking plain values.
+    unsafe { bpf_redirect(route.ifindex, 0) as u32 }
 }
 
 #[inline(always)]
@@ -169,7 +170,6 @@ fn handle(ctx: &XdpContext) -> Outcome {
     if ctx.data() + REWRITE_SPAN > ctx.data_end() {
         return Err(Stat::PassTruncated);
     }
-    let ingress = ctx.ingress_ifindex() as u32;
     let mut out = Translation {
         tuple: [0; 12],
         route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
@@ -183,7 +183,7 @@ fn handle(ctx: &XdpContext) -> Outcome {
             && unsafe { (*entry).flags } & CT_FLAG_SNAT != 0
         {
             snat_reply(ctx, &flow, entry, &mut out)?;
-            return finish(ctx, &flow, &out, ingress);
+            return finish(ctx, &flow, &out);
         }
     }
     // Each stage is called from here, none from another: the BPF stack limit
@@ -214,14 +214,14 @@ fn handle(ctx: &XdpContext) -> Outcome {
             commit(ctx, &flow, &pick, &mut out)?;
         }
     }
-    finish(ctx, &flow, &out, ingress)
+    finish(ctx, &flow, &out)
 }
 
 #[inline(always)]
-fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation, ingress: u32) -> Outcome {
+fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation) -> Outcome {
     let packet = pointer::<[u8; REWRITE_SPAN]>(ctx, 0).map_err(|_| Stat::RewriteFailed)?;
     rewrite(packet, flow, &out.tuple, &out.route);
-    Ok(send(&out.route, ingress))
+    Ok(send(&out.route))
 }
 
 /// The rewrite a stage decided on, carried out by [`handle`].
@@ -246,6 +246,10 @@ fn snat_reply(
         .map_err(|_| Stat::FibLookupFailed)?;
     if !route.neighbour_known {
         return Err(Stat::FibLookupFailed);
+    }
+    if route.ifindex != ingress {
+        // A local pod (a masqueraded flow): delivered by tc.
+        return Err(Stat::PassNoService);
     }
     let now = conntrack::now();
     // SAFETY: as above.
@@ -284,6 +288,10 @@ fn established(
         .map_err(|_| Stat::FibLookupFailed)?;
     if !route.neighbour_known {
         return Err(Stat::FibLookupFailed);
+    }
+    if route.ifindex != ingress {
+        // A local pod (a masqueraded flow): delivered by tc.
+        return Err(Stat::PassNoService);
     }
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };

@@ -380,8 +380,10 @@ fn socket_link(pins: &PinDir, cgroup: &Path, program: &str) -> PathBuf {
 /// The cgroup of a socket link pin's name.
 fn socket_link_cgroup(name: &str) -> Option<PathBuf> {
     let hex = name.strip_prefix("cgroup@")?.split('-').next()?;
-    let bytes: Option<Vec<u8>> =
-        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+    let bytes: Option<Vec<u8>> = (0..hex.len())
+        .step_by(2)
+        .map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect();
     String::from_utf8(bytes?).ok().map(PathBuf::from)
 }
 

@@ -190,6 +190,23 @@ impl MultiNode {
             NODE_EXTERNAL_DEVICE,
         ])?;
         ip(&["-n", netns, "link", "set", NODE_EXTERNAL_DEVICE, "up"])?;
+        self.make_wire(netns, port)
+    }
+
+    /// Makes a veth pair behave like a NIC on a wire, as XDP on a real external interface
+    /// sees it: packets leave `eth0` with complete checksums (a veth otherwise hands over the
+    /// partial ones of checksum offload, which XDP cannot tell apart and XDP_TX would send on
+    /// unfinished), and the underlay-side port receives what XDP_TX sends back (veth gives a
+    /// device a receive queue for XDP_TX only when GRO or an XDP program is on).
+    fn make_wire(&self, netns: &str, port: &str) -> Result<()> {
+        let ethtool = find_tool("ethtool")?;
+        for (ns, dev, setting) in
+            [(netns, NODE_EXTERNAL_DEVICE, ["tx", "off"]), (&self.underlay_ns, port, ["gro", "on"])]
+        {
+            let mut command = Command::new(find_tool("ip")?);
+            command.args(["netns", "exec", ns]).arg(&ethtool).args(["-K", dev]).args(setting);
+            cmd::run_ok(command, EXEC_TIMEOUT)?;
+        }
         Ok(())
     }
 

@@ -189,8 +189,37 @@ fn home_node(backend: Ipv4Addr) -> usize {
 }
 
 #[test]
-fn nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted() {
-    let cluster = NorthSouth::start("np");
+fn nodeport_through_tc_alone_reaches_every_backend_with_snat_for_remote_ones() {
+    let cluster = NorthSouth::start_with("np-tc", &["--xdp", "off"]);
+    nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(&cluster);
+    let link = cluster.multi.node(0).node_exec(["ip", "link", "show", "eth0"]).unwrap();
+    assert!(!link.contains("prog/xdp"), "--xdp off attached XDP: {link}");
+    assert_eq!(cluster.stat(0, "xdp_forwarded"), 0);
+}
+
+#[test]
+fn nodeport_through_xdp_reaches_every_backend_with_snat_for_remote_ones() {
+    let cluster = NorthSouth::start("np-xdp");
+    for node in 0..2 {
+        // The agent attaches within its --poll-ms after it starts.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let link = loop {
+            let link = cluster.multi.node(node).node_exec(["ip", "-d", "link", "show", "eth0"]).unwrap();
+            if link.contains("kproxy_xdp") || Instant::now() > deadline {
+                break link;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(link.contains("prog/xdp") && link.contains("kproxy_xdp"), "node {node}: {link}");
+        assert!(link.contains(" xdp ") || link.contains("xdp qdisc"), "native XDP on veth expected: {link}");
+    }
+    nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(&cluster);
+    // Remote-backend flows (their SYN, the backend's answers, later segments) went through XDP.
+    assert!(cluster.stat(0, "xdp_forwarded") >= 3, "XDP forwarded {}", cluster.stat(0, "xdp_forwarded"));
+    assert!(cluster.stat(0, "xdp_pass") > 0, "local-backend flows are left to tc");
+}
+
+fn nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(cluster: &NorthSouth) {
     for node in 0..2 {
         let node_ip = cluster.multi.node_ip(node);
         let mut seen = std::collections::BTreeSet::new();

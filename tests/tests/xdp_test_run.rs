@@ -1,6 +1,6 @@
 //! BPF_PROG_TEST_RUN of the real XDP program (`kproxy_xdp`) and the external tc program: byte-exact
 //! rewrites of a NodePort flow to a backend on another node (DNAT + SNAT, sent back out with
-//! XDP_TX) and of its reply, and the cases XDP leaves to tc.
+//! XDP_REDIRECT) and of its reply, and the cases XDP leaves to tc.
 //!
 //! The route lookups the programs make need an interface, a route and neighbours: each test runs
 //! in a thread that moves itself into a new network namespace (`unshare(CLONE_NEWNET)`) holding
@@ -26,7 +26,7 @@ use common::{Packet, checksums_valid, harness::ct_key};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
 
 const NODE: [u8; 4] = [192, 168, 100, 10];
 const CLIENT: [u8; 4] = [192, 168, 100, 200];
@@ -162,7 +162,7 @@ fn nodeport_to_a_remote_backend_is_dnated_snated_and_sent_back_out_and_so_is_its
         let x = Xdp0::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
         let syn = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_SYN).with_payload(b"hello");
         let (action, out) = x.xdp(&frame_to_node(&syn));
-        assert_eq!(action, XDP_TX, "{:?}", out);
+        assert_eq!(action, XDP_REDIRECT, "{:?}", out);
 
         // The SNAT port is the one the datapath picked: read it from conntrack.
         let fwd =
@@ -180,7 +180,7 @@ fn nodeport_to_a_remote_backend_is_dnated_snated_and_sent_back_out_and_so_is_its
         frame[..6].copy_from_slice(&NODE_MAC);
         frame[6..12].copy_from_slice(&PEER_MAC);
         let (action, out) = x.xdp(&frame);
-        assert_eq!(action, XDP_TX);
+        assert_eq!(action, XDP_REDIRECT);
         let back = Packet { src: NODE, sport: 30080, dst: CLIENT, dport: 40000, ..reply };
         assert_eq!(out, expected(&back, CLIENT_MAC), "reverse SNAT + DNAT, to the client's MAC");
         assert!(checksums_valid(&out));
@@ -190,7 +190,7 @@ fn nodeport_to_a_remote_backend_is_dnated_snated_and_sent_back_out_and_so_is_its
         // The next segment of the flow takes the same translation.
         let ack = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_ACK);
         let (action, out) = x.xdp(&frame_to_node(&ack));
-        assert_eq!(action, XDP_TX);
+        assert_eq!(action, XDP_REDIRECT);
         assert_eq!(
             out,
             expected(&Packet { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..ack }, PEER_MAC)
@@ -211,7 +211,7 @@ fn udp_nodeport_flows_get_distinct_snat_ports_and_valid_checksums() {
         for sport in 50000..50020 {
             let query = Packet::udp(CLIENT, sport, NODE, 30053, b"a DNS query, more or less");
             let (action, out) = x.xdp(&frame_to_node(&query));
-            assert_eq!(action, XDP_TX);
+            assert_eq!(action, XDP_REDIRECT);
             assert!(checksums_valid(&out));
             assert_eq!(&out[30..34], &REMOTE_BACKEND);
             assert!(ports.insert(u16::from_be_bytes([out[34], out[35]])), "a SNAT port was handed out twice");
@@ -237,7 +237,7 @@ fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_range
             assert_eq!((action, &out), (XDP_PASS, &frame), "port {port} is tc's, untouched");
         }
         let allowed = frame_to_node(&Packet::tcp(CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));
-        assert_eq!(x.xdp(&allowed).0, XDP_TX);
+        assert_eq!(x.xdp(&allowed).0, XDP_REDIRECT);
         let other = frame_to_node(&Packet::tcp(OTHER_CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));
         assert_eq!(x.xdp(&other).0, XDP_DROP);
         assert_eq!(x.stat(Stat::DropSourceRange), 1);
