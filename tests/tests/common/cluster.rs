@@ -139,7 +139,28 @@ impl Cluster {
             ("10.96.0.10:53", "UDP", 2),
             ("10.96.0.10:53", "TCP", 2),
         ]);
+        cluster.wait_for_attachment();
         cluster
+    }
+
+    /// Waits until every pod's veth has the ingress and egress programs (the agent attaches them
+    /// within its --poll-ms, independently of programming the maps).
+    pub fn wait_for_attachment(&self) {
+        let pods: Vec<&Pod> = std::iter::once(&self.client).chain(&self.web).chain(&self.dns).collect();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let links: Vec<String> = std::fs::read_dir(self.pin_dir.join("links"))
+                .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+                .unwrap_or_default();
+            let attached = |veth: &str, hook: &str| {
+                links.iter().any(|l| l.starts_with(&format!("{veth}@")) && l.ends_with(&format!("-{hook}")))
+            };
+            if pods.iter().all(|p| attached(p.host_veth(), "ingress") && attached(p.host_veth(), "egress")) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "pod veths not attached; agent log:\n{}", self.agent_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     pub fn start_agent(&mut self) {
