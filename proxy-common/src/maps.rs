@@ -16,6 +16,7 @@ pub const MAP_SOURCE_RANGES_V4: &str = "SOURCE_RANGES_V4";
 pub const MAP_EXTERNAL_IFACES: &str = "EXTERNAL_IFACES";
 pub const MAP_NODEPORT_CONFIG: &str = "NODEPORT_CONFIG";
 pub const MAP_SOCK_REVNAT_V4: &str = "SOCK_REVNAT_V4";
+pub const MAP_MAGLEV_V4: &str = "MAGLEV_V4";
 pub const MAP_SOCKET_LB_CONFIG: &str = "SOCKET_LB_CONFIG";
 
 /// Program names (the function names in proxy-ebpf).
@@ -104,6 +105,10 @@ pub const SVC_FLAG_SOURCE_RANGES: u16 = 8;
 pub const SVC_FLAG_EXTERNAL_LOCAL: u16 = 16;
 /// A NodePort, ExternalIP or LoadBalancer frontend (not a cluster IP).
 pub const SVC_FLAG_EXTERNAL_ADDR: u16 = 32;
+/// `--lb-algorithm=maglev`: new flows pick their backend from the Maglev
+/// table `backend_id - 1` of MAGLEV_V4 (slot 0's `backend_id` is otherwise
+/// unused), so every node picks the same backend for the same flow.
+pub const SVC_FLAG_MAGLEV: u16 = 64;
 
 pub const BACKEND_FLAG_ACTIVE: u8 = 0;
 pub const BACKEND_FLAG_TERMINATING: u8 = 1;
@@ -313,6 +318,8 @@ pub struct NodePortConfigV4 {
     pub cluster_cidr: [u8; 4],
     pub cluster_cidr_prefix: u8,
     pub _pad: [u8; 3],
+    /// `--maglev-seed`: the same on every node, so their tables agree.
+    pub maglev_seed: u32,
 }
 
 /// Above the kernel's default ephemeral range (32768-60999) so that SNAT
@@ -478,7 +485,7 @@ mod tests {
         assert_eq!(size_of::<SnatEntryV4>(), 8 + 4 + 2 + 2);
         assert_eq!(size_of::<SourceRangeV4>(), 2 + 2 + 4);
         assert_eq!(size_of::<ExternalIfaceV4>(), 4 + 4);
-        assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3);
+        assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3 + 4);
         assert_eq!(size_of::<SockRevNatKeyV4>(), 8 + 4 + 2 + 2);
         assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2);
         assert_eq!(size_of::<SocketLbConfigV4>(), 8 + 4 + 4);

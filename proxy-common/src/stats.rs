@@ -67,10 +67,12 @@ pub enum Stat {
     SockRefused,
     /// recvmsg() or getpeername() showed the Service address again.
     SockReverse,
+    /// A new flow's backend came from its frontend's Maglev table.
+    MaglevPick,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 32;
+    pub const COUNT: u32 = 33;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -105,6 +107,7 @@ impl Stat {
         Stat::SockTranslated,
         Stat::SockRefused,
         Stat::SockReverse,
+        Stat::MaglevPick,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -141,6 +144,7 @@ impl Stat {
             Stat::SockTranslated => "socket_lb_translated",
             Stat::SockRefused => "socket_lb_refused",
             Stat::SockReverse => "socket_lb_reverse",
+            Stat::MaglevPick => "maglev_pick",
         }
     }
 }

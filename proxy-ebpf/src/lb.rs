@@ -1,16 +1,18 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
+    maglev::{MAGLEV_TABLE_SIZE, flow_hash, table_index},
     maps::{
         AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CtEntryV4, SCOPE_EXTERNAL,
-        SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY, ServiceKeyV4, ServiceValueV4, SourceRangeV4,
+        SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_MAGLEV, ServiceKeyV4,
+        ServiceValueV4, SourceRangeV4,
     },
     slots::select_slot,
     stats::Stat,
 };
 
 use crate::{
-    Verdict,
-    maps::{AFFINITY_V4, BACKENDS_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
+    Verdict, config,
+    maps::{AFFINITY_V4, BACKENDS_V4, MAGLEV_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
     parse::Flow,
     stats,
 };
@@ -74,6 +76,23 @@ pub struct Choice {
     pub slot: u16,
 }
 
+/// The backend Maglev table `table` gives a flow: the same on every node for
+/// the same flow, seed and backends.
+#[inline(always)]
+fn maglev_backend(flow: &Flow, table: u32) -> Option<Choice> {
+    let seed = config::nodeport().maglev_seed;
+    let hash = flow_hash(flow.saddr, flow.daddr, flow.sport, flow.dport, flow.proto, seed);
+    let index = table.checked_mul(MAGLEV_TABLE_SIZE)?.checked_add(table_index(hash, MAGLEV_TABLE_SIZE))?;
+    let backend_id = *MAGLEV_V4.get(index)?;
+    // SAFETY: the value is copied out at once.
+    let backend = unsafe { BACKENDS_V4.get(backend_id) }.copied()?;
+    if backend.flags & BACKEND_FLAG_TERMINATING != 0 {
+        return None;
+    }
+    stats::count(Stat::MaglevPick);
+    Some(Choice { backend_id, backend, slot: 0 })
+}
+
 /// The backend for a new flow: the client's sticky one while its affinity
 /// entry is fresh, otherwise one of the active backends with equal probability.
 #[inline(always)]
@@ -94,6 +113,13 @@ pub fn select_backend(flow: &Flow, found: &Frontend, now: u64) -> Result<Choice,
                 return Ok(Choice { backend_id: (*sticky).backend_id, backend: *backend, slot: 0 });
             }
         }
+    }
+
+    if frontend.flags & SVC_FLAG_MAGLEV != 0
+        && frontend.backend_id != 0
+        && let Some(choice) = maglev_backend(flow, frontend.backend_id - 1)
+    {
+        return Ok(choice);
     }
 
     // SAFETY: a helper without side effects.

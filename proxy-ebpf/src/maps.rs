@@ -84,3 +84,8 @@ pub static SOCK_REVNAT_V4: LruHashMap<SockRevNatKeyV4, SockRevNatV4> =
 
 #[map(name = "SOCKET_LB_CONFIG")]
 pub static SOCKET_LB_CONFIG: Array<SocketLbConfigV4> = Array::with_max_entries(1, 0);
+
+/// `--lb-algorithm=maglev`: the lookup tables, MAGLEV_TABLE_SIZE backend ids
+/// each, one per external frontend (sized by the agent at load).
+#[map(name = "MAGLEV_V4")]
+pub static MAGLEV_V4: Array<u32> = Array::with_max_entries(proxy_common::maglev::MAGLEV_TABLE_SIZE, 0);

@@ -52,6 +52,8 @@ pub struct AgentConfig {
     pub conntrack: ConntrackOptions,
     pub north_south: NorthSouthOptions,
     pub socket_lb: SocketLbOptions,
+    /// `--lb-algorithm=maglev`: tables for NodePort, ExternalIP and LB frontends.
+    pub maglev: Option<crate::sync::MaglevSettings>,
 }
 
 /// `--socket-lb` and where its programs attach.
@@ -176,7 +178,11 @@ pub fn run(config: AgentConfig) -> Result<()> {
 
 async fn run_async(config: AgentConfig) -> Result<()> {
     let selector = InterfaceSelector::new(&config.interfaces)?;
-    let capacities = Capacities { conntrack: config.conntrack.max, ..Default::default() };
+    let capacities = Capacities {
+        conntrack: config.conntrack.max,
+        maglev_tables: config.maglev.map_or(1, |m| m.tables),
+        ..Default::default()
+    };
     if datapath::load_with(&config.pins, &capacities)? {
         tracing::info!(pins = %config.pins.root().display(), "loaded and pinned the datapath");
     } else {
@@ -212,7 +218,30 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             tracing::info!(cgroup = %cgroup.display(), ?mode, hooks = attached.len(), "socket-level load balancing on");
         }
     }
-    let mut syncer = Syncer::from_maps(Maps::from_pins(&config.pins)?).context("reading the pinned maps")?;
+    let mut syncer = {
+        let maps = Maps::from_pins(&config.pins)?;
+        let maglev_map = Maps::from_pins(&config.pins)?.maglev;
+        let syncer = Syncer::from_maps(maps).context("reading the pinned maps")?;
+        match config.maglev {
+            Some(settings) => {
+                use aya::maps::IterableMap as _;
+                let capacity = maglev_map.map().info().map(|i| i.max_entries()).unwrap_or(0);
+                let tables = capacity / proxy_common::maglev::MAGLEV_TABLE_SIZE;
+                if tables < settings.tables {
+                    tracing::warn!(
+                        pinned = tables,
+                        wanted = settings.tables,
+                        "the pinned Maglev map keeps its size; --maglev-tables applies after `kproxy unload`"
+                    );
+                }
+                syncer.with_maglev(
+                    maglev_map,
+                    crate::sync::MaglevSettings { tables: tables.min(settings.tables), ..settings },
+                )
+            }
+            None => syncer,
+        }
+    };
     tracing::info!(
         frontends = syncer.frontend_count(),
         backends = syncer.backend_count(),

@@ -32,7 +32,7 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 17] = [
+const ALL_MAPS: [&str; 18] = [
     proxy_common::trace::MAP_EVENTS,
     proxy_common::trace::MAP_TRACE,
     MAP_SERVICES_V4,
@@ -50,6 +50,7 @@ const ALL_MAPS: [&str; 17] = [
     MAP_NODEPORT_CONFIG,
     MAP_SOCK_REVNAT_V4,
     MAP_SOCKET_LB_CONFIG,
+    MAP_MAGLEV_V4,
 ];
 
 /// The socket-level load balancing programs and their hooks.
@@ -162,6 +163,8 @@ pub struct Capacities {
     pub conntrack: u32,
     /// sessionAffinity entries (client × frontend); LRU.
     pub affinity: u32,
+    /// Maglev tables (of MAGLEV_TABLE_SIZE entries) in MAGLEV_V4.
+    pub maglev_tables: u32,
 }
 
 impl Default for Capacities {
@@ -172,6 +175,7 @@ impl Default for Capacities {
             rev_nat: REV_NAT_V4_CAPACITY,
             conntrack: CONNTRACK_V4_CAPACITY,
             affinity: AFFINITY_V4_CAPACITY,
+            maglev_tables: 1,
         }
     }
 }
@@ -217,6 +221,10 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
         .map_max_entries(MAP_SNAT_V4, capacities.conntrack)
         .map_max_entries(MAP_AFFINITY_V4, capacities.affinity)
         .map_max_entries(MAP_VIPS_V4, capacities.rev_nat)
+        .map_max_entries(
+            MAP_MAGLEV_V4,
+            capacities.maglev_tables.max(1).saturating_mul(proxy_common::maglev::MAGLEV_TABLE_SIZE),
+        )
         .load(EBPF_OBJECT)
         .context("loading the eBPF object")?;
     for hook in Hook::ALL {
@@ -297,6 +305,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         MAP_NODEPORT_CONFIG => sizes(size_of::<u32>(), size_of::<NodePortConfigV4>()),
         MAP_SOCK_REVNAT_V4 => sizes(size_of::<SockRevNatKeyV4>(), size_of::<SockRevNatV4>()),
         MAP_SOCKET_LB_CONFIG => sizes(size_of::<u32>(), size_of::<SocketLbConfigV4>()),
+        MAP_MAGLEV_V4 => sizes(size_of::<u32>(), size_of::<u32>()),
         proxy_common::trace::MAP_TRACE => {
             sizes(size_of::<u32>(), size_of::<proxy_common::trace::TraceConfig>())
         }
@@ -744,6 +753,7 @@ pub struct Maps {
     pub nodeport_config: Array<MapData, NodePortConfigV4>,
     pub sock_revnat: HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>,
     pub socket_lb_config: Array<MapData, SocketLbConfigV4>,
+    pub maglev: Array<MapData, u32>,
 }
 
 impl Maps {
@@ -769,6 +779,7 @@ impl Maps {
             nodeport_config: Array::try_from(Map::Array(open(MAP_NODEPORT_CONFIG)?))?,
             sock_revnat: HashMap::try_from(Map::LruHashMap(open(MAP_SOCK_REVNAT_V4)?))?,
             socket_lb_config: Array::try_from(Map::Array(open(MAP_SOCKET_LB_CONFIG)?))?,
+            maglev: Array::try_from(Map::Array(open(MAP_MAGLEV_V4)?))?,
         })
     }
 
@@ -791,6 +802,7 @@ impl Maps {
             nodeport_config: Array::try_from(take(MAP_NODEPORT_CONFIG)?)?,
             sock_revnat: HashMap::try_from(take(MAP_SOCK_REVNAT_V4)?)?,
             socket_lb_config: Array::try_from(take(MAP_SOCKET_LB_CONFIG)?)?,
+            maglev: Array::try_from(take(MAP_MAGLEV_V4)?)?,
         })
     }
 }

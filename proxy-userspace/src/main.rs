@@ -174,6 +174,24 @@ struct AgentArgs {
     /// mount (every process of the node).
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
+    /// How NodePort, ExternalIP and LoadBalancer frontends pick a backend for
+    /// a new flow: at random, or by Maglev consistent hashing of the flow
+    /// (every node picks the same backend; a backend change moves few flows).
+    #[arg(long, value_enum, default_value = "random")]
+    lb_algorithm: LbAlgorithm,
+    /// The Maglev hash seed; must be the same on every node.
+    #[arg(long, default_value_t = 0x6b70_726f)]
+    maglev_seed: u32,
+    /// Maglev tables (64 KiB each): one per NodePort/ExternalIP/LB frontend;
+    /// those beyond use random selection.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    maglev_tables: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LbAlgorithm {
+    Random,
+    Maglev,
 }
 
 impl AgentArgs {
@@ -308,7 +326,12 @@ fn run(cli: Cli) -> Result<()> {
                     external_interfaces: args.external_interfaces,
                     snat_ports: args.snat_port_range,
                     xdp: args.xdp,
+                    maglev_seed: args.maglev_seed,
                 },
+                maglev: (args.lb_algorithm == LbAlgorithm::Maglev).then_some(kproxy::sync::MaglevSettings {
+                    seed: args.maglev_seed,
+                    tables: args.maglev_tables,
+                }),
                 socket_lb: kproxy::agent::SocketLbOptions {
                     mode: args.socket_lb,
                     cgroup: args.cgroup_root.or_else(kproxy::datapath::cgroup2_mount),

@@ -30,6 +30,8 @@ pub struct NorthSouthOptions {
     pub snat_ports: (u16, u16),
     /// `--xdp`.
     pub xdp: crate::datapath::XdpSetting,
+    /// `--maglev-seed`.
+    pub maglev_seed: u32,
 }
 
 impl Default for NorthSouthOptions {
@@ -40,6 +42,7 @@ impl Default for NorthSouthOptions {
             external_interfaces: Vec::new(),
             snat_ports: (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX),
             xdp: crate::datapath::XdpSetting::Native,
+            maglev_seed: 0,
         }
     }
 }
@@ -56,6 +59,7 @@ impl NorthSouthOptions {
             cluster_cidr,
             cluster_cidr_prefix: prefix,
             _pad: [0; 3],
+            maglev_seed: self.maglev_seed,
         }
     }
 }

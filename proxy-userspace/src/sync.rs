@@ -91,6 +91,10 @@ struct Programmed {
     affinity_timeout_s: u32,
     /// Sorted.
     source_ranges: Vec<Cidr4>,
+    /// The Maglev table this frontend uses, and the backend ids written to it
+    /// (empty when not known, e.g. after a restart: rewritten in full).
+    maglev_table: Option<u32>,
+    maglev_entries: Vec<u32>,
 }
 
 impl Programmed {
@@ -140,6 +144,34 @@ pub trait Store {
     fn del_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
         Ok(())
     }
+    /// One entry of MAGLEV_V4 (the default is for stores without it).
+    fn put_maglev(&mut self, _index: u32, _backend_id: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// `--lb-algorithm=maglev`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaglevSettings {
+    /// Shared by all nodes.
+    pub seed: u32,
+    /// Tables in MAGLEV_V4: external frontends beyond it use random selection.
+    pub tables: u32,
+}
+
+/// The Maglev table of `backends` (ids aligned with their addresses): the
+/// backend id of each of its [`MAGLEV_TABLE_SIZE`] entries.
+pub fn build_maglev_table(backends: &[(BackendAddr, u32)], proto: Protocol, seed: u32) -> Result<Vec<u32>> {
+    use proxy_common::maglev::{BackendIdentityV4, MAGLEV_TABLE_SIZE, populate, scratch_len};
+    let identities: Vec<BackendIdentityV4> = backends
+        .iter()
+        .map(|(b, _)| BackendIdentityV4::new(b.addr.octets(), b.port.to_be_bytes(), proto.number()))
+        .collect();
+    let mut table = vec![0u32; MAGLEV_TABLE_SIZE as usize];
+    let mut scratch = vec![0u32; scratch_len(identities.len())];
+    populate(&identities, seed, MAGLEV_TABLE_SIZE, &mut table, &mut scratch)
+        .map_err(|e| anyhow::anyhow!("Maglev table: {e}"))?;
+    Ok(table.into_iter().map(|i| backends[i as usize].1).collect())
 }
 
 /// The pinned (or freshly loaded) BPF maps.
@@ -153,6 +185,8 @@ pub struct BpfStore {
     pub vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
     /// `None`: SOURCE_RANGES_V4 is not maintained.
     pub source_ranges: Option<aya::maps::LpmTrie<MapData, SourceRangeV4, u8>>,
+    /// `None`: MAGLEV_V4 is not maintained.
+    pub maglev: Option<aya::maps::Array<MapData, u32>>,
 }
 
 impl Store for BpfStore {
@@ -232,6 +266,12 @@ impl Store for BpfStore {
             None => Ok(()),
         }
     }
+    fn put_maglev(&mut self, index: u32, backend_id: u32) -> Result<()> {
+        match &mut self.maglev {
+            Some(array) => array.set(index, backend_id, 0).context("MAGLEV_V4"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The service maps' contents as this process last wrote (or read) them.
@@ -247,6 +287,7 @@ pub struct Syncer<S: Store = BpfStore> {
     /// above the counter is free, and allocation needs no search.
     backend_ids_wrapped: bool,
     rev_nat_ids_wrapped: bool,
+    maglev: Option<MaglevSettings>,
 }
 
 /// What one sync changed, and what it could not do.
@@ -362,7 +403,15 @@ impl Syncer<BpfStore> {
         rev_nat: HashMap<MapData, u16, RevNatV4>,
         names: HashMap<MapData, u16, FrontendNameV4>,
     ) -> Result<Self> {
-        Self::with_store(BpfStore { services, backends, rev_nat, names, vips: None, source_ranges: None })
+        Self::with_store(BpfStore {
+            services,
+            backends,
+            rev_nat,
+            names,
+            vips: None,
+            source_ranges: None,
+            maglev: None,
+        })
     }
 
     /// Also keeps VIPS_V4 (VIP → number of frontends) in step.
@@ -380,6 +429,13 @@ impl Syncer<BpfStore> {
         self.store.source_ranges = Some(trie);
         self.reload()?;
         Ok(self)
+    }
+
+    /// Uses Maglev tables for external frontends (`--lb-algorithm=maglev`).
+    pub fn with_maglev(mut self, array: aya::maps::Array<MapData, u32>, settings: MaglevSettings) -> Self {
+        self.store.maglev = Some(array);
+        self.maglev = Some(settings);
+        self
     }
 
     pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
@@ -400,6 +456,7 @@ impl<S: Store> Syncer<S> {
             next_rev_nat_id: 1,
             backend_ids_wrapped: false,
             rev_nat_ids_wrapped: false,
+            maglev: None,
         };
         syncer.reload()?;
         Ok(syncer)
@@ -459,6 +516,9 @@ impl<S: Store> Syncer<S> {
                     r.sort();
                     r
                 },
+                maglev_table: (master.flags & SVC_FLAG_MAGLEV != 0 && master.backend_id != 0)
+                    .then(|| master.backend_id - 1),
+                maglev_entries: Vec::new(),
             };
             frontends.insert(fk, programmed);
         }
@@ -675,7 +735,15 @@ impl<S: Store> Syncer<S> {
             terminating_ids.push(self.backend_id(*backend, fk.proto, flag_of(backend), report)?);
         }
 
-        let flags = frontend_flags(frontend);
+        let mut flags = frontend_flags(frontend);
+        // Maglev where a flow may arrive at any node: the node-independent
+        // entries of NodePorts, ExternalIPs and LB IPs.
+        let maglev = self.maglev.filter(|_| {
+            frontend.kind != FrontendKind::ClusterIp && fk.scope == SCOPE_INTERNAL && !ids.is_empty()
+        });
+        if maglev.is_some() {
+            flags |= SVC_FLAG_MAGLEV;
+        }
         let affinity_timeout_s = frontend.session_affinity_timeout.unwrap_or(0);
         let mut source_ranges = frontend.source_ranges.clone();
         source_ranges.sort();
@@ -689,6 +757,7 @@ impl<S: Store> Syncer<S> {
                 && p.flags == flags
                 && p.affinity_timeout_s == affinity_timeout_s
                 && p.source_ranges == source_ranges
+                && (maglev.is_none() || !p.maglev_entries.is_empty())
         }) {
             return Ok(());
         }
@@ -697,7 +766,47 @@ impl<S: Store> Syncer<S> {
             Some(p) => p.rev_nat_id,
             None => self.allocate_rev_nat_id().context("all 65535 rev-NAT ids are in use")?,
         };
-        let slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
+        let mut slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
+        // The table is written before slot 0 points at it; its entries name
+        // backends that exist already (new ones were written above).
+        let mut maglev_table = previous.as_ref().and_then(|p| p.maglev_table);
+        let mut maglev_entries = Vec::new();
+        if let Some(settings) = maglev {
+            let table = match maglev_table {
+                Some(table) => table,
+                None => match self.free_maglev_table(settings.tables) {
+                    Some(table) => table,
+                    None => {
+                        report.errors.push(format!(
+                            "Service {} ({}:{}): all {} Maglev tables are in use (--maglev-tables): random selection",
+                            frontend.service, fk.vip, fk.port, settings.tables
+                        ));
+                        slots[0].1.flags &= !SVC_FLAG_MAGLEV;
+                        u32::MAX
+                    }
+                },
+            };
+            if table != u32::MAX {
+                let pairs: Vec<(BackendAddr, u32)> =
+                    frontend.backends.iter().copied().zip(ids.iter().copied()).collect();
+                maglev_entries = build_maglev_table(&pairs, fk.proto, settings.seed)?;
+                let old =
+                    previous.as_ref().filter(|p| p.maglev_table == Some(table)).map(|p| &p.maglev_entries);
+                let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
+                for (i, id) in maglev_entries.iter().enumerate() {
+                    if old.and_then(|o| o.get(i)) != Some(id) {
+                        self.store.put_maglev(base + i as u32, *id)?;
+                    }
+                }
+                slots[0].1.backend_id = table + 1;
+                maglev_table = Some(table);
+            } else {
+                maglev_table = None;
+            }
+        } else {
+            maglev_table = None;
+        }
+        let flags = slots[0].1.flags;
         if previous.is_none() {
             let rev = RevNatV4 {
                 vip: fk.vip.octets(),
@@ -746,9 +855,17 @@ impl<S: Store> Syncer<S> {
                 flags,
                 affinity_timeout_s,
                 source_ranges,
+                maglev_table,
+                maglev_entries,
             },
         );
         Ok(())
+    }
+
+    /// The lowest Maglev table no frontend uses.
+    fn free_maglev_table(&self, tables: u32) -> Option<u32> {
+        let used: BTreeSet<u32> = self.frontends.values().filter_map(|p| p.maglev_table).collect();
+        (0..tables).find(|t| !used.contains(t))
     }
 
     fn remove_frontend(&mut self, fk: FrontendKey) -> Result<()> {

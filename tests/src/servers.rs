@@ -13,6 +13,9 @@ use crate::tools::find_tool;
 pub const BIG_FILE_LEN: usize = 10 * 1024 * 1024;
 /// URL path of the big file on every nginx.
 pub const BIG_FILE_PATH: &str = "/big.bin";
+/// The same file, sent by nginx at 1 MiB/s (`limit_rate`): a long-lived connection whose pace
+/// does not depend on how the client throttles its reads.
+pub const SLOW_FILE_PATH: &str = "/slow.bin";
 /// How long a server may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -66,6 +69,11 @@ http {{
         }}
         location = {BIG_FILE_PATH} {{
             default_type application/octet-stream;
+            alias {big};
+        }}
+        location = {SLOW_FILE_PATH} {{
+            default_type application/octet-stream;
+            limit_rate 1m;
             alias {big};
         }}
     }}

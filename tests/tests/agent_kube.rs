@@ -205,7 +205,7 @@ fn sigkill_mid_traffic_keeps_flows_and_applies_what_changed_meanwhile() {
             "60",
             "-o",
             out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}{}", sandbox::BIG_FILE_PATH),
+            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
         ])
         .unwrap();
     std::thread::sleep(Duration::from_millis(800));
@@ -224,10 +224,11 @@ fn sigkill_mid_traffic_keeps_flows_and_applies_what_changed_meanwhile() {
     assert!(cluster.api().delete("Service", Some("kube-system"), "kube-dns"));
     assert!(
         download.is_running(),
-        "the download ended {:?} after it started, before the agent came back: {:?} {}",
+        "the download ended {:?} after it started, before the agent came back: {:?} {} ({:?} bytes)",
         started.elapsed(),
         download.try_wait(),
-        download.log()
+        download.log(),
+        std::fs::metadata(&out).map(|m| m.len())
     );
 
     cluster.start_agent();

@@ -223,7 +223,7 @@ fn a_terminating_backend_keeps_its_flows_and_gets_no_new_ones() {
             "60",
             "-o",
             out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}/big.bin"),
+            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
         ])
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));

@@ -59,7 +59,7 @@ fn an_agent_with_new_programs_and_maps_takes_over_without_dropping_a_flow() {
             "60",
             "-o",
             out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}/big.bin"),
+            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
         ])
         .unwrap();
     std::thread::sleep(Duration::from_millis(700));
