@@ -14,7 +14,7 @@ use proxy_common::{
     checksum,
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
-        SVC_FLAG_SOURCE_RANGES,
+        SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_SOURCE_RANGES,
     },
     packet::{
         ETH_HLEN, ETH_P_IP, IP_OFF_CHECK, IPV4_MIN_HLEN, Skip, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS,
@@ -157,7 +157,9 @@ pub fn run(ctx: &XdpContext) -> u32 {
     match handle(ctx) {
         Ok(action) => action,
         Err(stat) => {
-            stats::count(stat);
+            if stat != Stat::XdpPass {
+                stats::count(stat);
+            }
             stats::count(Stat::XdpPass);
             XDP_PASS
         }
@@ -194,8 +196,9 @@ fn handle(ctx: &XdpContext) -> Outcome {
         stats::count(Stat::DropSourceRange);
         return Ok(XDP_DROP);
     }
-    if found.scope == SCOPE_EXTERNAL {
-        // externalTrafficPolicy: Local: local backends only, for tc.
+    if found.scope == SCOPE_EXTERNAL || frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
+        // externalTrafficPolicy: Local (local backends only) and cluster IPs
+        // reached from outside (masqueraded whatever the backend) are tc's.
         return Err(Stat::PassNoService);
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
@@ -324,9 +327,17 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
     let choice = lb::select_backend(flow, found, conntrack::now()).map_err(|_| Stat::NoBackend)?;
     let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)
         .map_err(|_| Stat::FibLookupFailed)?;
-    if route.ifindex != ingress || !route.neighbour_known {
-        // A local backend (or one behind another interface): tc delivers it.
-        return Err(Stat::PassNoService);
+    if route.ifindex != ingress {
+        // A local backend: tc translates and delivers it. The choice is
+        // recorded here, so tc follows it as an established flow instead of
+        // picking again (which would favour remote backends).
+        let key = flow.ct_key(CT_DIR_FORWARD);
+        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::Client)
+            .map_err(|_| Stat::ConntrackInsertFailed)?;
+        return Err(Stat::XdpPass);
+    }
+    if !route.neighbour_known {
+        return Err(Stat::FibLookupFailed);
     }
     *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
     Ok(())

@@ -214,6 +214,13 @@ fn nodeport_through_xdp_reaches_every_backend_with_snat_for_remote_ones() {
         assert!(link.contains(" xdp ") || link.contains("xdp qdisc"), "native XDP on veth expected: {link}");
     }
     nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(&cluster);
+    // XDP's choice is the datapath's choice: local and remote backends share new flows evenly
+    // (a choice XDP made and tc made again would favour the remote one 3 to 1).
+    let node0 = cluster.multi.node_ip(0);
+    let local = (0..40)
+        .filter(|_| cluster.whoami(&format!("http://{node0}:30080/whoami"), &[]).unwrap().0 == WEB_A)
+        .count();
+    assert!((8..=32).contains(&local), "{local} of 40 new flows went to the local backend");
     // Remote-backend flows (their SYN, the backend's answers, later segments) went through XDP.
     assert!(cluster.stat(0, "xdp_forwarded") >= 3, "XDP forwarded {}", cluster.stat(0, "xdp_forwarded"));
     assert!(cluster.stat(0, "xdp_pass") > 0, "local-backend flows are left to tc");

@@ -236,6 +236,14 @@ fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_range
             let (action, out) = x.xdp(&frame);
             assert_eq!((action, &out), (XDP_PASS, &frame), "port {port} is tc's, untouched");
         }
+        // The local backend XDP picked is recorded, so tc follows that choice rather than
+        // picking again; policy Local and other ports leave no trace.
+        let fwd =
+            x.conntrack.get(&ct_key(CLIENT, 40000, NODE, 30081, IPPROTO_TCP, CT_DIR_FORWARD), 0).unwrap();
+        assert_eq!((fwd.nat_addr, fwd.flags & CT_FLAG_SNAT), (LOCAL_BACKEND, 0));
+        assert!(
+            x.conntrack.get(&ct_key(CLIENT, 40000, NODE, 30082, IPPROTO_TCP, CT_DIR_FORWARD), 0).is_err()
+        );
         let allowed = frame_to_node(&Packet::tcp(CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));
         assert_eq!(x.xdp(&allowed).0, XDP_REDIRECT);
         let other = frame_to_node(&Packet::tcp(OTHER_CLIENT, 40001, [192, 168, 200, 11], 80, TCP_SYN));

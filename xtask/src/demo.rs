@@ -2,7 +2,8 @@
 //! network-namespace sandbox (see the `sandbox` crate): one node, a client pod,
 //! three nginx pods behind `default/web` and two DNS pods (dnsmasq standing in
 //! for CoreDNS) behind `kube-system/kube-dns`, programmed from `examples/clusterip`.
-//! Everything it makes is removed at the end, on error and on Ctrl-C.
+//! Then north–south traffic on two nodes (`demo_north_south`). Everything it
+//! makes is removed at the end, on error and on Ctrl-C.
 use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
@@ -64,11 +65,11 @@ impl Demo {
     }
 }
 
-fn heading(text: &str) {
+pub fn heading(text: &str) {
     println!("\n\x1b[1m== {text}\x1b[0m");
 }
 
-fn indent(text: &str) {
+pub fn indent(text: &str) {
     for line in text.lines() {
         println!("   {line}");
     }
@@ -146,7 +147,9 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     indent(&demo.kproxy(&["dump", "conntrack"])?);
     heading("kproxy dump stats");
     indent(&demo.kproxy(&["dump", "stats"])?);
-    Ok(())
+    let stop = Arc::clone(&demo.stop);
+    drop(demo);
+    crate::demo_north_south::run(kproxy_bin, examples_dir, stop)
 }
 
 fn wait_until_programmed(demo: &Demo) -> Result<()> {
@@ -160,7 +163,11 @@ fn wait_until_programmed(demo: &Demo) -> Result<()> {
         if let Ok(json) = demo.kproxy(&["dump", "services", "--json"]) {
             let rows: serde_json::Value = serde_json::from_str(&json)?;
             let masters = rows.as_array().map_or(0, |r| r.iter().filter(|r| r["slot"] == 0).count());
-            if masters == 3 {
+            // Maps programmed, and the programs attached to all six pod veths.
+            let attached = std::fs::read_dir(Path::new(PIN_DIR).join("links")).map_or(0, |d| {
+                d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("veth")).count()
+            });
+            if masters == 3 && attached == 12 {
                 return Ok(());
             }
         }

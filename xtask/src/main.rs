@@ -1,6 +1,7 @@
 //! Developer commands, run as `cargo xtask <command>` (alias in .cargo/config.toml).
 mod bench;
 mod demo;
+mod demo_north_south;
 mod setup;
 
 use std::ffi::OsString;
