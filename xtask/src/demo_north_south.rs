@@ -57,10 +57,18 @@ impl NorthSouth {
         Ok(())
     }
 
+    /// The body (and the HTTP status when it is not 200), or why there was none.
     fn curl(&self, url: &str) -> String {
-        match self.multi.external_exec(["curl", "-sS", "--max-time", "2", url]) {
-            Ok(body) => body.trim().to_owned(),
-            Err(e) => format!("no answer ({})", e.to_string().lines().last().unwrap_or("").trim()),
+        match self.multi.external_exec(["curl", "-sS", "--max-time", "2", "-w", "\n%{http_code}", url]) {
+            Ok(out) => match out.trim_end().rsplit_once('\n') {
+                Some((body, "200")) => body.trim().to_owned(),
+                Some((body, code)) => format!("HTTP {code} {}", body.trim()),
+                None => out.trim().to_owned(),
+            },
+            Err(e) if e.to_string().contains("(28)") => {
+                "no answer: the node dropped it (curl timed out)".into()
+            }
+            Err(e) => format!("no answer ({e})"),
         }
     }
 }
