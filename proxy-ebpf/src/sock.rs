@@ -86,7 +86,12 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let key = SockRevNatKeyV4 { cookie, addr: choice.backend.addr, port: choice.backend.port, _pad: [0; 2] };
     let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id: frontend.rev_nat_id };
     // A full LRU evicts an old socket's entry; the call still goes on.
-    let _ = SOCK_REVNAT_V4.insert(key, value, 0);
+    // Unconnected UDP sends many datagrams to the same backend: a lookup is
+    // cheaper than rewriting the LRU entry each time.
+    // SAFETY: the value is compared at once.
+    if unsafe { SOCK_REVNAT_V4.get(key) } != Some(&value) {
+        let _ = SOCK_REVNAT_V4.insert(key, value, 0);
+    }
     stats::count(Stat::SockTranslated);
     PROCEED
 }

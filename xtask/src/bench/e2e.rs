@@ -36,6 +36,9 @@ pub enum Path3 {
     Kproxy,
     /// (c) the ClusterIP through kube-proxy's iptables rules.
     Iptables,
+    /// (d) the ClusterIP through kproxy's socket-level load balancing (the client in a cgroup
+    /// with the connect/sendmsg hooks): translated once per connection, no per-packet NAT.
+    SocketLb,
 }
 
 pub struct Row {
@@ -102,6 +105,8 @@ struct Bench<'a> {
     seconds: u64,
     dns_seconds: u64,
     notes: Vec<String>,
+    /// The cgroup the client's load generators run in (socket LB), if any.
+    cgroup: Option<PathBuf>,
 }
 
 /// The number after `label` on a line of `text` (e.g. `Requests/sec:  1234.5`).
@@ -113,6 +118,23 @@ fn number_after(text: &str, label: &str) -> Option<f64> {
 }
 
 impl Bench<'_> {
+    /// Runs a load generator in the client pod, inside [`Bench::cgroup`] when set (`sh` joins
+    /// it, then enters the pod's network namespace).
+    fn client_exec(&self, args: &[String]) -> Result<String> {
+        let Some(cgroup) = &self.cgroup else { return self.client.exec(args) };
+        let out = std::process::Command::new("sh")
+            .args(["-c", r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#, "sh"])
+            .arg(cgroup)
+            .args(["ip", "netns", "exec", self.client.netns()])
+            .args(args)
+            .output()
+            .context("running a load generator in the bench cgroup")?;
+        if !out.status.success() {
+            bail!("{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     fn wrk(&self, url: &str, close: bool) -> Result<f64> {
         let wrk = find_tool("wrk")?.to_string_lossy().into_owned();
         let mut args =
@@ -122,7 +144,7 @@ impl Bench<'_> {
             args.extend(["-H".into(), "Connection: close".into()]);
         }
         args.push(url.into());
-        let out = self.client.exec(&args)?;
+        let out = self.client_exec(&args)?;
         let rate =
             number_after(&out, "Requests/sec:").with_context(|| format!("no rate in wrk output:\n{out}"))?;
         let requests = out
@@ -163,7 +185,7 @@ impl Bench<'_> {
             "-t".into(),
             "1".into(),
         ];
-        let out = self.client.exec(&args)?;
+        let out = self.client_exec(&args)?;
         let qps = number_after(&out, "Queries per second:")
             .with_context(|| format!("no rate in dnsperf output:\n{out}"))?;
         if let Some(lost) = number_after(&out, "Queries lost:")
@@ -239,6 +261,22 @@ impl Bench<'_> {
     }
 
     fn kproxy(&mut self, services: usize, dir: &Path) -> Result<Row> {
+        self.kproxy_with(services, dir, None)
+    }
+
+    /// (d): the agent attaches its socket programs to a cgroup made for the bench, and the load
+    /// generators run in it.
+    fn kproxy_socket_lb(&mut self, services: usize, dir: &Path) -> Result<Row> {
+        let root = kproxy::datapath::cgroup2_mount()
+            .context("no cgroup2 hierarchy (`cargo xtask setup` mounts one)")?;
+        let cgroup = BenchCgroup::new(root.join(format!("kproxy-bench-{}", std::process::id())))?;
+        self.cgroup = Some(cgroup.0.clone());
+        let row = self.kproxy_with(services, dir, Some(&cgroup.0));
+        self.cgroup = None;
+        row
+    }
+
+    fn kproxy_with(&mut self, services: usize, dir: &Path, socket_lb: Option<&Path>) -> Result<Row> {
         let port = self.new_backend()?;
         let svcs = rules::cluster(services, &[web_svc(port), dns_svc()]);
         let manifests = dir.join(format!("manifests-{services}"));
@@ -258,9 +296,15 @@ impl Bench<'_> {
             "veth*",
             "--healthz-bind-address",
             "",
+            "--socket-lb",
+            if socket_lb.is_some() { "on" } else { "off" },
+            "--cgroup-root",
+            &socket_lb.map_or(String::from("/nonexistent"), |p| p.to_string_lossy().into_owned()),
         ])?;
+        let path = if socket_lb.is_some() { Path3::SocketLb } else { Path3::Kproxy };
         let result = (|| {
-            let links = 2 * 3; // client, web, dns: ingress + egress each
+            // client, web, dns: ingress + egress each (+ the 4 socket hooks).
+            let links = 2 * 3 + if socket_lb.is_some() { 4 } else { 0 };
             let deadline = Instant::now() + Duration::from_secs(120);
             loop {
                 self.ctx.check()?;
@@ -276,7 +320,7 @@ impl Bench<'_> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             self.check_vip()?;
-            Ok(self.measure(Path3::Kproxy, services, &format!("http://{WEB_VIP}/"), DNS_VIP))
+            Ok(self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP))
         })();
         let _ = agent.terminate(Duration::from_secs(5));
         result
@@ -316,6 +360,31 @@ fn programmed(services: usize) -> bool {
     }
 }
 
+/// A cgroup (v2) for the socket-LB path; its processes are killed and it is removed on drop.
+struct BenchCgroup(PathBuf);
+
+impl BenchCgroup {
+    fn new(path: PathBuf) -> Result<Self> {
+        let _ = std::fs::remove_dir(&path);
+        std::fs::create_dir(&path).with_context(|| format!("creating the cgroup {}", path.display()))?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for BenchCgroup {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+            // SAFETY: signalling the load generators this bench started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(&self.0).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 fn count_links() -> usize {
     std::fs::read_dir(Path::new(PIN_DIR).join("links")).map_or(0, |d| d.count())
 }
@@ -350,6 +419,7 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
         seconds,
         dns_seconds,
         notes: Vec::new(),
+        cgroup: None,
     };
 
     let direct_port = bench.new_backend()?;
@@ -359,6 +429,12 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
     for &n in &sizes {
         ctx.check()?;
         rows.push(bench.kproxy(n, &dir).unwrap_or_else(|e| Bench::failed_row(Path3::Kproxy, n, &e)));
+    }
+    for &n in &sizes {
+        ctx.check()?;
+        rows.push(
+            bench.kproxy_socket_lb(n, &dir).unwrap_or_else(|e| Bench::failed_row(Path3::SocketLb, n, &e)),
+        );
     }
     for &n in &sizes {
         ctx.check()?;

@@ -59,6 +59,9 @@ fn path_label(row: &Row) -> String {
         Path3::Direct => "(a) pod IP, no proxy".into(),
         Path3::Kproxy => format!("(b) ClusterIP via kproxy, {} Services", size_label(row.services)),
         Path3::Iptables => format!("(c) ClusterIP via iptables, {} Services", size_label(row.services)),
+        Path3::SocketLb => {
+            format!("(d) ClusterIP via kproxy socket LB, {} Services", size_label(row.services))
+        }
     }
 }
 
@@ -285,7 +288,9 @@ fn e2e_section(doc: &mut Doc, dir: &Path, part: &Part<E2eResult>) {
          binary, attached to the pods' veths) programmed with N Services; **(c)** the ClusterIP through kube-proxy's \
          iptables-mode nat rules for N Services (`KUBE-SERVICES` → `KUBE-SVC-*` with `-m statistic --mode random \
          --probability` → `KUBE-SEP-*` DNAT), loaded with `iptables-restore` inside the node namespace, kproxy not \
-         attached. The measured Services sit in the middle of the N (the DNS Service and the web Service are 2 of \
+         attached; **(d)** the ClusterIP through kproxy with `--socket-lb on`, the load generators running in a cgroup \
+         the socket hooks are attached to (connections go to the backend from `connect()` on; no per-packet NAT). \
+         The measured Services sit in the middle of the N (the DNS Service and the web Service are 2 of \
          the N; N = 1 means just those). Each measured Service has one backend, so (a), (b) and (c) load the same \
          single nginx / dnsmasq.\n",
         s = e.seconds,
@@ -352,6 +357,20 @@ fn e2e_section(doc: &mut Doc, dir: &Path, part: &Part<E2eResult>) {
         b_vs_a_worst.map_or("–".into(), |w| format!("worst {w:.2}×")),
         verdict(b_vs_a_ok),
     ));
+    let mut d_worst: Option<f64> = None;
+    for row in e.rows.iter().filter(|r| r.path == Path3::SocketLb) {
+        for f in [|x: &Row| &x.close, |x: &Row| &x.keepalive, |x: &Row| &x.dns] as [fn(&Row) -> &Measured; 3]
+        {
+            if let Some(v) = ratio(median(f(row)), base(f)) {
+                d_worst = Some(d_worst.map_or(v, |w: f64| w.min(v)));
+            }
+        }
+    }
+    doc.aims.push((
+        "(d) socket LB ≥ 0.95 × (a) at every N (all three rates)".into(),
+        d_worst.map_or("–".into(), |w| format!("worst {w:.2}×")),
+        verdict(d_worst.map(|w| w >= 0.95)),
+    ));
     let largest = e.sizes.last().copied().unwrap_or(0);
     let (b, c) = (find(Path3::Kproxy, largest), find(Path3::Iptables, largest));
     let r = ratio(b.and_then(|b| median(&b.close)), c.and_then(|c| median(&c.close)));
@@ -381,6 +400,7 @@ fn e2e_section(doc: &mut Doc, dir: &Path, part: &Part<E2eResult>) {
             Path3::Direct => "(a) pod IP".to_owned(),
             Path3::Kproxy => format!("(b) kproxy {}", size_label(row.services)),
             Path3::Iptables => format!("(c) iptables {}", size_label(row.services)),
+            Path3::SocketLb => format!("(d) socket LB {}", size_label(row.services)),
         };
         let _ = writeln!(
             data,
