@@ -195,6 +195,9 @@ struct Found {
     frontend: *const proxy_common::maps::ServiceValueV4,
     scope: u8,
     entry: *mut proxy_common::maps::CtEntryV4,
+    /// The packet's time and the hairpin address, read once per packet.
+    now: u64,
+    hairpin_addr: [u8; 4],
 }
 
 /// `EXTERNAL`: the packet arrived on an external interface rather than from
@@ -202,14 +205,20 @@ struct Found {
 #[inline(always)]
 fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
     let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
-    let mut found = Found { frontend: core::ptr::null(), scope: 0, entry: core::ptr::null_mut() };
+    let mut found = Found {
+        frontend: core::ptr::null(),
+        scope: 0,
+        entry: core::ptr::null_mut(),
+        now: 0,
+        hairpin_addr: [0; 4],
+    };
     match classify::<EXTERNAL>(ctx, &flow, &mut found) {
         Step::Pass(stat) => Err(Verdict::Pass(stat)),
         Step::Drop(stat) => Err(Verdict::Drop(stat)),
         Step::HairpinReply => hairpin_reply(ctx, &flow),
         Step::SnatReply => snat_reply(ctx, &flow),
         Step::Refuse => refuse(ctx, &flow),
-        Step::Established => established(ctx, &flow, found.entry),
+        Step::Established => established(ctx, &flow, &found),
         Step::NewFlow => new_flow::<EXTERNAL>(ctx, &flow, &found),
     }
 }
@@ -249,6 +258,8 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     found.scope = frontend.scope;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let now = conntrack::now();
+    found.now = now;
+    found.hairpin_addr = config.hairpin_addr;
 
     let mut rebalance = false;
     if let Some(entry) = conntrack::lookup(&key) {
@@ -304,14 +315,9 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
 /// A packet of a known flow whose backend is still there.
 /// Not inlined: the ingress program's stack frame has no room for it.
 #[inline(never)]
-fn established(
-    ctx: &TcContext,
-    flow: &parse::Flow,
-    entry: *mut proxy_common::maps::CtEntryV4,
-) -> Result<Done, Verdict> {
+fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
-    let config = config::get();
-    let now = conntrack::now();
+    let (entry, now, hairpin_addr) = (found.entry, found.now, found.hairpin_addr);
     // SAFETY: as in `ingress`.
     let entry_copy = unsafe { *entry };
     // SAFETY: as above.
@@ -330,7 +336,7 @@ fn established(
         event.after_daddr = entry_copy.nat_addr;
         event.after_dport = entry_copy.nat_port;
         if hairpin {
-            event.after_saddr = config.hairpin_addr;
+            event.after_saddr = hairpin_addr;
         }
         if let Some(to_node) = &to_node {
             event.after_saddr = to_node.addr;
@@ -343,7 +349,7 @@ fn established(
         events::emit(event);
     }
     if hairpin {
-        nat::rewrite_source_addr(ctx, flow, flow.saddr, config.hairpin_addr)?;
+        nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         return Ok(Done::Bounce);
     }
     if entry_copy.flags & CT_FLAG_SNAT != 0 {
@@ -366,14 +372,13 @@ fn new_flow<const EXTERNAL: bool>(
     found: &Found,
 ) -> Result<Done, Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
-    let config = config::get();
-    let now = conntrack::now();
+    let (now, hairpin_addr) = (found.now, found.hairpin_addr);
     // SAFETY: `classify` set it to a map value before choosing this step.
     let frontend = unsafe { &*found.frontend };
     let found = lb::Frontend { value: frontend, scope: found.scope };
     let choice = lb::select_backend(flow, &found, now)?;
     let hairpin = !EXTERNAL && choice.backend.addr == flow.saddr;
-    let mut reply_to = if hairpin { ReplyTo::Hairpin(config.hairpin_addr) } else { ReplyTo::Client };
+    let mut reply_to = if hairpin { ReplyTo::Hairpin(hairpin_addr) } else { ReplyTo::Client };
     let mut route = None;
     if EXTERNAL && found.scope != SCOPE_EXTERNAL {
         let ifindex = ingress_ifindex(ctx);
@@ -415,7 +420,7 @@ fn new_flow<const EXTERNAL: bool>(
         event.after_daddr = choice.backend.addr;
         event.after_dport = choice.backend.port;
         if hairpin {
-            event.after_saddr = config.hairpin_addr;
+            event.after_saddr = hairpin_addr;
             event.ct_flags = CT_FLAG_HAIRPIN;
         }
         if let ReplyTo::Snat(addr, port) = reply_to {
@@ -431,7 +436,7 @@ fn new_flow<const EXTERNAL: bool>(
         events::emit(event);
     }
     if hairpin {
-        nat::rewrite_source_addr(ctx, flow, flow.saddr, config.hairpin_addr)?;
+        nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         stats::count(Stat::Hairpin);
         return Ok(Done::Bounce);
     }

@@ -264,3 +264,59 @@ fn remove_endpoint(yaml: &str, ip: &str) -> String {
     }
     out.join("\n") + "\n"
 }
+
+/// `--socket-lb host-only`: the node's own processes (the agent's network namespace) reach a
+/// cluster IP through the socket hooks — the node has no route to it otherwise — while pods in
+/// the same cgroup keep the per-packet tc path.
+#[test]
+fn host_only_translates_the_nodes_sockets_and_leaves_pods_to_tc() {
+    let cgroup = TestCgroup::new();
+    let mut cluster = Cluster::start("sock-host");
+    cluster.stop_agent();
+    cluster.extra_agent_args = vec![
+        "--socket-lb".into(),
+        "host-only".into(),
+        "--cgroup-root".into(),
+        cgroup.0.display().to_string(),
+    ];
+    cluster.start_agent();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cluster.agent_log().contains("socket-level load balancing on") {
+        assert!(Instant::now() < deadline, "socket LB not attached:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let node_netns = cluster.sandbox.node_netns().to_owned();
+    let translated_before = stat(&cluster, "socket_lb_translated");
+    let page = run(
+        &cgroup,
+        &node_netns,
+        &format!(
+            r#"
+import socket
+s = socket.create_connection(('{WEB_VIP}', 80), timeout=5)
+s.sendall(b'GET /whoami HTTP/1.0\r\n\r\n')
+print(s.recv(4096).split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()[0])
+"#
+        ),
+    );
+    let fields: Vec<&str> = page.split_whitespace().collect();
+    assert!(fields[0].starts_with("10.244.0.1"), "the node reached a web backend: {page}");
+    assert_eq!(fields[1], WEB_VIP.to_string(), "getpeername shows the Service");
+    assert_eq!(stat(&cluster, "socket_lb_translated"), translated_before + 1);
+
+    let dnat_before = stat(&cluster, "dnat_new_flow");
+    let out = run(
+        &cgroup,
+        cluster.client.netns(),
+        &format!(
+            "import socket\nsocket.create_connection(('{WEB_VIP}', 80), timeout=5).close()\nprint('ok')"
+        ),
+    );
+    assert_eq!(out.trim(), "ok");
+    assert_eq!(
+        stat(&cluster, "socket_lb_translated"),
+        translated_before + 1,
+        "a pod's socket was translated"
+    );
+    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before + 1, "the pod's connection went through tc");
+}
