@@ -21,12 +21,13 @@ use proxy_common::{
         TCP_RST, TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_UNNAT},
 };
 
 use crate::{
     config,
     conntrack::{self, ReplyTo},
-    fib, lb,
+    events, fib, lb,
     maps::EXTERNAL_IFACES,
     parse::Flow,
     snat, stats,
@@ -262,6 +263,22 @@ fn snat_reply(
     }
     *out = Translation { tuple: tuple(frontend, client.addr, frontend_port, client.port), route };
     stats::count(Stat::SnatReverse);
+    if events::enabled()
+        && let Some(event) = events::from_flow(flow, EV_UNNAT, now)
+    {
+        event.after_saddr = frontend;
+        event.after_sport = frontend_port;
+        event.after_daddr = client.addr;
+        event.after_dport = client.port;
+        // SAFETY: as above.
+        unsafe {
+            event.ct_created_ns = (*entry).created_ns;
+            event.ct_flags = (*entry).flags;
+            event.backend_id = (*entry).backend_id;
+            event.rev_nat_id = (*entry).rev_nat_id;
+        }
+        events::emit(event);
+    }
     Ok(())
 }
 
@@ -298,6 +315,19 @@ fn established(
     }
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
+    if events::enabled()
+        && let Some(event) = events::from_flow(flow, EV_DNAT_ESTABLISHED, now)
+    {
+        event.after_saddr = to_node.addr;
+        event.after_sport = to_node.port;
+        event.after_daddr = entry_copy.nat_addr;
+        event.after_dport = entry_copy.nat_port;
+        event.ct_created_ns = entry_copy.created_ns;
+        event.ct_flags = entry_copy.flags;
+        event.backend_id = entry_copy.backend_id;
+        event.rev_nat_id = entry_copy.rev_nat_id;
+        events::emit(event);
+    }
     *out = Translation {
         tuple: tuple(to_node.addr, entry_copy.nat_addr, to_node.port, entry_copy.nat_port),
         route,
@@ -366,5 +396,19 @@ fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> 
     };
     stats::count(Stat::DnatNew);
     stats::count(Stat::SnatNew);
+    if events::enabled()
+        && let Some(event) = events::from_flow(flow, EV_DNAT_NEW, now)
+    {
+        event.after_saddr = node_addr;
+        event.after_sport = port;
+        event.after_daddr = backend.addr;
+        event.after_dport = backend.port;
+        event.ct_created_ns = now;
+        event.ct_flags = CT_FLAG_SNAT;
+        event.backend_id = pick.choice.backend_id;
+        event.backend_slot = pick.choice.slot;
+        event.rev_nat_id = pick.rev_nat_id;
+        events::emit(event);
+    }
     Ok(())
 }

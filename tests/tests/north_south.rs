@@ -104,11 +104,23 @@ impl NorthSouth {
             pins.push(pin_dir);
         }
         let cluster = NorthSouth { agents, pins, _pods: pods, multi };
+        let xdp = !extra_args.windows(2).any(|w| w == ["--xdp", "off"]);
         for node in 0..2 {
             let ip = cluster.multi.node_ip(node);
             cluster.wait_for_frontend(node, &format!("{ip}:30080"), "TCP", 2);
             cluster.wait_for_frontend(node, &format!("{ip}:30053"), "UDP", 1);
             cluster.wait_for_frontend(node, &format!("{LB_RANGES}:80"), "TCP", 2);
+            // The agent attaches within its --poll-ms of starting, apart from programming the maps.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let link = cluster.multi.node(node).node_exec(["ip", "link", "show", "eth0"]).unwrap();
+                let links = std::fs::read_dir(cluster.pins[node].join("links")).map_or(0, |d| d.count());
+                if links >= 2 && (!xdp || link.contains("prog/xdp")) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "node {node}: programs not attached: {link}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
         cluster
     }
@@ -354,4 +366,98 @@ fn external_ips_are_served_and_cluster_ips_from_outside_are_masqueraded() {
         seen.insert(backend);
     }
     assert_eq!(seen, [WEB_A, WEB_B].into());
+}
+
+/// `kproxy trace` on the entry node shows a NodePort flow that XDP translated: the client's
+/// query, the same query leaving as the node's address and SNAT port toward the remote DNS pod,
+/// the pod's answer to that port, and the answer going back to the client from the NodePort.
+#[test]
+fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
+    let cluster = NorthSouth::start("ns-trace");
+    let node0 = cluster.multi.node_ip(0);
+    // A first query makes node 0 resolve node 1's MAC: until a neighbour is known XDP leaves the
+    // packet to tc, whose redirect resolves it.
+    let dig = |name: &str| {
+        cluster
+            .multi
+            .external_exec([
+                "dig",
+                "+short",
+                "+time=2",
+                "+tries=1",
+                &format!("@{node0}"),
+                "-p",
+                "30053",
+                name,
+            ])
+            .unwrap()
+    };
+    assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
+    let pins = cluster.pins[0].display().to_string();
+    let bin = kproxy_bin();
+    let trace = cluster
+        .multi
+        .node(0)
+        .node_spawn([
+            bin.to_str().unwrap(),
+            "--pin-dir",
+            &pins,
+            "trace",
+            "--client",
+            &CLIENT.to_string(),
+            "--count",
+            "2",
+            "--timeout",
+            "30",
+            "--json",
+        ])
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !trace.log().contains("tracing NAT events") {
+        assert!(trace.is_running() && Instant::now() < deadline, "trace did not start: {}", trace.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let forwarded_before = cluster.stat(0, "xdp_forwarded");
+    let answer = cluster
+        .multi
+        .external_exec([
+            "dig",
+            "+short",
+            "+time=2",
+            "+tries=1",
+            &format!("@{node0}"),
+            "-p",
+            "30053",
+            "ip.kproxy.test",
+        ])
+        .unwrap();
+    assert_eq!(answer.trim(), DNS_B.to_string());
+    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
+    assert!(status.success(), "{}", trace.log());
+    assert!(
+        cluster.stat(0, "xdp_forwarded") >= forwarded_before + 2,
+        "the query and its answer went through XDP"
+    );
+
+    let steps: Vec<serde_json::Value> = trace
+        .log()
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
+    let client_end = steps[0]["source"].as_str().unwrap().to_owned();
+    assert!(client_end.starts_with(&format!("{CLIENT}:")), "{steps:#?}");
+    assert_eq!(steps[0]["destination"], format!("{node0}:30053"));
+    let snat = steps[1]["source"].as_str().unwrap().to_owned();
+    assert!(
+        snat.starts_with(&format!("{node0}:6")),
+        "source NAT to the node's address and a SNAT port: {steps:#?}"
+    );
+    assert_eq!(steps[1]["destination"], format!("{DNS_B}:53"));
+    assert_eq!(steps[2]["source"], format!("{DNS_B}:53"));
+    assert_eq!(steps[2]["destination"], snat);
+    assert_eq!(steps[3]["source"], format!("{node0}:30053"));
+    assert_eq!(steps[3]["destination"], client_end);
 }
