@@ -502,6 +502,7 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
             out.push(Check::warn("attach", format!("cannot list interfaces: {e:#}"), "check `ip link`"))
         }
     }
+    out.push(north_south_check(&links));
     match datapath::Maps::from_pins(pins) {
         Ok(maps) => {
             for (map, entries, capacity) in crate::dump::map_usage(&maps) {
@@ -515,6 +516,36 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
         )),
     }
     out
+}
+
+/// What serves traffic from outside and at the socket level, from the link pins: external
+/// interfaces (tc, XDP) and the cgroups the socket hooks are attached to. Informational: a
+/// node may well have neither.
+pub fn north_south_check(links: &std::collections::BTreeSet<String>) -> Check {
+    let interface = |l: &str| l.split('@').next().unwrap_or(l).replace("%2E", ".");
+    let external: Vec<String> =
+        links.iter().filter(|l| l.ends_with("-external")).map(|l| interface(l)).collect();
+    let xdp: Vec<String> = links.iter().filter(|l| l.ends_with("-xdp")).map(|l| interface(l)).collect();
+    let socket_hooks = links.iter().filter(|l| l.starts_with("cgroup@")).count();
+    let mut parts = Vec::new();
+    if external.is_empty() {
+        parts.push(
+            "no external interface (NodePorts, ExternalIPs and LB IPs are not served on this node)"
+                .to_owned(),
+        );
+    } else {
+        parts.push(format!(
+            "external interfaces {} (XDP on {})",
+            external.join(", "),
+            if xdp.is_empty() { "none".to_owned() } else { xdp.join(", ") }
+        ));
+    }
+    parts.push(if socket_hooks == 0 {
+        "socket-level load balancing off".to_owned()
+    } else {
+        format!("socket-level load balancing on ({socket_hooks} cgroup hooks)")
+    });
+    Check::ok("north-south", parts.join("; "))
 }
 
 // ---------------------------------------------------------------- agent
@@ -1251,5 +1282,30 @@ mod tests {
         let files = SysctlFiles::read(Some(&dir));
         assert_eq!(files.effective("net.ipv4.ip_forward").unwrap().file, "/etc/sysctl.conf");
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn north_south_check_names_external_interfaces_xdp_and_socket_hooks() {
+        let links: std::collections::BTreeSet<String> = [
+            "eth0@2-external",
+            "eth0@2-egress",
+            "eth0@2-xdp",
+            "veth1@5-ingress",
+            "cgroup@2f7379732f66732f636772-kproxy_connect4",
+            "cgroup@2f7379732f66732f636772-kproxy_sendmsg4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let check = north_south_check(&links);
+        assert!(check.finding.contains("external interfaces eth0 (XDP on eth0)"), "{}", check.finding);
+        assert!(
+            check.finding.contains("socket-level load balancing on (2 cgroup hooks)"),
+            "{}",
+            check.finding
+        );
+        let none = north_south_check(&std::collections::BTreeSet::new());
+        assert!(none.finding.contains("no external interface"), "{}", none.finding);
+        assert!(none.finding.contains("socket-level load balancing off"), "{}", none.finding);
     }
 }
