@@ -40,6 +40,17 @@ fn load<T>(ctx: &TcContext, offset: usize, on_error: Stat) -> Result<T, Stat> {
     ctx.load::<T>(offset).map_err(|_| on_error)
 }
 
+/// The counter of a packet left untranslated for `skip`.
+#[inline(always)]
+pub fn skip_stat(skip: Skip) -> Stat {
+    match skip {
+        Skip::NotTcpUdp => Stat::PassNotTcpUdp,
+        Skip::Fragment => Stat::PassFragment,
+        Skip::Malformed => Stat::PassMalformed,
+        Skip::Truncated => Stat::PassTruncated,
+    }
+}
+
 #[inline(always)]
 pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
     let ethertype: [u8; 2] = load(ctx, 12, Stat::PassNotIpv4)?;
@@ -51,15 +62,7 @@ pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
     let total_len = u16::from_be_bytes([header[2], header[3]]);
     let frag = u16::from_be_bytes([header[6], header[7]]);
     let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
-    let loc =
-        packet::classify_ipv4(header[0], total_len, frag, header[9], available).map_err(
-            |skip| match skip {
-                Skip::NotTcpUdp => Stat::PassNotTcpUdp,
-                Skip::Fragment => Stat::PassFragment,
-                Skip::Malformed => Stat::PassMalformed,
-                Skip::Truncated => Stat::PassTruncated,
-            },
-        )?;
+    let loc = packet::classify_ipv4(header[0], total_len, frag, header[9], available).map_err(skip_stat)?;
     // Bounded for the verifier: IHL is at most 15 words.
     let l4_offset = ETH_HLEN + (loc.ip_header_len & 0x3c);
     let ports: [u8; 4] = load(ctx, l4_offset + L4_OFF_SPORT, Stat::PassTruncated)?;

@@ -17,8 +17,8 @@ use proxy_common::{
         SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_SOURCE_RANGES,
     },
     packet::{
-        ETH_HLEN, ETH_P_IP, IP_OFF_CHECK, IPV4_MIN_HLEN, Skip, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS,
-        TCP_RST, TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
+        ETH_HLEN, ETH_P_IP, IP_OFF_CHECK, IPV4_MIN_HLEN, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS, TCP_RST,
+        TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_UNNAT},
@@ -29,7 +29,7 @@ use crate::{
     conntrack::{self, ReplyTo},
     events, fib, lb,
     maps::EXTERNAL_IFACES,
-    parse::Flow,
+    parse::{self, Flow},
     snat, stats,
 };
 
@@ -64,14 +64,8 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
     }
     let total_len = u16::from_be_bytes([ip[2], ip[3]]);
     let available = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN);
-    let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available).map_err(
-        |skip| match skip {
-            Skip::NotTcpUdp => Stat::PassNotTcpUdp,
-            Skip::Fragment => Stat::PassFragment,
-            Skip::Malformed => Stat::PassMalformed,
-            Skip::Truncated => Stat::PassTruncated,
-        },
-    )?;
+    let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available)
+        .map_err(parse::skip_stat)?;
     let ports: *mut [u8; 4] = pointer(ctx, L4)?;
     // SAFETY: as above.
     let ports = unsafe { *ports };
@@ -142,6 +136,28 @@ fn send(route: &fib::Route) -> u32 {
     stats::count(Stat::XdpForwarded);
     // SAFETY: a helper taking plain values.
     unsafe { bpf_redirect(route.ifindex, 0) as u32 }
+}
+
+/// The route of a rewritten packet, when it leaves by the interface it came in on toward a
+/// known neighbour — the only kind XDP sends; anything else (a local pod of a masqueraded flow,
+/// an unresolved neighbour) is tc's.
+#[inline(always)]
+fn route_back_out(
+    ctx: &XdpContext,
+    ingress: u32,
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+    flow: &Flow,
+) -> Result<fib::Route, Stat> {
+    let route =
+        fib::route(ctx, ingress, saddr, daddr, flow.ip_total_len).map_err(|_| Stat::FibLookupFailed)?;
+    if !route.neighbour_known {
+        return Err(Stat::FibLookupFailed);
+    }
+    if route.ifindex != ingress {
+        return Err(Stat::PassNoService);
+    }
+    Ok(route)
 }
 
 #[inline(always)]
@@ -246,15 +262,7 @@ fn snat_reply(
     let client = snat::reverse(&key).ok_or(Stat::PassNoService)?;
     // SAFETY: a map value valid for this program run.
     let (frontend, frontend_port) = unsafe { ((*entry).nat_addr, (*entry).nat_port) };
-    let route = fib::route(ctx, ingress, frontend, client.addr, flow.ip_total_len)
-        .map_err(|_| Stat::FibLookupFailed)?;
-    if !route.neighbour_known {
-        return Err(Stat::FibLookupFailed);
-    }
-    if route.ifindex != ingress {
-        // A local pod (a masqueraded flow): delivered by tc.
-        return Err(Stat::PassNoService);
-    }
+    let route = route_back_out(ctx, ingress, frontend, client.addr, flow)?;
     let now = conntrack::now();
     // SAFETY: as above.
     unsafe {
@@ -304,15 +312,7 @@ fn established(
         return Err(Stat::PassNoService);
     }
     let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port).ok_or(Stat::PassNoService)?;
-    let route = fib::route(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow.ip_total_len)
-        .map_err(|_| Stat::FibLookupFailed)?;
-    if !route.neighbour_known {
-        return Err(Stat::FibLookupFailed);
-    }
-    if route.ifindex != ingress {
-        // A local pod (a masqueraded flow): delivered by tc.
-        return Err(Stat::PassNoService);
-    }
+    let route = route_back_out(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow)?;
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
     if events::enabled()

@@ -18,6 +18,7 @@
 //! to run `cargo xtask setup`.
 
 pub mod apiserver;
+pub mod cgroup;
 mod cmd;
 pub mod multinode;
 mod sandbox;

@@ -6,52 +6,14 @@
 
 use std::{
     io::{BufRead, BufReader},
-    path::PathBuf,
-    process::{Command, Stdio},
-    sync::atomic::{AtomicU32, Ordering},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
 mod common;
 use common::cluster::{Cluster, DNS_VIP, WEB_VIP};
 
-/// A cgroup (v2) made for one test; its processes are killed and it is removed on drop.
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new() -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let root = kproxy::datapath::cgroup2_mount().expect(
-            "no cgroup2 hierarchy is mounted: `cargo xtask setup` mounts one at /sys/fs/cgroup/unified",
-        );
-        let path =
-            root.join(format!("kproxy-test-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)));
-        std::fs::create_dir(&path).unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
-        TestCgroup(path)
-    }
-
-    /// `sh` moves itself into the cgroup, then runs `args` in the pod's network namespace.
-    fn command(&self, netns: &str, args: &[&str]) -> Command {
-        let mut cmd = Command::new("sh");
-        cmd.args(["-c", r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#, "sh"]);
-        cmd.arg(&self.0).args(["ip", "netns", "exec", netns]).args(args);
-        cmd
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
-        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
-            // SAFETY: signalling processes this test started.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while std::fs::remove_dir(&self.0).is_err() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
+type TestCgroup = sandbox::cgroup::ChildCgroup;
 
 /// A DNS query for `name` (TXT when `txt`, else A), as bytes, and the code that sends it.
 const DNS_HELPERS: &str = r#"
@@ -70,7 +32,7 @@ fn start(tag: &str, cgroup: &TestCgroup) -> Cluster {
     let mut cluster = Cluster::start(tag);
     cluster.stop_agent();
     cluster.extra_agent_args =
-        vec!["--socket-lb".into(), "on".into(), "--cgroup-root".into(), cgroup.0.display().to_string()];
+        vec!["--socket-lb".into(), "on".into(), "--cgroup-root".into(), cgroup.path().display().to_string()];
     cluster.start_agent();
     let deadline = Instant::now() + Duration::from_secs(20);
     while !cluster.agent_log().contains("socket-level load balancing on") {
@@ -94,7 +56,7 @@ fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
 
 #[test]
 fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted() {
-    let cgroup = TestCgroup::new();
+    let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-tcp", &cgroup);
     let dnat_before = stat(&cluster, "dnat_new_flow");
     let script = format!(
@@ -136,7 +98,7 @@ for _ in range(6):
 
 #[test]
 fn unconnected_udp_answers_come_from_the_service_and_dig_works() {
-    let cgroup = TestCgroup::new();
+    let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-udp", &cgroup);
     let script = format!(
         r#"{DNS_HELPERS}
@@ -166,7 +128,7 @@ for _ in range(4):
 
 #[test]
 fn a_service_without_endpoints_refuses_connect() {
-    let cgroup = TestCgroup::new();
+    let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-refuse", &cgroup);
     std::fs::write(
         cluster.manifest("empty.yaml"),
@@ -188,7 +150,7 @@ except OSError as e:
 
 #[test]
 fn a_connected_udp_socket_to_a_removed_backend_is_destroyed() {
-    let cgroup = TestCgroup::new();
+    let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-destroy", &cgroup);
     let script = format!(
         r#"{DNS_HELPERS}
@@ -270,14 +232,14 @@ fn remove_endpoint(yaml: &str, ip: &str) -> String {
 /// the same cgroup keep the per-packet tc path.
 #[test]
 fn host_only_translates_the_nodes_sockets_and_leaves_pods_to_tc() {
-    let cgroup = TestCgroup::new();
+    let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let mut cluster = Cluster::start("sock-host");
     cluster.stop_agent();
     cluster.extra_agent_args = vec![
         "--socket-lb".into(),
         "host-only".into(),
         "--cgroup-root".into(),
-        cgroup.0.display().to_string(),
+        cgroup.path().display().to_string(),
     ];
     cluster.start_agent();
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -106,7 +106,7 @@ struct Bench<'a> {
     dns_seconds: u64,
     notes: Vec<String>,
     /// The cgroup the client's load generators run in (socket LB), if any.
-    cgroup: Option<PathBuf>,
+    cgroup: Option<sandbox::cgroup::ChildCgroup>,
 }
 
 /// The number after `label` on a line of `text` (e.g. `Requests/sec:  1234.5`).
@@ -122,11 +122,8 @@ impl Bench<'_> {
     /// it, then enters the pod's network namespace).
     fn client_exec(&self, args: &[String]) -> Result<String> {
         let Some(cgroup) = &self.cgroup else { return self.client.exec(args) };
-        let out = std::process::Command::new("sh")
-            .args(["-c", r#"echo $$ > "$1/cgroup.procs" && shift && exec "$@""#, "sh"])
-            .arg(cgroup)
-            .args(["ip", "netns", "exec", self.client.netns()])
-            .args(args)
+        let out = cgroup
+            .command(self.client.netns(), args)
             .output()
             .context("running a load generator in the bench cgroup")?;
         if !out.status.success() {
@@ -267,11 +264,11 @@ impl Bench<'_> {
     /// (d): the agent attaches its socket programs to a cgroup made for the bench, and the load
     /// generators run in it.
     fn kproxy_socket_lb(&mut self, services: usize, dir: &Path) -> Result<Row> {
-        let root = kproxy::datapath::cgroup2_mount()
-            .context("no cgroup2 hierarchy (`cargo xtask setup` mounts one)")?;
-        let cgroup = BenchCgroup::new(root.join(format!("kproxy-bench-{}", std::process::id())))?;
-        self.cgroup = Some(cgroup.0.clone());
-        let row = self.kproxy_with(services, dir, Some(&cgroup.0));
+        let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-bench")?;
+        let path = cgroup.path().to_path_buf();
+        self.cgroup = Some(cgroup);
+        let row = self.kproxy_with(services, dir, Some(&path));
+        // Dropping it kills what is left in it and removes it.
         self.cgroup = None;
         row
     }
@@ -356,31 +353,6 @@ fn programmed(services: usize) -> bool {
             let key =
                 ServiceKeyV4::new(last.vip.octets(), 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, 0);
             maps.services.get(&key, 0).is_ok()
-        }
-    }
-}
-
-/// A cgroup (v2) for the socket-LB path; its processes are killed and it is removed on drop.
-struct BenchCgroup(PathBuf);
-
-impl BenchCgroup {
-    fn new(path: PathBuf) -> Result<Self> {
-        let _ = std::fs::remove_dir(&path);
-        std::fs::create_dir(&path).with_context(|| format!("creating the cgroup {}", path.display()))?;
-        Ok(Self(path))
-    }
-}
-
-impl Drop for BenchCgroup {
-    fn drop(&mut self) {
-        let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
-        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
-            // SAFETY: signalling the load generators this bench started.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while std::fs::remove_dir(&self.0).is_err() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }
