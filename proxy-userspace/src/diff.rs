@@ -558,74 +558,12 @@ mod tests {
         sync::{Store, Syncer},
     };
 
-    /// A store that keeps the maps in memory, so a real [`Syncer`] programs them.
-    #[derive(Default)]
-    struct Mem {
-        services: std::collections::HashMap<ServiceKeyV4, ServiceValueV4>,
-        backends: BTreeMap<u32, BackendV4>,
-        rev_nat: BTreeMap<u16, RevNatV4>,
-        names: BTreeMap<u16, String>,
-        vips: BTreeMap<[u8; 4], VipV4>,
-    }
-
-    impl Store for Mem {
-        fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
-            Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
-        }
-        fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
-            Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
-        }
-        fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
-            Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
-        }
-        fn read_name(&self, id: u16) -> Option<String> {
-            self.names.get(&id).cloned()
-        }
-        fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
-            self.services.insert(key, value);
-            Ok(())
-        }
-        fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
-            self.services.remove(key);
-            Ok(())
-        }
-        fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
-            self.backends.insert(id, value);
-            Ok(())
-        }
-        fn del_backend(&mut self, id: u32) -> Result<()> {
-            self.backends.remove(&id);
-            Ok(())
-        }
-        fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
-            self.rev_nat.insert(id, value);
-            Ok(())
-        }
-        fn del_rev_nat(&mut self, id: u16) -> Result<()> {
-            self.rev_nat.remove(&id);
-            Ok(())
-        }
-        fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
-            self.names.insert(id, name.to_owned());
-            Ok(())
-        }
-        fn del_name(&mut self, id: u16) -> Result<()> {
-            self.names.remove(&id);
-            Ok(())
-        }
-        fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
-            self.vips.insert(vip, value);
-            Ok(())
-        }
-        fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
-            self.vips.remove(&vip);
-            Ok(())
-        }
-    }
+    /// The maps in memory, so a real [`Syncer`] programs them.
+    type Mem = crate::mem_store::MemStore;
 
     fn state_of(mem: &Mem) -> MapState {
         MapState {
-            services: mem.services.iter().map(|(k, v)| (*k, *v)).collect(),
+            services: mem.read_services().unwrap().into_iter().collect(),
             backends: mem.backends.clone(),
             rev_nat: mem.rev_nat.clone(),
             names: mem.names.clone(),
@@ -663,14 +601,7 @@ mod tests {
         let mut syncer = Syncer::with_store(Mem::default()).unwrap();
         let report = syncer.apply(desired);
         assert!(report.errors.is_empty(), "{report:?}");
-        let store = syncer.store();
-        Mem {
-            services: store.services.clone(),
-            backends: store.backends.clone(),
-            rev_nat: store.rev_nat.clone(),
-            names: store.names.clone(),
-            vips: store.vips.clone(),
-        }
+        syncer.store().clone()
     }
 
     #[test]
@@ -724,12 +655,12 @@ mod tests {
             ServiceKeyV4::new([10, 96, 0, 100], 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, slot)
         };
         // Slot 0: affinity flag set behind the agent's back; a stale slot 3.
-        let mut master = mem.services[&web_key(0)];
+        let mut master = mem.services[&crate::mem_store::ord(&web_key(0))];
         master.flags = SVC_FLAG_AFFINITY;
         master.affinity_timeout_s = 60;
-        mem.services.insert(web_key(0), master);
-        let slot1 = mem.services[&web_key(1)];
-        mem.services.insert(web_key(3), slot1);
+        mem.services.insert(crate::mem_store::ord(&web_key(0)), master);
+        let slot1 = mem.services[&crate::mem_store::ord(&web_key(1))];
+        mem.services.insert(crate::mem_store::ord(&web_key(3)), slot1);
         // Names and rev-NAT entries lost or wrong, an orphan backend, a wrong VIP count.
         let rev = master.rev_nat_id;
         mem.names.insert(rev, "default/other:http".into());

@@ -22,4 +22,6 @@ pub mod trace;
 #[cfg(test)]
 mod deploy_manifests;
 #[cfg(test)]
+mod mem_store;
+#[cfg(test)]
 mod test_http;

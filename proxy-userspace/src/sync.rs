@@ -943,107 +943,7 @@ mod tests {
     use super::*;
     use crate::model::ServiceName;
 
-    /// The maps as BTreeMaps; every write is logged, and writes can be made
-    /// to fail (a full map).
-    #[derive(Default)]
-    struct FakeStore {
-        services: BTreeMap<ServiceKeyV4Ord, ServiceValueV4>,
-        backends: BTreeMap<u32, BackendV4>,
-        rev_nat: BTreeMap<u16, RevNatV4>,
-        names: BTreeMap<u16, String>,
-        vips: BTreeMap<[u8; 4], VipV4>,
-        log: Vec<String>,
-        /// Refuse inserting new backends once this many exist.
-        backend_capacity: Option<usize>,
-    }
-
-    /// ServiceKeyV4 has no Ord; (vip, port, proto, slot).
-    type ServiceKeyV4Ord = ([u8; 4], u16, u8, u16);
-
-    fn ord(key: &ServiceKeyV4) -> ServiceKeyV4Ord {
-        (key.vip, u16::from_be_bytes(key.port), key.proto, key.slot)
-    }
-
-    fn ip(vip: [u8; 4]) -> Ipv4Addr {
-        Ipv4Addr::from(vip)
-    }
-
-    impl Store for FakeStore {
-        fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
-            Ok(self
-                .services
-                .iter()
-                .map(|((vip, port, proto, slot), v)| {
-                    (ServiceKeyV4::new(*vip, port.to_be_bytes(), *proto, SCOPE_CLUSTER_IP, *slot), *v)
-                })
-                .collect())
-        }
-        fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
-            Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
-        }
-        fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
-            Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
-        }
-        fn read_name(&self, id: u16) -> Option<String> {
-            self.names.get(&id).cloned()
-        }
-        fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
-            let (vip, port, _, slot) = ord(&key);
-            self.log.push(format!("put slot {}:{port}#{slot}", ip(vip)));
-            self.services.insert(ord(&key), value);
-            Ok(())
-        }
-        fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
-            let (vip, port, _, slot) = ord(key);
-            if self.services.remove(&ord(key)).is_some() {
-                self.log.push(format!("del slot {}:{port}#{slot}", ip(vip)));
-            }
-            Ok(())
-        }
-        fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
-            if !self.backends.contains_key(&id)
-                && self.backend_capacity.is_some_and(|cap| self.backends.len() >= cap)
-            {
-                anyhow::bail!("the map is full");
-            }
-            self.log.push(format!("put backend {id} flags {}", value.flags));
-            self.backends.insert(id, value);
-            Ok(())
-        }
-        fn del_backend(&mut self, id: u32) -> Result<()> {
-            self.log.push(format!("del backend {id}"));
-            self.backends.remove(&id);
-            Ok(())
-        }
-        fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
-            self.log.push(format!("put revnat {id}"));
-            self.rev_nat.insert(id, value);
-            Ok(())
-        }
-        fn del_rev_nat(&mut self, id: u16) -> Result<()> {
-            self.log.push(format!("del revnat {id}"));
-            self.rev_nat.remove(&id);
-            Ok(())
-        }
-        fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
-            self.names.insert(id, name.to_owned());
-            Ok(())
-        }
-        fn del_name(&mut self, id: u16) -> Result<()> {
-            self.names.remove(&id);
-            Ok(())
-        }
-        fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
-            self.log.push(format!("put vip {} {}", ip(vip), value.frontends));
-            self.vips.insert(vip, value);
-            Ok(())
-        }
-        fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
-            self.log.push(format!("del vip {}", ip(vip)));
-            self.vips.remove(&vip);
-            Ok(())
-        }
-    }
+    type FakeStore = crate::mem_store::MemStore;
 
     const VIP: [u8; 4] = [10, 96, 0, 100];
 
@@ -1065,13 +965,16 @@ mod tests {
     }
 
     fn slot0(store: &FakeStore, port: u16, proto: Protocol) -> ServiceValueV4 {
-        store.services[&(VIP, port, proto.number(), 0)]
+        store.services[&(VIP, port, proto.number(), SCOPE_INTERNAL, 0)]
     }
 
     fn slot_backends(store: &FakeStore, port: u16, proto: Protocol) -> Vec<[u8; 4]> {
         let master = slot0(store, port, proto);
         (1..=master.count + master.terminating_count)
-            .map(|s| store.backends[&store.services[&(VIP, port, proto.number(), s)].backend_id].addr)
+            .map(|s| {
+                store.backends[&store.services[&(VIP, port, proto.number(), SCOPE_INTERNAL, s)].backend_id]
+                    .addr
+            })
             .collect()
     }
 

@@ -1,0 +1,109 @@
+//! An in-memory [`Store`] for unit tests: the maps as BTreeMaps, so a real [`crate::sync::Syncer`]
+//! programs them without BPF. Every write is logged (the apply order is what the syncer's tests
+//! check), and backend inserts can be made to fail as on a full map.
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use anyhow::Result;
+use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
+
+use crate::sync::Store;
+
+/// ServiceKeyV4 has no Ord: (vip, port, proto, scope, slot).
+pub type ServiceKeyOrd = ([u8; 4], u16, u8, u8, u16);
+
+pub fn ord(key: &ServiceKeyV4) -> ServiceKeyOrd {
+    (key.vip, u16::from_be_bytes(key.port), key.proto, key.scope, key.slot)
+}
+
+#[derive(Clone, Default)]
+pub struct MemStore {
+    pub services: BTreeMap<ServiceKeyOrd, ServiceValueV4>,
+    pub backends: BTreeMap<u32, BackendV4>,
+    pub rev_nat: BTreeMap<u16, RevNatV4>,
+    pub names: BTreeMap<u16, String>,
+    pub vips: BTreeMap<[u8; 4], VipV4>,
+    pub log: Vec<String>,
+    /// Refuse inserting new backends once this many exist.
+    pub backend_capacity: Option<usize>,
+}
+
+fn ip(vip: [u8; 4]) -> Ipv4Addr {
+    Ipv4Addr::from(vip)
+}
+
+impl Store for MemStore {
+    fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
+        Ok(self
+            .services
+            .iter()
+            .map(|((vip, port, proto, scope, slot), v)| {
+                (ServiceKeyV4::new(*vip, port.to_be_bytes(), *proto, *scope, *slot), *v)
+            })
+            .collect())
+    }
+    fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
+        Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
+        Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn read_name(&self, id: u16) -> Option<String> {
+        self.names.get(&id).cloned()
+    }
+    fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
+        let (vip, port, _, _, slot) = ord(&key);
+        self.log.push(format!("put slot {}:{port}#{slot}", ip(vip)));
+        self.services.insert(ord(&key), value);
+        Ok(())
+    }
+    fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
+        let (vip, port, _, _, slot) = ord(key);
+        if self.services.remove(&ord(key)).is_some() {
+            self.log.push(format!("del slot {}:{port}#{slot}", ip(vip)));
+        }
+        Ok(())
+    }
+    fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
+        if !self.backends.contains_key(&id)
+            && self.backend_capacity.is_some_and(|cap| self.backends.len() >= cap)
+        {
+            anyhow::bail!("the map is full");
+        }
+        self.log.push(format!("put backend {id} flags {}", value.flags));
+        self.backends.insert(id, value);
+        Ok(())
+    }
+    fn del_backend(&mut self, id: u32) -> Result<()> {
+        self.log.push(format!("del backend {id}"));
+        self.backends.remove(&id);
+        Ok(())
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+        self.log.push(format!("put revnat {id}"));
+        self.rev_nat.insert(id, value);
+        Ok(())
+    }
+    fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+        self.log.push(format!("del revnat {id}"));
+        self.rev_nat.remove(&id);
+        Ok(())
+    }
+    fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+        self.names.insert(id, name.to_owned());
+        Ok(())
+    }
+    fn del_name(&mut self, id: u16) -> Result<()> {
+        self.names.remove(&id);
+        Ok(())
+    }
+    fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
+        self.log.push(format!("put vip {} {}", ip(vip), value.frontends));
+        self.vips.insert(vip, value);
+        Ok(())
+    }
+    fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
+        self.log.push(format!("del vip {}", ip(vip)));
+        self.vips.remove(&vip);
+        Ok(())
+    }
+}
