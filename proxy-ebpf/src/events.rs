@@ -1,6 +1,10 @@
 //! `kproxy trace` events: one array lookup when nobody listens, and a full
 //! ring buffer drops the event instead of slowing the packet.
-use proxy_common::{stats::Stat, trace::TraceEventV4};
+use proxy_common::{
+    maps::CtEntryV4,
+    stats::Stat,
+    trace::{EV_UNNAT, TraceEventV4},
+};
 
 use crate::{
     maps::{EVENT_SCRATCH, EVENTS, TRACE},
@@ -43,4 +47,30 @@ pub fn emit(event: &TraceEventV4) {
     if EVENTS.output::<TraceEventV4>(event, 0).is_err() {
         stats::count(Stat::TraceDropped);
     }
+}
+
+/// An event's conntrack fields, from the flow's entry.
+#[inline(always)]
+pub fn set_entry(event: &mut TraceEventV4, entry: &CtEntryV4) {
+    event.ct_created_ns = entry.created_ns;
+    event.ct_flags = entry.flags;
+    event.backend_id = entry.backend_id;
+    event.rev_nat_id = entry.rev_nat_id;
+}
+
+/// A reply rewritten to come from `source` (the frontend) and go to
+/// `destination` (the client, as it sent the flow).
+#[inline(always)]
+pub fn emit_unnat(
+    flow: &Flow,
+    entry: &CtEntryV4,
+    source: ([u8; 4], [u8; 2]),
+    destination: ([u8; 4], [u8; 2]),
+    now: u64,
+) {
+    let Some(event) = from_flow(flow, EV_UNNAT, now) else { return };
+    (event.after_saddr, event.after_sport) = source;
+    (event.after_daddr, event.after_dport) = destination;
+    set_entry(event, entry);
+    emit(event);
 }

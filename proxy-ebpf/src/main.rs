@@ -34,7 +34,7 @@ use proxy_common::{
     },
     packet::{TCP_ACK, TCP_RST, TCP_SYN},
     stats::Stat,
-    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT},
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT},
 };
 
 use crate::{conntrack::ReplyTo, maps::EXTERNAL_IFACES};
@@ -342,10 +342,7 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
             event.after_saddr = to_node.addr;
             event.after_sport = to_node.port;
         }
-        event.ct_created_ns = entry_copy.created_ns;
-        event.ct_flags = entry_copy.flags;
-        event.backend_id = entry_copy.backend_id;
-        event.rev_nat_id = entry_copy.rev_nat_id;
+        events::set_entry(event, &entry_copy);
         events::emit(event);
     }
     if hairpin {
@@ -474,7 +471,13 @@ fn snat_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
     stats::count(Stat::SnatReverse);
     if events::enabled() {
         // SAFETY: as in `ingress`.
-        emit_unnat(flow, unsafe { &*entry }, frontend_addr, frontend_port, client.addr, now);
+        events::emit_unnat(
+            flow,
+            unsafe { &*entry },
+            (frontend_addr, frontend_port),
+            (client.addr, client.port),
+            now,
+        );
     }
     let route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, flow.ip_total_len)?;
     Ok(Done::Redirect(route))
@@ -513,7 +516,7 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
     stats::count(Stat::ReverseNat);
     if events::enabled() {
         // SAFETY: as in `ingress`.
-        emit_unnat(flow, unsafe { &*entry }, vip, vip_port, flow.saddr, now);
+        events::emit_unnat(flow, unsafe { &*entry }, (vip, vip_port), (flow.saddr, flow.dport), now);
     }
     Ok(Done::Bounce)
 }
@@ -538,29 +541,9 @@ fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
     stats::count(Stat::ReverseNat);
     if events::enabled() {
         // SAFETY: as in `ingress`.
-        emit_unnat(&flow, unsafe { &*entry }, vip, vip_port, flow.daddr, now);
+        events::emit_unnat(&flow, unsafe { &*entry }, (vip, vip_port), (flow.daddr, flow.dport), now);
     }
     Ok(Done::Next)
-}
-
-#[inline(always)]
-fn emit_unnat(
-    flow: &parse::Flow,
-    entry: &proxy_common::maps::CtEntryV4,
-    vip: [u8; 4],
-    vip_port: [u8; 2],
-    client: [u8; 4],
-    now: u64,
-) {
-    let Some(event) = events::from_flow(flow, EV_UNNAT, now) else { return };
-    event.after_saddr = vip;
-    event.after_sport = vip_port;
-    event.after_daddr = client;
-    event.ct_created_ns = entry.created_ns;
-    event.ct_flags = entry.flags;
-    event.backend_id = entry.backend_id;
-    event.rev_nat_id = entry.rev_nat_id;
-    events::emit(event);
 }
 
 #[cfg(not(test))]

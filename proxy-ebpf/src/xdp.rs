@@ -21,7 +21,7 @@ use proxy_common::{
         TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
-    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_UNNAT},
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW},
 };
 
 use crate::{
@@ -271,21 +271,10 @@ fn snat_reply(
     }
     *out = Translation { tuple: tuple(frontend, client.addr, frontend_port, client.port), route };
     stats::count(Stat::SnatReverse);
-    if events::enabled()
-        && let Some(event) = events::from_flow(flow, EV_UNNAT, now)
-    {
-        event.after_saddr = frontend;
-        event.after_sport = frontend_port;
-        event.after_daddr = client.addr;
-        event.after_dport = client.port;
+    if events::enabled() {
         // SAFETY: as above.
-        unsafe {
-            event.ct_created_ns = (*entry).created_ns;
-            event.ct_flags = (*entry).flags;
-            event.backend_id = (*entry).backend_id;
-            event.rev_nat_id = (*entry).rev_nat_id;
-        }
-        events::emit(event);
+        let entry = unsafe { &*entry };
+        events::emit_unnat(flow, entry, (frontend, frontend_port), (client.addr, client.port), now);
     }
     Ok(())
 }
@@ -322,10 +311,7 @@ fn established(
         event.after_sport = to_node.port;
         event.after_daddr = entry_copy.nat_addr;
         event.after_dport = entry_copy.nat_port;
-        event.ct_created_ns = entry_copy.created_ns;
-        event.ct_flags = entry_copy.flags;
-        event.backend_id = entry_copy.backend_id;
-        event.rev_nat_id = entry_copy.rev_nat_id;
+        events::set_entry(event, &entry_copy);
         events::emit(event);
     }
     *out = Translation {
