@@ -218,30 +218,8 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             tracing::info!(cgroup = %cgroup.display(), ?mode, hooks = attached.len(), "socket-level load balancing on");
         }
     }
-    let mut syncer = {
-        let maps = Maps::from_pins(&config.pins)?;
-        let maglev_map = Maps::from_pins(&config.pins)?.maglev;
-        let syncer = Syncer::from_maps(maps).context("reading the pinned maps")?;
-        match config.maglev {
-            Some(settings) => {
-                use aya::maps::IterableMap as _;
-                let capacity = maglev_map.map().info().map(|i| i.max_entries()).unwrap_or(0);
-                let tables = capacity / proxy_common::maglev::MAGLEV_TABLE_SIZE;
-                if tables < settings.tables {
-                    tracing::warn!(
-                        pinned = tables,
-                        wanted = settings.tables,
-                        "the pinned Maglev map keeps its size; --maglev-tables applies after `kproxy unload`"
-                    );
-                }
-                syncer.with_maglev(
-                    maglev_map,
-                    crate::sync::MaglevSettings { tables: tables.min(settings.tables), ..settings },
-                )
-            }
-            None => syncer,
-        }
-    };
+    let mut syncer = Syncer::from_maps_with(Maps::from_pins(&config.pins)?, config.maglev)
+        .context("reading the pinned maps")?;
     tracing::info!(
         frontends = syncer.frontend_count(),
         backends = syncer.backend_count(),

@@ -439,9 +439,28 @@ impl Syncer<BpfStore> {
     }
 
     pub fn from_maps(maps: crate::datapath::Maps) -> Result<Self> {
-        Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?
+        Self::from_maps_with(maps, None)
+    }
+
+    /// [`Syncer::from_maps`], with Maglev tables for external frontends when `maglev` is set
+    /// (as many as `settings.tables`, and as the pinned MAGLEV_V4 holds).
+    pub fn from_maps_with(maps: crate::datapath::Maps, maglev: Option<MaglevSettings>) -> Result<Self> {
+        let syncer = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?
             .with_vips(maps.vips)?
-            .with_source_ranges(maps.source_ranges)
+            .with_source_ranges(maps.source_ranges)?;
+        let Some(settings) = maglev else { return Ok(syncer) };
+        use aya::maps::IterableMap as _;
+        let capacity = maps.maglev.map().info().map(|i| i.max_entries()).unwrap_or(0);
+        let tables = capacity / proxy_common::maglev::MAGLEV_TABLE_SIZE;
+        if tables < settings.tables {
+            tracing::warn!(
+                pinned = tables,
+                wanted = settings.tables,
+                "the pinned Maglev map keeps its size; --maglev-tables applies after `kproxy unload`"
+            );
+        }
+        Ok(syncer
+            .with_maglev(maps.maglev, MaglevSettings { tables: tables.min(settings.tables), ..settings }))
     }
 }
 
@@ -769,42 +788,39 @@ impl<S: Store> Syncer<S> {
         let mut slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
         // The table is written before slot 0 points at it; its entries name
         // backends that exist already (new ones were written above).
-        let mut maglev_table = previous.as_ref().and_then(|p| p.maglev_table);
+        let mut maglev_table = None;
         let mut maglev_entries = Vec::new();
         if let Some(settings) = maglev {
-            let table = match maglev_table {
-                Some(table) => table,
-                None => match self.free_maglev_table(settings.tables) {
-                    Some(table) => table,
-                    None => {
-                        report.errors.push(format!(
-                            "Service {} ({}:{}): all {} Maglev tables are in use (--maglev-tables): random selection",
-                            frontend.service, fk.vip, fk.port, settings.tables
-                        ));
-                        slots[0].1.flags &= !SVC_FLAG_MAGLEV;
-                        u32::MAX
+            let table = previous
+                .as_ref()
+                .and_then(|p| p.maglev_table)
+                .or_else(|| self.free_maglev_table(settings.tables));
+            match table {
+                Some(table) => {
+                    let pairs: Vec<(BackendAddr, u32)> =
+                        frontend.backends.iter().copied().zip(ids.iter().copied()).collect();
+                    maglev_entries = build_maglev_table(&pairs, fk.proto, settings.seed)?;
+                    let old = previous
+                        .as_ref()
+                        .filter(|p| p.maglev_table == Some(table))
+                        .map(|p| &p.maglev_entries);
+                    let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
+                    for (i, id) in maglev_entries.iter().enumerate() {
+                        if old.and_then(|o| o.get(i)) != Some(id) {
+                            self.store.put_maglev(base + i as u32, *id)?;
+                        }
                     }
-                },
-            };
-            if table != u32::MAX {
-                let pairs: Vec<(BackendAddr, u32)> =
-                    frontend.backends.iter().copied().zip(ids.iter().copied()).collect();
-                maglev_entries = build_maglev_table(&pairs, fk.proto, settings.seed)?;
-                let old =
-                    previous.as_ref().filter(|p| p.maglev_table == Some(table)).map(|p| &p.maglev_entries);
-                let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
-                for (i, id) in maglev_entries.iter().enumerate() {
-                    if old.and_then(|o| o.get(i)) != Some(id) {
-                        self.store.put_maglev(base + i as u32, *id)?;
-                    }
+                    slots[0].1.backend_id = table + 1;
+                    maglev_table = Some(table);
                 }
-                slots[0].1.backend_id = table + 1;
-                maglev_table = Some(table);
-            } else {
-                maglev_table = None;
+                None => {
+                    report.errors.push(format!(
+                        "Service {} ({}:{}): all {} Maglev tables are in use (--maglev-tables): random selection",
+                        frontend.service, fk.vip, fk.port, settings.tables
+                    ));
+                    slots[0].1.flags &= !SVC_FLAG_MAGLEV;
+                }
             }
-        } else {
-            maglev_table = None;
         }
         let flags = slots[0].1.flags;
         if previous.is_none() {
