@@ -83,6 +83,24 @@ http {{
 }
 
 impl Pod {
+    /// Starts downloading [`SLOW_FILE_PATH`] (10 MiB at 1 MiB/s) from `server` (an address, or
+    /// `address:port`) into `out`: a connection that stays open for about ten seconds.
+    pub fn download_slowly(&self, server: &str, out: &Path) -> Result<Spawned> {
+        let url = format!("http://{server}{SLOW_FILE_PATH}");
+        let out = out.to_string_lossy();
+        self.spawn([
+            "curl",
+            "-sS",
+            "--limit-rate",
+            "1M",
+            "--max-time",
+            "60",
+            "-o",
+            out.as_ref(),
+            url.as_str(),
+        ])
+    }
+
     /// nginx on 0.0.0.0:80 serving `body` at `/`, the pod's view of the client address at
     /// `/client`, and [`big_file_contents`] at [`BIG_FILE_PATH`]. Returns once it listens.
     pub fn start_nginx(&self, body: &str) -> Result<Spawned> {

@@ -194,20 +194,7 @@ fn sigkill_mid_traffic_keeps_flows_and_applies_what_changed_meanwhile() {
     let out = cluster.sandbox.dir().join("slow.bin");
     // A long-lived connection: 10 MB at 1 MB/s.
     let started = Instant::now();
-    let download = cluster
-        .client
-        .spawn([
-            "curl",
-            "-sS",
-            "--limit-rate",
-            "1M",
-            "--max-time",
-            "60",
-            "-o",
-            out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
-        ])
-        .unwrap();
+    let download = cluster.client.download_slowly(&WEB_VIP.to_string(), &out).unwrap();
     std::thread::sleep(Duration::from_millis(800));
 
     let agent = cluster.agent.take().unwrap();

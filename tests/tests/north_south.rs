@@ -7,14 +7,13 @@
 use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
     time::{Duration, Instant},
 };
 
 use sandbox::{Pod, Spawned, multinode::MultiNode};
 
 mod common;
-use common::cluster::kproxy_bin;
+use common::cluster::{kproxy_bin, unique_pin_dir};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 200);
 /// A second address of the external client, outside web-ranges' loadBalancerSourceRanges.
@@ -50,15 +49,6 @@ impl Drop for NorthSouth {
     }
 }
 
-fn unique_pin_dir(node: usize) -> PathBuf {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    PathBuf::from(format!(
-        "/sys/fs/bpf/kproxy-test-ns-{}-{}-n{node}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ))
-}
-
 impl NorthSouth {
     fn start(tag: &str) -> Self {
         Self::start_with(tag, &[])
@@ -80,7 +70,7 @@ impl NorthSouth {
         let mut agents = Vec::new();
         let mut pins = Vec::new();
         for node in 0..multi.node_count() {
-            let pin_dir = unique_pin_dir(node);
+            let pin_dir = unique_pin_dir();
             let mut args: Vec<String> = vec![
                 kproxy_bin().display().to_string(),
                 "--pin-dir".into(),
@@ -418,20 +408,7 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let forwarded_before = cluster.stat(0, "xdp_forwarded");
-    let answer = cluster
-        .multi
-        .external_exec([
-            "dig",
-            "+short",
-            "+time=2",
-            "+tries=1",
-            &format!("@{node0}"),
-            "-p",
-            "30053",
-            "ip.kproxy.test",
-        ])
-        .unwrap();
-    assert_eq!(answer.trim(), DNS_B.to_string());
+    assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
     let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
     assert!(status.success(), "{}", trace.log());
     assert!(

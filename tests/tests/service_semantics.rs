@@ -212,20 +212,7 @@ fn a_terminating_backend_keeps_its_flows_and_gets_no_new_ones() {
         );
     std::fs::write(cluster.manifest("web.yaml"), &only_web1).unwrap();
     cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 1)]);
-    let download = cluster
-        .client
-        .spawn([
-            "curl",
-            "-sS",
-            "--limit-rate",
-            "1M",
-            "--max-time",
-            "60",
-            "-o",
-            out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
-        ])
-        .unwrap();
+    let download = cluster.client.download_slowly(&WEB_VIP.to_string(), &out).unwrap();
     std::thread::sleep(Duration::from_millis(500));
 
     // web-1 starts terminating (still serving); the other two become ready.

@@ -48,20 +48,7 @@ fn an_agent_with_new_programs_and_maps_takes_over_without_dropping_a_flow() {
     wait_links(old_ingress, 6);
 
     let out = cluster.sandbox.dir().join("slow.bin");
-    let download = cluster
-        .client
-        .spawn([
-            "curl",
-            "-sS",
-            "--limit-rate",
-            "1M",
-            "--max-time",
-            "60",
-            "-o",
-            out.to_str().unwrap(),
-            &format!("http://{WEB_VIP}{}", sandbox::SLOW_FILE_PATH),
-        ])
-        .unwrap();
+    let download = cluster.client.download_slowly(&WEB_VIP.to_string(), &out).unwrap();
     std::thread::sleep(Duration::from_millis(700));
 
     // As if the running datapath came from an older kproxy without tracing.

@@ -36,7 +36,7 @@ pub fn kproxy_bin() -> PathBuf {
     path
 }
 
-fn unique_pin_dir() -> PathBuf {
+pub fn unique_pin_dir() -> PathBuf {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     PathBuf::from(format!(
         "/sys/fs/bpf/kproxy-test-{}-{}",
