@@ -92,6 +92,8 @@ fn the_datapath_debug_log_reaches_the_agent_log() {
     cluster.extra_agent_args = vec!["--bpf-debug-log".into()];
     cluster.start_agent();
     cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    // unload removed the programs too; the maps come back before the veths are attached again.
+    cluster.wait_for_attachment();
     assert!(cluster.client.curl(&format!("http://{WEB_VIP}/")).unwrap().starts_with("web-"));
     let deadline = Instant::now() + Duration::from_secs(10);
     while !cluster.agent_log().contains("new flow to frontend") {
