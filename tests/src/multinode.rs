@@ -346,17 +346,7 @@ mod cluster_sandbox_tests {
     use std::time::Instant;
 
     use super::*;
-
-    fn netns_with_prefix(prefix: &str) -> Vec<String> {
-        std::fs::read_dir("/run/netns")
-            .map(|entries| {
-                entries
-                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                    .filter(|n| n.starts_with(prefix))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
+    use crate::tests::netns_with_prefix;
 
     #[test]
     fn pods_on_different_nodes_reach_each_other_through_the_underlay() {

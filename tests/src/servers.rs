@@ -137,10 +137,16 @@ impl Pod {
     ///
     /// and nothing else (no upstream, no /etc/hosts). Returns once it listens.
     pub fn start_dnsmasq(&self, answer: Ipv4Addr) -> Result<Spawned> {
+        self.start_dnsmasq_with(answer, QueryLog::On)
+    }
+
+    /// [`Self::start_dnsmasq`], choosing whether each query is logged (benchmarks turn it
+    /// off: a log line per query would be what is measured).
+    pub fn start_dnsmasq_with(&self, answer: Ipv4Addr, query_log: QueryLog) -> Result<Spawned> {
         let dnsmasq = find_tool("dnsmasq")?;
         let dir = self.dir().join("dnsmasq");
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let args = vec![
+        let mut args = vec![
             dnsmasq.to_string_lossy().into_owned(),
             "--keep-in-foreground".into(),
             "--conf-file=/dev/null".into(),
@@ -156,8 +162,11 @@ impl Pod {
             format!("--host-record=ip.kproxy.test,{}", self.ip()),
             format!("--pid-file={}", dir.join("dnsmasq.pid").display()),
             format!("--log-facility={}", dir.join("dnsmasq.log").display()),
-            "--log-queries".into(),
+            "--cache-size=1000".into(),
         ];
+        if query_log == QueryLog::On {
+            args.push("--log-queries".into());
+        }
         let server = self.spawn(&args)?;
         self.wait_listening("udp", 53, Some(&server), START_TIMEOUT)
             .and_then(|()| self.wait_listening("tcp", 53, Some(&server), START_TIMEOUT))
@@ -166,4 +175,11 @@ impl Pod {
             })?;
         Ok(server)
     }
+}
+
+/// Whether dnsmasq logs every query it answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueryLog {
+    On,
+    Off,
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use crate::{BIG_FILE_LEN, BIG_FILE_PATH, NETNS_PREFIX, Sandbox, cleanup_stale, require_tools};
 
 /// Namespaces under /run/netns whose name starts with `prefix`.
-fn netns_with_prefix(prefix: &str) -> Vec<String> {
+pub(crate) fn netns_with_prefix(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/run/netns")
         .map(|entries| {
             entries

@@ -70,3 +70,16 @@ pub fn require_root() -> Result<()> {
     }
     Ok(())
 }
+
+/// The kproxy binary under test: `cargo xtask test` sets KPROXY_BIN.
+pub fn kproxy_bin() -> PathBuf {
+    let path = std::env::var_os("KPROXY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kproxy"));
+    assert!(
+        path.exists(),
+        "kproxy binary not found at {} — run the tests with `cargo xtask test` (it builds kproxy and sets KPROXY_BIN)",
+        path.display()
+    );
+    path
+}

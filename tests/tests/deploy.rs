@@ -8,25 +8,12 @@
 use std::{
     collections::BTreeSet,
     io::Write as _,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
 };
 
-use sandbox::Sandbox;
+use sandbox::{Sandbox, kproxy_bin};
 use serde_yaml::Value;
-
-/// The kproxy binary under test: `cargo xtask test` sets KPROXY_BIN.
-fn kproxy_bin() -> PathBuf {
-    let path = std::env::var_os("KPROXY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kproxy"));
-    assert!(
-        path.exists(),
-        "kproxy binary not found at {} — run the tests with `cargo xtask test` (it builds kproxy and sets KPROXY_BIN)",
-        path.display()
-    );
-    path
-}
 
 fn deploy_file(relative: &str) -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(relative);

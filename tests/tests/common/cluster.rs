@@ -23,18 +23,7 @@ pub const WEB_PODS: [(&str, Ipv4Addr); 3] = [
 pub const DNS_PODS: [(&str, Ipv4Addr); 2] =
     [("coredns-1", Ipv4Addr::new(10, 244, 0, 21)), ("coredns-2", Ipv4Addr::new(10, 244, 0, 22))];
 
-/// The kproxy binary under test: `cargo xtask test` sets KPROXY_BIN.
-pub fn kproxy_bin() -> PathBuf {
-    let path = std::env::var_os("KPROXY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/kproxy"));
-    assert!(
-        path.exists(),
-        "kproxy binary not found at {} — run the tests with `cargo xtask test` (it builds kproxy and sets KPROXY_BIN)",
-        path.display()
-    );
-    path
-}
+pub use sandbox::kproxy_bin;
 
 pub fn unique_pin_dir() -> PathBuf {
     static NEXT: AtomicU32 = AtomicU32::new(0);

@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use kproxy::datapath::{Maps, PinDir};
 use proxy_common::maps::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_CLUSTER_IP, ServiceKeyV4};
-use sandbox::{Pod, Sandbox, find_tool};
+use sandbox::{Pod, QueryLog, Sandbox, find_tool};
 
 use super::{
     imp::Ctx,
@@ -376,7 +376,7 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
     ])?;
     let web = sandbox.add_pod("web", WEB_IP)?;
     let dns = sandbox.add_pod("dns", DNS_IP)?;
-    start_dnsmasq(&dns)?;
+    dns.start_dnsmasq_with(WEB_VIP, QueryLog::Off)?;
     let dns_queries = sandbox.dir().join("queries.txt");
     std::fs::write(&dns_queries, "web.default.svc.cluster.local A\n")?;
     let seconds = if ctx.quick { 1 } else { 3 };
@@ -417,27 +417,4 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
         sandbox.node_exec([find_tool("iptables")?.as_os_str(), "--version".as_ref()]).unwrap_or_default();
     notes.push(format!("iptables baseline: `{}`.", version.trim()));
     Ok(E2eResult { sizes, rows, seconds, dns_seconds, runs: ctx.runs(), notes })
-}
-
-/// dnsmasq as in the tests' sandbox but without `--log-queries` (a log line per query would be
-/// what is measured).
-fn start_dnsmasq(pod: &Pod) -> Result<()> {
-    let dnsmasq = find_tool("dnsmasq")?.to_string_lossy().into_owned();
-    let args = vec![
-        dnsmasq,
-        "--keep-in-foreground".into(),
-        "--conf-file=/dev/null".into(),
-        "--no-resolv".into(),
-        "--no-hosts".into(),
-        "--no-poll".into(),
-        "--user=root".into(),
-        "--port=53".into(),
-        format!("--listen-address={}", pod.ip()),
-        "--bind-interfaces".into(),
-        "--cache-size=1000".into(),
-        format!("--address=/web.default.svc.cluster.local/{WEB_VIP}"),
-        format!("--pid-file={}", pod.dir().join("dnsmasq.pid").display()),
-    ];
-    let server = pod.spawn(&args)?;
-    pod.wait_listening("udp", 53, Some(&server), Duration::from_secs(10))
 }
