@@ -15,11 +15,11 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use proxy_common::{
     conntrack::Timeouts,
-    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR},
+    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR, SockRevNatKeyV4},
 };
 
 use crate::{
-    datapath::{self, Capacities, InterfaceSelector, Maps, PinDir},
+    datapath::{self, Capacities, InterfaceSelector, Maps, PinDir, open_sock_revnat},
     gc,
     health::{self, Health},
     metrics::Metrics,
@@ -401,7 +401,19 @@ impl SyncLoop<'_> {
                 .iter()
                 .map(|(b, proto)| crate::sockdiag::Peer { addr: b.addr, port: b.port, proto: *proto })
                 .collect();
-            match crate::sockdiag::destroy_everywhere(&peers) {
+            let destroyed = open_sock_revnat(&self.pins).and_then(|sock_revnat| {
+                let translated = |cookie: u64, peer: &crate::sockdiag::Peer| {
+                    let key = SockRevNatKeyV4 {
+                        cookie,
+                        addr: peer.addr.octets(),
+                        port: peer.port.to_be_bytes(),
+                        _pad: [0; 2],
+                    };
+                    sock_revnat.get(&key, 0).is_ok()
+                };
+                crate::sockdiag::destroy_everywhere(&peers, &translated)
+            });
+            match destroyed {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(sockets = n, "destroyed the sockets connected to removed backends"),
                 Err(e) => {

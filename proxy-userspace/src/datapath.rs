@@ -756,6 +756,13 @@ pub struct Maps {
     pub maglev: Array<MapData, u32>,
 }
 
+/// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
+pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
+    let path = pins.map(MAP_SOCK_REVNAT_V4);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(HashMap::try_from(Map::LruHashMap(data))?)
+}
+
 impl Maps {
     pub fn from_pins(pins: &PinDir) -> Result<Self> {
         let open = |name: &str| -> Result<MapData> {

@@ -3,9 +3,14 @@
 //! With socket-level load balancing a connected socket talks to the backend's own address: no
 //! conntrack entry stands between it and a dead pod, and a connected UDP socket (a DNS client's)
 //! would send into the void forever. So when a backend leaves, the agent asks the kernel
-//! (`NETLINK_SOCK_DIAG`, `SOCK_DESTROY`, like `ss -K`) to abort every TCP and UDP socket whose
-//! peer is that backend, in every network namespace of the node (pods have their own): the
-//! application sees ECONNABORTED and reconnects, through the Service again.
+//! (`NETLINK_SOCK_DIAG`, `SOCK_DESTROY`, like `ss -K`) to abort the TCP and UDP sockets that the
+//! socket hooks connected to that backend, in every network namespace of the node (pods have
+//! their own): the application sees ECONNABORTED and reconnects, through the Service again.
+//!
+//! Only sockets the hooks translated are touched — their cookie and peer are in
+//! `SOCK_REVNAT_V4`. A socket an application connected to the pod's own address (a headless
+//! Service, a StatefulSet peer) is its business: a pod leaving a Service, or just turning
+//! unready, must not cut it.
 
 use std::{
     collections::BTreeMap,
@@ -51,7 +56,17 @@ impl SockId {
         let port = u16::from_be_bytes([self.0[2], self.0[3]]);
         (Ipv4Addr::new(self.0[20], self.0[21], self.0[22], self.0[23]), port)
     }
+
+    /// `idiag_cookie`: the socket cookie (`SO_COOKIE`, `bpf_get_socket_cookie`), low half first.
+    fn cookie(&self) -> u64 {
+        let low = u32::from_ne_bytes(self.0[40..44].try_into().unwrap());
+        let high = u32::from_ne_bytes(self.0[44..48].try_into().unwrap());
+        u64::from(low) | (u64::from(high) << 32)
+    }
 }
+
+/// Whether the socket with this cookie was connected to `peer` by kproxy's socket hooks.
+pub type Translated<'a> = &'a (dyn Fn(u64, &Peer) -> bool + Sync);
 
 /// `nlmsghdr` + `inet_diag_req_v2` for IPv4 sockets of `proto` in any state.
 fn request(kind: u16, flags: u16, seq: u32, proto: Protocol, id: Option<&SockId>) -> Vec<u8> {
@@ -160,9 +175,9 @@ impl Netlink {
     }
 }
 
-/// Destroys, in this thread's network namespace, the sockets whose peer is one of `peers`.
-/// Returns how many.
-pub fn destroy_here(peers: &[Peer]) -> Result<usize> {
+/// Destroys, in this thread's network namespace, the sockets whose peer is one of `peers` and
+/// that `translated` claims. Returns how many.
+pub fn destroy_here(peers: &[Peer], translated: Translated) -> Result<usize> {
     let netlink = Netlink::open()?;
     let mut destroyed = 0;
     for proto in [Protocol::Tcp, Protocol::Udp] {
@@ -172,7 +187,11 @@ pub fn destroy_here(peers: &[Peer]) -> Result<usize> {
             continue;
         }
         for (state, id) in netlink.dump(proto)? {
-            if state != TCP_LISTEN && wanted.contains(&id.dst()) {
+            let (addr, port) = id.dst();
+            if state != TCP_LISTEN
+                && wanted.contains(&(addr, port))
+                && translated(id.cookie(), &Peer { addr, port, proto })
+            {
                 netlink.destroy(proto, &id)?;
                 destroyed += 1;
             }
@@ -198,24 +217,28 @@ fn network_namespaces() -> Vec<PathBuf> {
     by_inode.into_values().collect()
 }
 
-/// Destroys the sockets whose peer is one of `peers` in every network namespace of the node
-/// (each visited from a thread of its own, which enters it with setns). Returns how many.
-pub fn destroy_everywhere(peers: &[Peer]) -> Result<usize> {
+/// [`destroy_here`] in every network namespace of the node (each visited from a thread of its
+/// own, which enters it with setns). Returns how many.
+pub fn destroy_everywhere(peers: &[Peer], translated: Translated) -> Result<usize> {
     if peers.is_empty() {
         return Ok(0);
     }
     let mut total = 0;
     for ns in network_namespaces() {
-        let peers = peers.to_vec();
-        let visit = std::thread::spawn(move || -> Result<usize> {
-            let file = fs::File::open(&ns).with_context(|| format!("opening {}", ns.display()))?;
-            // SAFETY: setns on this thread only, with a descriptor we hold.
-            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error()).with_context(|| format!("entering {}", ns.display()));
-            }
-            destroy_here(&peers)
+        let visit = std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> Result<usize> {
+                    let file = fs::File::open(&ns).with_context(|| format!("opening {}", ns.display()))?;
+                    // SAFETY: setns on this thread only, with a descriptor we hold.
+                    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                        return Err(io::Error::last_os_error())
+                            .with_context(|| format!("entering {}", ns.display()));
+                    }
+                    destroy_here(peers, translated)
+                })
+                .join()
         });
-        match visit.join() {
+        match visit {
             Ok(Ok(n)) => total += n,
             // A process (and its namespace) may be gone by now.
             Ok(Err(e)) => tracing::debug!(error = %format!("{e:#}"), "destroying sockets in a namespace"),
@@ -265,19 +288,42 @@ mod tests {
         assert!(parse_dump(&done).unwrap().is_none());
     }
 
-    /// A connected UDP socket in this (test) namespace, on loopback, is destroyed by its peer;
-    /// a socket connected elsewhere is not.
+    fn cookie_of(socket: &std::net::UdpSocket) -> u64 {
+        let mut cookie = 0u64;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: getsockopt into a live u64 of the given length.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_COOKIE,
+                &mut cookie as *mut u64 as *mut c_void,
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "SO_COOKIE: {}", io::Error::last_os_error());
+        cookie
+    }
+
+    /// On loopback in the test's namespace: of two sockets connected to a gone peer, the one the
+    /// hooks translated (its cookie claimed) is destroyed, the one connected to it directly is
+    /// not; neither is a socket connected elsewhere.
     #[test]
-    fn a_connected_udp_socket_to_a_gone_peer_is_destroyed() {
+    fn a_translated_udp_socket_to_a_gone_peer_is_destroyed() {
         let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let peer = server.local_addr().unwrap();
         client.connect(peer).unwrap();
+        let direct = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        direct.connect(peer).unwrap();
         let other = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         other.connect(client.local_addr().unwrap()).unwrap();
         let gone = Peer { addr: Ipv4Addr::LOCALHOST, port: peer.port(), proto: Protocol::Udp };
-        let destroyed = destroy_here(&[gone]).expect("needs root and CONFIG_INET_DIAG_DESTROY");
-        assert_eq!(destroyed, 1, "only the socket connected to the gone peer");
+        let client_cookie = cookie_of(&client);
+        let translated = |cookie: u64, p: &Peer| cookie == client_cookie && *p == gone;
+        let destroyed = destroy_here(&[gone], &translated).expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "only the translated socket connected to the gone peer");
+        direct.send(b"untouched").unwrap();
         // The owner learns it on its next receive, and the socket is no longer connected.
         client.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
         let err = client.recv(&mut [0u8; 16]).unwrap_err();

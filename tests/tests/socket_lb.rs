@@ -150,8 +150,28 @@ except OSError as e:
 
 #[test]
 fn a_connected_udp_socket_to_a_removed_backend_is_destroyed() {
+    connected_udp_socket_is_destroyed_when_its_backend_leaves("sock-destroy", AgentDuringRemoval::Running);
+}
+
+/// The backend leaves while the agent is down: the restarted agent adopts the pinned maps, finds
+/// the backend gone on its first sync and destroys the sockets then.
+#[test]
+fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_destroyed() {
+    connected_udp_socket_is_destroyed_when_its_backend_leaves(
+        "sock-destroy-down",
+        AgentDuringRemoval::Stopped,
+    );
+}
+
+#[derive(PartialEq)]
+enum AgentDuringRemoval {
+    Running,
+    Stopped,
+}
+
+fn connected_udp_socket_is_destroyed_when_its_backend_leaves(tag: &str, agent: AgentDuringRemoval) {
     let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let cluster = start("sock-destroy", &cgroup);
+    let mut cluster = start(tag, &cgroup);
     let script = format!(
         r#"{DNS_HELPERS}
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -159,6 +179,13 @@ s.connect(('{DNS_VIP}', 53))
 s.settimeout(2)
 s.send(query('whoami.kproxy.test', 16))
 print('backend', backend(s.recv(512)), s.getpeername()[0], flush=True)
+# Sockets connected to the pods' own addresses: the application's, not the Service's.
+direct = []
+for ip in ('10.244.0.21', '10.244.0.22'):
+    d = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    d.connect((ip, 53))
+    d.settimeout(2)
+    direct.append(d)
 deadline = time.time() + 30
 while time.time() < deadline:
     try:
@@ -168,6 +195,12 @@ while time.time() < deadline:
         pass
     except OSError as e:
         print('error', errno.errorcode[e.errno], flush=True)
+        for d in direct:
+            try:
+                d.send(query('whoami.kproxy.test', 16))
+                print('direct', backend(d.recv(512)), flush=True)
+            except OSError as e:
+                print('direct error', errno.errorcode.get(e.errno, e), flush=True)
         sys.exit(0)
     time.sleep(0.2)
 print('still connected', flush=True)
@@ -192,20 +225,39 @@ print('still connected', flush=True)
     };
 
     // The backend leaves the EndpointSlice.
+    if agent == AgentDuringRemoval::Stopped {
+        cluster.stop_agent();
+    }
     let path = cluster.manifest("kube-dns.yaml");
     let yaml = std::fs::read_to_string(&path).unwrap();
     let without: String = remove_endpoint(&yaml, gone_ip);
     std::fs::write(&path, without).unwrap();
+    if agent == AgentDuringRemoval::Stopped {
+        // The restarted agent finds the backend gone in the maps it adopts.
+        std::thread::sleep(Duration::from_secs(1));
+        cluster.start_agent();
+    }
     cluster.wait_for_frontends(&[("10.96.0.10:53", "UDP", 1)]);
 
     let verdict = lines.next().expect("the script ended silently").unwrap();
-    let _ = child.wait();
     assert!(
         verdict == "error ECONNABORTED" || verdict == "error EDESTADDRREQ",
         "the socket connected to {gone} was not destroyed: {verdict}\n{}",
         cluster.agent_log()
     );
-    assert!(cluster.agent_log().contains("destroyed the sockets connected to removed backends"));
+    let direct: Vec<String> = lines.by_ref().take(2).map(Result::unwrap).collect();
+    assert_eq!(
+        direct,
+        ["direct coredns-1", "direct coredns-2"],
+        "sockets connected to the pods' own addresses are left alone"
+    );
+    let _ = child.wait();
+    // The agent logs after SOCK_DESTROY returns; the script may see the error first.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cluster.agent_log().contains("destroyed the sockets connected to removed backends") {
+        assert!(Instant::now() < deadline, "no destroy in the agent log:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// The EndpointSlice YAML without the endpoint whose address is `ip`.
