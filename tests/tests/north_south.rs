@@ -13,7 +13,7 @@ use std::{
 use sandbox::{Pod, Spawned, multinode::MultiNode};
 
 mod common;
-use common::cluster::{kproxy_bin, unique_pin_dir};
+use common::cluster::{TempDir, kproxy_bin, unique_pin_dir};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 200);
 /// A second address of the external client, outside web-ranges' loadBalancerSourceRanges.
@@ -21,6 +21,8 @@ const OTHER_CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 201);
 const WEB_A: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
 const WEB_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
 const DNS_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 21);
+/// Where the DNS pod of node 1 moves when it is replaced.
+const DNS_B2: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 22);
 const LB_LOCAL: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 10);
 const LB_RANGES: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 11);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 200, 20);
@@ -30,6 +32,9 @@ struct NorthSouth {
     pins: Vec<PathBuf>,
     _pods: Vec<Pod>,
     multi: MultiNode,
+    /// A copy of `examples/north-south` the agents read and a test may change.
+    manifests: PathBuf,
+    _manifest_dir: TempDir,
 }
 
 impl Drop for NorthSouth {
@@ -66,7 +71,14 @@ impl NorthSouth {
         dns.start_dnsmasq(WEB_B).unwrap();
         pods.push(dns);
 
-        let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/north-south");
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/north-south");
+        let manifests = std::env::temp_dir().join(format!("{}-manifests", multi.name()));
+        let manifest_dir = TempDir(manifests.clone());
+        std::fs::create_dir_all(&manifests).unwrap();
+        for entry in std::fs::read_dir(&examples).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, manifests.join(path.file_name().unwrap())).unwrap();
+        }
         let mut agents = Vec::new();
         let mut pins = Vec::new();
         for node in 0..multi.node_count() {
@@ -93,7 +105,7 @@ impl NorthSouth {
             agents.push(multi.node(node).node_spawn(&args).unwrap());
             pins.push(pin_dir);
         }
-        let cluster = NorthSouth { agents, pins, _pods: pods, multi };
+        let cluster = NorthSouth { agents, pins, _pods: pods, multi, manifests, _manifest_dir: manifest_dir };
         let xdp = !extra_args.windows(2).any(|w| w == ["--xdp", "off"]);
         for node in 0..2 {
             let ip = cluster.multi.node_ip(node);
@@ -152,6 +164,41 @@ impl NorthSouth {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    fn wait_for_no_frontend(&self, node: usize, frontend: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.services(node).iter().any(|r| r["frontend"] == frontend) {
+            assert!(
+                Instant::now() < deadline,
+                "node {node}: {frontend} still programmed; agent log:\n{}",
+                self.agents[node].log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The DNS pod answering a UDP query from the external client's `source_port` to the
+    /// NodePort 30053 of `node`, if any answers.
+    fn dns_pod_from_port(&self, node: usize, source_port: u16) -> Option<String> {
+        let out = self
+            .multi
+            .external_exec_output([
+                "dig",
+                "+short",
+                "+time=1",
+                "+tries=1",
+                "-b",
+                &format!("0.0.0.0#{source_port}"),
+                &format!("@{}", self.multi.node_ip(node)),
+                "-p",
+                "30053",
+                "whoami.kproxy.test",
+                "TXT",
+            ])
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().trim_matches('"').to_owned();
+        (out.status.success() && !text.is_empty()).then_some(text)
     }
 
     /// curl from the external client; `Ok((backend, source seen by it))` from `/whoami`.
@@ -273,6 +320,65 @@ fn nodeport_serves_udp_and_tcp_on_the_same_port_number() {
                 });
             assert_eq!(answer.trim(), DNS_B.to_string(), "dig {transport} via node {node}");
         }
+    }
+}
+
+/// The CoreDNS problem through a NodePort: a client that keeps its source port reaches the
+/// replacement of a replaced DNS pod — through the node without the pod (remote backend, source
+/// NAT, XDP) and through the node with it — and a deleted NodePort Service goes silent while the
+/// others keep serving.
+#[test]
+fn a_fixed_port_udp_client_follows_a_replaced_nodeport_backend_and_a_deleted_nodeport_goes_silent() {
+    let cluster = NorthSouth::start("np-replace");
+    let replacement = cluster.multi.add_pod(1, "dns-b2", DNS_B2).unwrap();
+    replacement.start_dnsmasq(WEB_B).unwrap();
+    // Node 0 forwards to the remote pod, node 1 to its own.
+    let flows = [(0, 12345), (1, 12346)];
+    for (node, port) in flows {
+        for _ in 0..3 {
+            assert_eq!(
+                cluster.dns_pod_from_port(node, port).as_deref(),
+                Some("dns-b"),
+                "via node {node}\n{}",
+                cluster.agent_logs()
+            );
+        }
+    }
+
+    let dns = cluster.manifests.join("dns.yaml");
+    let text = std::fs::read_to_string(&dns).unwrap();
+    assert!(text.contains(&format!("  - {DNS_B}\n")));
+    std::fs::write(&dns, text.replace(&format!("  - {DNS_B}\n"), &format!("  - {DNS_B2}\n"))).unwrap();
+    let changed = Instant::now();
+    for (node, port) in flows {
+        loop {
+            if cluster.dns_pod_from_port(node, port).as_deref() == Some("dns-b2") {
+                break;
+            }
+            assert!(
+                changed.elapsed() < Duration::from_secs(20),
+                "the flow from port {port} via node {node} still ends at the replaced pod\n{}",
+                cluster.agent_logs()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    std::fs::remove_file(&dns).unwrap();
+    for node in 0..2 {
+        cluster.wait_for_no_frontend(node, &format!("{}:30053", cluster.multi.node_ip(node)));
+    }
+    for (node, port) in flows {
+        assert_eq!(cluster.dns_pod_from_port(node, port), None, "deleted NodePort answered via node {node}");
+        assert_eq!(
+            cluster.dns_pod_from_port(node, port + 10),
+            None,
+            "deleted NodePort answered via node {node}"
+        );
+    }
+    for node in 0..2 {
+        let url = format!("http://{}:30080/whoami", cluster.multi.node_ip(node));
+        assert!(cluster.whoami(&url, &[]).is_ok(), "web's NodePort via node {node} stopped too");
     }
 }
 
