@@ -166,6 +166,17 @@ impl NorthSouth {
         }
     }
 
+    /// `healthCheckNodePort` of `node` from the external client: (HTTP status, JSON body).
+    fn health_check(&self, node: usize, port: u16) -> (String, serde_json::Value) {
+        let url = format!("http://{}:{port}/", self.multi.node_ip(node));
+        let out = self
+            .multi
+            .external_exec(["curl", "-sS", "--max-time", "2", "-w", "\n%{http_code}", &url])
+            .unwrap_or_else(|e| panic!("health check of node {node}: {e:#}\n{}", self.agent_logs()));
+        let (body, status) = out.trim_end().rsplit_once('\n').unwrap();
+        (status.to_owned(), serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}")))
+    }
+
     fn wait_for_no_frontend(&self, node: usize, frontend: &str) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while self.services(node).iter().any(|r| r["frontend"] == frontend) {
@@ -383,7 +394,8 @@ fn a_fixed_port_udp_client_follows_a_replaced_nodeport_backend_and_a_deleted_nod
 }
 
 #[test]
-fn external_traffic_policy_local_keeps_the_client_address_and_drops_without_a_local_endpoint() {
+fn external_traffic_policy_local_keeps_the_client_drops_without_a_local_endpoint_and_drains_a_terminating_one()
+ {
     let cluster = NorthSouth::start("etp-local");
     let node1 = cluster.multi.node_ip(1);
     for _ in 0..5 {
@@ -400,24 +412,33 @@ fn external_traffic_policy_local_keeps_the_client_address_and_drops_without_a_lo
 
     // The load balancer's view: healthCheckNodePort 32081 on each node.
     for (node, code, count) in [(0, "503", 0), (1, "200", 1)] {
-        let ip = cluster.multi.node_ip(node);
-        let out = cluster
-            .multi
-            .external_exec([
-                "curl",
-                "-sS",
-                "--max-time",
-                "2",
-                "-w",
-                "\n%{http_code}",
-                &format!("http://{ip}:32081/"),
-            ])
-            .unwrap_or_else(|e| panic!("health check of node {node}: {e:#}\n{}", cluster.agent_logs()));
-        let (body, status) = out.trim_end().rsplit_once('\n').unwrap();
-        assert_eq!(status, code, "node {node}: {body}");
-        let json: serde_json::Value = serde_json::from_str(body).unwrap();
-        assert_eq!(json["localEndpoints"], count, "node {node}: {body}");
+        let (status, json) = cluster.health_check(node, 32081);
+        assert_eq!(status, code, "node {node}: {json}");
+        assert_eq!(json["localEndpoints"], count, "node {node}: {json}");
         assert_eq!(json["service"]["name"], "web-local");
+    }
+
+    // The pod on node 1 starts terminating (still serving): the load balancer is told to drain
+    // the node, and connections that still arrive are served by that pod, the client kept.
+    let path = cluster.manifests.join("web-local.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let ready = "    ready: true\n    serving: true\n    terminating: false\n";
+    assert!(text.contains(ready));
+    let terminating = "    ready: false\n    serving: true\n    terminating: true\n";
+    std::fs::write(&path, text.replace(ready, terminating)).unwrap();
+    let changed = Instant::now();
+    loop {
+        let (status, json) = cluster.health_check(1, 32081);
+        if status == "503" {
+            assert_eq!(json["localEndpoints"], 0, "{json}");
+            break;
+        }
+        assert!(changed.elapsed() < Duration::from_secs(20), "node 1 still healthy: {json}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for _ in 0..3 {
+        let (backend, source) = cluster.whoami(&format!("http://{node1}:30081/whoami"), &[]).unwrap();
+        assert_eq!((backend, source), (WEB_B, CLIENT), "the terminating local pod serves, client kept");
     }
 }
 
