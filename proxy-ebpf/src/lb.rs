@@ -97,6 +97,14 @@ fn maglev_backend(flow: &Flow, table: u32) -> Option<Choice> {
 /// entry is fresh, otherwise one of the active backends with equal probability.
 #[inline(always)]
 pub fn select_backend(flow: &Flow, found: &Frontend, now: u64) -> Result<Choice, Verdict> {
+    // SAFETY: a helper without side effects.
+    select_backend_by(flow, found, now, unsafe { bpf_get_prandom_u32() })
+}
+
+/// [`select_backend`] with the value that picks among the slots when neither
+/// affinity nor Maglev decides (uniform over u32).
+#[inline(always)]
+pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> Result<Choice, Verdict> {
     let frontend = found.value;
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
     let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.rev_nat_id, _pad: [0; 2] };
@@ -122,9 +130,7 @@ pub fn select_backend(flow: &Flow, found: &Frontend, now: u64) -> Result<Choice,
         return Ok(choice);
     }
 
-    // SAFETY: a helper without side effects.
-    let random = unsafe { bpf_get_prandom_u32() };
-    let slot = select_slot(random, frontend.count).ok_or(Verdict::Pass(Stat::NoBackend))?;
+    let slot = select_slot(pick, frontend.count).ok_or(Verdict::Pass(Stat::NoBackend))?;
     let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, found.scope, slot);
     // SAFETY: as in `lookup_frontend`.
     let backend_id =

@@ -4,10 +4,14 @@
 //! getpeername() show the Service address again. Services with session
 //! affinity are left to the tc path, which knows the client address.
 use aya_ebpf::{
-    helpers::generated::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_prandom_u32,
+        generated::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    },
     programs::SockAddrContext,
 };
 use proxy_common::{
+    maglev::flow_hash,
     maps::{
         IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY, SockRevNatKeyV4,
         SockRevNatV4,
@@ -53,10 +57,14 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return PROCEED;
     }
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // The socket stands in for the client address and port, which do not exist
+    // yet: Maglev spreads sockets, not one constant "0.0.0.0:0" flow.
     let flow = Flow {
-        saddr: [0; 4],
+        saddr: (cookie as u32).to_ne_bytes(),
         daddr: ip.to_ne_bytes(),
-        sport: [0; 2],
+        sport: ((cookie >> 32) as u16).to_ne_bytes(),
         dport: (port as u16).to_ne_bytes(),
         proto,
         tcp_flags: 0,
@@ -75,14 +83,21 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         unsafe { bpf_set_retval(-ECONNREFUSED) };
         return 0;
     }
-    let Ok(choice) = lb::select_backend(&flow, &found, conntrack::now()) else { return PROCEED };
+    // A UDP socket keeps its backend from one sendmsg to the next (as long as the
+    // backends stay), like a conntrack entry would keep its flow's; TCP
+    // connects once and picks at random.
+    let pick = if proto == IPPROTO_UDP {
+        flow_hash(flow.saddr, flow.daddr, flow.sport, flow.dport, proto, 0)
+    } else {
+        // SAFETY: a helper without side effects.
+        unsafe { bpf_get_prandom_u32() }
+    };
+    let Ok(choice) = lb::select_backend_by(&flow, &found, conntrack::now(), pick) else { return PROCEED };
     // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
     unsafe {
         (*sa).user_ip4 = u32::from_ne_bytes(choice.backend.addr);
         (*sa).user_port = u32::from(u16::from_ne_bytes(choice.backend.port));
     }
-    // SAFETY: a helper reading the context's socket.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
     let key = SockRevNatKeyV4 { cookie, addr: choice.backend.addr, port: choice.backend.port, _pad: [0; 2] };
     let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id: frontend.rev_nat_id };
     // A full LRU evicts an old socket's entry; the call still goes on.

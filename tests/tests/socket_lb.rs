@@ -97,23 +97,35 @@ for _ in range(6):
 }
 
 #[test]
-fn unconnected_udp_answers_come_from_the_service_and_dig_works() {
+fn unconnected_udp_keeps_a_backend_per_socket_answers_come_from_the_service_and_dig_works() {
     let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-udp", &cgroup);
     let script = format!(
         r#"{DNS_HELPERS}
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.settimeout(5)
-for _ in range(4):
-    s.sendto(query('whoami.kproxy.test', 16), ('{DNS_VIP}', 53))
-    reply, source = s.recvfrom(512)
-    print(source[0], source[1], backend(reply))
+for n in range(16):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5)
+    for _ in range(4):
+        s.sendto(query('whoami.kproxy.test', 16), ('{DNS_VIP}', 53))
+        reply, source = s.recvfrom(512)
+        print(n, source[0], source[1], backend(reply))
+    s.close()
 "#
     );
     let out = run(&cgroup, cluster.client.netns(), &script);
+    let mut backends_of_socket: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
+        Default::default();
     for line in out.lines() {
-        assert!(line.starts_with(&format!("{DNS_VIP} 53 coredns-")), "recvfrom shows the Service: {line}");
+        let (socket, rest) = line.split_once(' ').unwrap();
+        assert!(rest.starts_with(&format!("{DNS_VIP} 53 coredns-")), "recvfrom shows the Service: {line}");
+        backends_of_socket.entry(socket).or_default().insert(rest.rsplit(' ').next().unwrap());
     }
+    assert_eq!(backends_of_socket.len(), 16, "{out}");
+    // Each socket keeps one backend from datagram to datagram (a UDP exchange over sendto
+    // stays with its server), and the sockets together use both.
+    assert!(backends_of_socket.values().all(|b| b.len() == 1), "{backends_of_socket:?}");
+    let used: std::collections::BTreeSet<&str> = backends_of_socket.values().flatten().copied().collect();
+    assert_eq!(used.len(), 2, "16 sockets all on one backend: {backends_of_socket:?}");
     let dig = cgroup
         .command(
             cluster.client.netns(),
