@@ -18,6 +18,7 @@ pub const MAP_NODEPORT_CONFIG: &str = "NODEPORT_CONFIG";
 pub const MAP_SOCK_REVNAT_V4: &str = "SOCK_REVNAT_V4";
 pub const MAP_MAGLEV_V4: &str = "MAGLEV_V4";
 pub const MAP_SOCKET_LB_CONFIG: &str = "SOCKET_LB_CONFIG";
+pub const MAP_FRAGMENTS_V4: &str = "FRAGMENTS_V4";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
@@ -43,6 +44,8 @@ pub const SNAT_V4_CAPACITY: u32 = CONNTRACK_V4_CAPACITY;
 pub const SOURCE_RANGES_V4_CAPACITY: u32 = 16_384;
 pub const EXTERNAL_IFACES_CAPACITY: u32 = 64;
 pub const SOCK_REVNAT_V4_CAPACITY: u32 = 262_144;
+/// Datagrams being fragmented at one time (an LRU: the oldest go first).
+pub const FRAGMENTS_V4_CAPACITY: u32 = 8_192;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -269,6 +272,25 @@ pub struct ExternalIfaceV4 {
     pub _pad: u32,
 }
 
+/// A fragmented datagram: source, destination, IP identification, protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragmentKeyV4 {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// The ports of a fragmented datagram, from its first fragment (network order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct FragmentPortsV4 {
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+}
+
 /// `(socket cookie, backend)` → the Service address the socket asked for:
 /// what recvmsg and getpeername show instead of the backend.
 #[repr(C)]
@@ -458,6 +480,8 @@ mod pod {
     unsafe impl aya::Pod for ExternalIfaceV4 {}
     unsafe impl aya::Pod for NodePortConfigV4 {}
     unsafe impl aya::Pod for SockRevNatKeyV4 {}
+    unsafe impl aya::Pod for FragmentKeyV4 {}
+    unsafe impl aya::Pod for FragmentPortsV4 {}
     unsafe impl aya::Pod for SockRevNatV4 {}
     unsafe impl aya::Pod for SocketLbConfigV4 {}
 }
@@ -487,6 +511,8 @@ mod tests {
         assert_eq!(size_of::<ExternalIfaceV4>(), 4 + 4);
         assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3 + 4);
         assert_eq!(size_of::<SockRevNatKeyV4>(), 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<FragmentKeyV4>(), 4 + 4 + 2 + 1 + 1);
+        assert_eq!(size_of::<FragmentPortsV4>(), 4);
         assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2);
         assert_eq!(size_of::<SocketLbConfigV4>(), 8 + 4 + 4);
     }

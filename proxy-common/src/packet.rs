@@ -36,8 +36,8 @@ const IP_OFFSET_MASK: u16 = 0x1fff;
 pub enum Skip {
     /// Neither TCP nor UDP (ICMP, SCTP, ...).
     NotTcpUdp,
-    /// A fragment: ports are only in the first one, and translating the first
-    /// alone would break reassembly at the backend.
+    /// A later fragment whose first fragment was not seen: its ports are
+    /// unknown.
     Fragment,
     /// Version is not 4, IHL below 5, or lengths that contradict each other.
     Malformed,
@@ -45,11 +45,26 @@ pub enum Skip {
     Truncated,
 }
 
-/// Where the L4 header starts (relative to the IPv4 header) and its protocol.
+/// Which part of a datagram an IPv4 packet carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fragment {
+    /// Not fragmented.
+    Whole,
+    /// The first fragment: it has the L4 header (ports, checksum); the
+    /// datapath remembers its ports for the fragments that follow.
+    First,
+    /// A later fragment: no L4 header. Only its addresses are rewritten, with
+    /// the ports its first fragment had.
+    Later,
+}
+
+/// Where the L4 header starts (relative to the IPv4 header), its protocol,
+/// and whether the packet has it at all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct L4Location {
     pub ip_header_len: usize,
     pub proto: u8,
+    pub fragment: Fragment,
 }
 
 impl L4Location {
@@ -80,18 +95,32 @@ pub fn classify_ipv4(
     if total_len < ip_header_len || total_len > available {
         return Err(Skip::Malformed);
     }
-    if frag_field & (IP_MF | IP_OFFSET_MASK) != 0 {
-        return Err(Skip::Fragment);
-    }
     let l4_min = match proto {
         crate::maps::IPPROTO_TCP => TCP_MIN_HLEN,
         crate::maps::IPPROTO_UDP => UDP_HLEN,
         _ => return Err(Skip::NotTcpUdp),
     };
+    let fragment = match (frag_field & IP_OFFSET_MASK != 0, frag_field & IP_MF != 0) {
+        (true, _) => return Ok(L4Location { ip_header_len, proto, fragment: Fragment::Later }),
+        (false, true) => Fragment::First,
+        (false, false) => Fragment::Whole,
+    };
     if total_len < ip_header_len + l4_min {
         return Err(Skip::Truncated);
     }
-    Ok(L4Location { ip_header_len, proto })
+    Ok(L4Location { ip_header_len, proto, fragment })
+}
+
+/// The key under which a first fragment's ports wait for the later ones:
+/// RFC 791's reassembly key (source, destination, protocol, identification).
+#[inline]
+pub const fn fragment_key(
+    saddr: [u8; 4],
+    daddr: [u8; 4],
+    id: [u8; 2],
+    proto: u8,
+) -> crate::maps::FragmentKeyV4 {
+    crate::maps::FragmentKeyV4 { saddr, daddr, id, proto, _pad: 0 }
 }
 
 #[cfg(test)]
@@ -103,11 +132,11 @@ mod tests {
     fn plain_tcp_and_udp() {
         assert_eq!(
             classify_ipv4(0x45, 60, 0x4000, IPPROTO_TCP, 60),
-            Ok(L4Location { ip_header_len: 20, proto: IPPROTO_TCP })
+            Ok(L4Location { ip_header_len: 20, proto: IPPROTO_TCP, fragment: Fragment::Whole })
         );
         assert_eq!(
             classify_ipv4(0x45, 28, 0, IPPROTO_UDP, 28),
-            Ok(L4Location { ip_header_len: 20, proto: IPPROTO_UDP })
+            Ok(L4Location { ip_header_len: 20, proto: IPPROTO_UDP, fragment: Fragment::Whole })
         );
     }
 
@@ -119,10 +148,17 @@ mod tests {
     }
 
     #[test]
-    fn fragments_are_skipped() {
-        // More-fragments set on the first fragment, and a non-first fragment.
-        assert_eq!(classify_ipv4(0x45, 100, 0x2000, IPPROTO_UDP, 100), Err(Skip::Fragment));
-        assert_eq!(classify_ipv4(0x45, 100, 0x00b9, IPPROTO_UDP, 100), Err(Skip::Fragment));
+    fn fragments_are_told_apart() {
+        let at = |fragment| Ok(L4Location { ip_header_len: 20, proto: IPPROTO_UDP, fragment });
+        // Don't-fragment alone, more-fragments at offset 0, an offset (with and without MF).
+        assert_eq!(classify_ipv4(0x45, 100, 0x4000, IPPROTO_UDP, 100), at(Fragment::Whole));
+        assert_eq!(classify_ipv4(0x45, 100, 0x2000, IPPROTO_UDP, 100), at(Fragment::First));
+        assert_eq!(classify_ipv4(0x45, 100, 0x00b9, IPPROTO_UDP, 100), at(Fragment::Later));
+        assert_eq!(classify_ipv4(0x45, 100, 0x20b9, IPPROTO_UDP, 100), at(Fragment::Later));
+        // A later fragment has no L4 header to be short of; a first one must hold it.
+        assert_eq!(classify_ipv4(0x45, 24, 0x00b9, IPPROTO_UDP, 24), at(Fragment::Later));
+        assert_eq!(classify_ipv4(0x45, 24, 0x2000, IPPROTO_UDP, 24), Err(Skip::Truncated));
+        assert_eq!(classify_ipv4(0x45, 24, 0x00b9, 1, 24), Err(Skip::NotTcpUdp));
     }
 
     #[test]

@@ -7,7 +7,8 @@ pub enum Stat {
     PassNotIpv4 = 0,
     /// ICMP, SCTP and other non-TCP/UDP protocols.
     PassNotTcpUdp,
-    /// IPv4 fragments.
+    /// Later IPv4 fragments whose first fragment was not seen (ports unknown),
+    /// or whose datagram started no flow.
     PassFragment,
     /// Headers that contradict themselves.
     PassMalformed,
@@ -69,10 +70,12 @@ pub enum Stat {
     SockReverse,
     /// A new flow's backend came from its frontend's Maglev table.
     MaglevPick,
+    /// A later IPv4 fragment got its first fragment's ports (and translation).
+    FragmentFollowed,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 33;
+    pub const COUNT: u32 = 34;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -108,6 +111,7 @@ impl Stat {
         Stat::SockRefused,
         Stat::SockReverse,
         Stat::MaglevPick,
+        Stat::FragmentFollowed,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -145,6 +149,7 @@ impl Stat {
             Stat::SockRefused => "socket_lb_refused",
             Stat::SockReverse => "socket_lb_reverse",
             Stat::MaglevPick => "maglev_pick",
+            Stat::FragmentFollowed => "fragment_followed",
         }
     }
 }

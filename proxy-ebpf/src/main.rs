@@ -173,6 +173,12 @@ pub fn kproxy_egress(ctx: TcContext) -> i32 {
 /// external interface. Each case is carried out by a function of its own,
 /// called from the program itself: the BPF stack limit (512 bytes) counts a
 /// whole call chain, so no stage may call another.
+///
+/// Aligned to a whole stack slot: [`classify`] writes it through a pointer,
+/// and the verifier forgets a value that shares its 8-byte slot with another
+/// spilled one — it would then follow every arm of the match, some with
+/// [`Found`] unset.
+#[repr(align(8))]
 enum Step {
     Pass(Stat),
     Drop(Stat),
@@ -217,6 +223,9 @@ fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
         Step::Drop(stat) => Err(Verdict::Drop(stat)),
         Step::HairpinReply => hairpin_reply(ctx, &flow),
         Step::SnatReply => snat_reply(ctx, &flow),
+        // A later fragment follows the translation its first fragment made; it
+        // never starts a flow nor answers for a refused one.
+        Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::Pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, &flow),
         Step::Established => established(ctx, &flow, &found),
         Step::NewFlow => new_flow::<EXTERNAL>(ctx, &flow, &found),

@@ -89,3 +89,9 @@ pub static SOCKET_LB_CONFIG: Array<SocketLbConfigV4> = Array::with_max_entries(1
 /// each, one per external frontend (sized by the agent at load).
 #[map(name = "MAGLEV_V4")]
 pub static MAGLEV_V4: Array<u32> = Array::with_max_entries(proxy_common::maglev::MAGLEV_TABLE_SIZE, 0);
+
+/// A first fragment's ports, for the later fragments of its datagram (which
+/// carry no L4 header).
+#[map(name = "FRAGMENTS_V4")]
+pub static FRAGMENTS_V4: LruHashMap<FragmentKeyV4, FragmentPortsV4> =
+    LruHashMap::with_max_entries(FRAGMENTS_V4_CAPACITY, 0);

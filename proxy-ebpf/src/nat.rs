@@ -29,8 +29,12 @@ fn rewrite_addr(
 ) -> Result<(), Verdict> {
     let (old, new) = (u64::from(u32::from_ne_bytes(old)), u64::from(u32::from_ne_bytes(new)));
     let failed = |_| Verdict::Drop(Stat::RewriteFailed);
-    ctx.l4_csum_replace(flow.l4_check_offset, old, new, l4_flags(flow) | u64::from(BPF_F_PSEUDO_HDR) | 4)
-        .map_err(failed)?;
+    // A later fragment has no L4 checksum: the first fragment's covers the
+    // whole datagram and took the pseudo-header change.
+    if flow.has_l4_header() {
+        ctx.l4_csum_replace(flow.l4_check_offset, old, new, l4_flags(flow) | u64::from(BPF_F_PSEUDO_HDR) | 4)
+            .map_err(failed)?;
+    }
     ctx.l3_csum_replace(ETH_HLEN + IP_OFF_CHECK, old, new, 4).map_err(failed)?;
     ctx.store(ETH_HLEN + ip_field, &(new as u32), 0).map_err(failed)
 }
@@ -43,7 +47,7 @@ fn rewrite_port(
     old: [u8; 2],
     new: [u8; 2],
 ) -> Result<(), Verdict> {
-    if old == new {
+    if old == new || !flow.has_l4_header() {
         return Ok(());
     }
     let (old, new) = (u64::from(u16::from_ne_bytes(old)), u64::from(u16::from_ne_bytes(new)));

@@ -1,9 +1,11 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    maps::{CtKeyV4, IPPROTO_TCP},
-    packet::{self, ETH_HLEN, ETH_P_IP, L4_OFF_SPORT, Skip, TCP_OFF_FLAGS},
+    maps::{CtKeyV4, FragmentKeyV4, FragmentPortsV4, IPPROTO_TCP},
+    packet::{self, ETH_HLEN, ETH_P_IP, Fragment, L4_OFF_SPORT, Skip, TCP_OFF_FLAGS, fragment_key},
     stats::Stat,
 };
+
+use crate::{maps::FRAGMENTS_V4, stats};
 
 /// The parts of an IPv4 TCP/UDP packet the datapath reads and rewrites.
 pub struct Flow {
@@ -18,6 +20,16 @@ pub struct Flow {
     /// Offset of the L4 checksum field from the start of the frame.
     pub l4_check_offset: usize,
     pub ip_total_len: u16,
+    /// Later fragments have no L4 header: their ports come from the first
+    /// fragment, and only their addresses are rewritten.
+    pub fragment: Fragment,
+}
+
+impl Flow {
+    #[inline(always)]
+    pub fn has_l4_header(&self) -> bool {
+        !matches!(self.fragment, Fragment::Later)
+    }
 }
 
 impl Flow {
@@ -51,7 +63,10 @@ pub fn skip_stat(skip: Skip) -> Stat {
     }
 }
 
-#[inline(always)]
+/// Not inlined: its temporaries (the header, a fragment's datagram key) would
+/// otherwise sit in the program's frame, which shares the 512-byte stack
+/// with the stage it calls next.
+#[inline(never)]
 pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
     let ethertype: [u8; 2] = load(ctx, 12, Stat::PassNotIpv4)?;
     if u16::from_be_bytes(ethertype) != ETH_P_IP {
@@ -63,17 +78,35 @@ pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
     let frag = u16::from_be_bytes([header[6], header[7]]);
     let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
     let loc = packet::classify_ipv4(header[0], total_len, frag, header[9], available).map_err(skip_stat)?;
+    let saddr = [header[12], header[13], header[14], header[15]];
+    let daddr = [header[16], header[17], header[18], header[19]];
     // Bounded for the verifier: IHL is at most 15 words.
     let l4_offset = ETH_HLEN + (loc.ip_header_len & 0x3c);
-    let ports: [u8; 4] = load(ctx, l4_offset + L4_OFF_SPORT, Stat::PassTruncated)?;
-    let tcp_flags = if loc.proto == IPPROTO_TCP {
-        load::<u8>(ctx, l4_offset + TCP_OFF_FLAGS, Stat::PassTruncated)?
-    } else {
-        0
+    let (ports, tcp_flags) = match loc.fragment {
+        Fragment::Later => {
+            let recalled = recall_ports(&header, loc.proto);
+            if recalled == 0 {
+                return Err(Stat::PassFragment);
+            }
+            stats::count(Stat::FragmentFollowed);
+            ((recalled as u32).to_ne_bytes(), 0)
+        }
+        Fragment::First | Fragment::Whole => {
+            let ports: [u8; 4] = load(ctx, l4_offset + L4_OFF_SPORT, Stat::PassTruncated)?;
+            let tcp_flags = if loc.proto == IPPROTO_TCP {
+                load::<u8>(ctx, l4_offset + TCP_OFF_FLAGS, Stat::PassTruncated)?
+            } else {
+                0
+            };
+            if let Fragment::First = loc.fragment {
+                remember_ports(&header, loc.proto, u32::from_ne_bytes(ports));
+            }
+            (ports, tcp_flags)
+        }
     };
     Ok(Flow {
-        saddr: [header[12], header[13], header[14], header[15]],
-        daddr: [header[16], header[17], header[18], header[19]],
+        saddr,
+        daddr,
         sport: [ports[0], ports[1]],
         dport: [ports[2], ports[3]],
         proto: loc.proto,
@@ -81,5 +114,43 @@ pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
         l4_offset,
         l4_check_offset: ETH_HLEN + (loc.checksum_offset() & 0x7f),
         ip_total_len: total_len,
+        fragment: loc.fragment,
     })
+}
+
+/// The key of the datagram an IPv4 `header` belongs to.
+#[inline(always)]
+fn datagram(header: &[u8; 20], proto: u8) -> FragmentKeyV4 {
+    fragment_key(
+        [header[12], header[13], header[14], header[15]],
+        [header[16], header[17], header[18], header[19]],
+        [header[4], header[5]],
+        proto,
+    )
+}
+
+/// Keeps a first fragment's ports for the rest of its datagram. Not inlined:
+/// the key and value would otherwise sit in the ingress program's frame,
+/// which shares the 512-byte stack with its stages.
+/// Scalars in and out rather than arrays: they stay in registers.
+#[inline(never)]
+fn remember_ports(header: &[u8; 20], proto: u8, ports: u32) {
+    let ports = ports.to_ne_bytes();
+    let value = FragmentPortsV4 { sport: [ports[0], ports[1]], dport: [ports[2], ports[3]] };
+    // A full LRU forgets the oldest datagram; this one's later fragments
+    // would then pass untranslated.
+    let _ = FRAGMENTS_V4.insert(datagram(header, proto), value, 0);
+}
+
+/// The ports of a later fragment's datagram (the bytes of sport and dport as
+/// a native u32, bit 32 set), or 0 when its first fragment was not seen.
+#[inline(never)]
+fn recall_ports(header: &[u8; 20], proto: u8) -> u64 {
+    // SAFETY: the value is copied out at once.
+    match unsafe { FRAGMENTS_V4.get(datagram(header, proto)) } {
+        Some(p) => {
+            (1 << 32) | u64::from(u32::from_ne_bytes([p.sport[0], p.sport[1], p.dport[0], p.dport[1]]))
+        }
+        None => 0,
+    }
 }

@@ -16,6 +16,7 @@ use proxy_common::{
         IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY, SockRevNatKeyV4,
         SockRevNatV4,
     },
+    packet::Fragment,
     stats::Stat,
 };
 
@@ -71,6 +72,7 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         l4_offset: 0,
         l4_check_offset: 0,
         ip_total_len: 0,
+        fragment: Fragment::Whole,
     };
     let Some(found) = lb::lookup_frontend(&flow) else { return PROCEED };
     let frontend = found.value;

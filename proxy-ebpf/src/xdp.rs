@@ -17,8 +17,8 @@ use proxy_common::{
         SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_SOURCE_RANGES,
     },
     packet::{
-        ETH_HLEN, ETH_P_IP, IP_OFF_CHECK, IPV4_MIN_HLEN, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS, TCP_RST,
-        TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
+        ETH_HLEN, ETH_P_IP, Fragment, IP_OFF_CHECK, IPV4_MIN_HLEN, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS,
+        TCP_RST, TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW},
@@ -66,6 +66,10 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
     let available = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN);
     let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available)
         .map_err(parse::skip_stat)?;
+    if loc.fragment != Fragment::Whole {
+        // Fragments are tc's, which follows a datagram from its first fragment.
+        return Err(Stat::XdpPass);
+    }
     let ports: *mut [u8; 4] = pointer(ctx, L4)?;
     // SAFETY: as above.
     let ports = unsafe { *ports };
@@ -86,6 +90,7 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
         l4_offset: L4,
         l4_check_offset: check,
         ip_total_len: total_len,
+        fragment: Fragment::Whole,
     })
 }
 

@@ -32,7 +32,7 @@ const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The eBPF object built by build.rs, embedded so a node needs one file.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-const ALL_MAPS: [&str; 18] = [
+const ALL_MAPS: [&str; 19] = [
     proxy_common::trace::MAP_EVENTS,
     proxy_common::trace::MAP_TRACE,
     MAP_SERVICES_V4,
@@ -51,6 +51,7 @@ const ALL_MAPS: [&str; 18] = [
     MAP_SOCK_REVNAT_V4,
     MAP_SOCKET_LB_CONFIG,
     MAP_MAGLEV_V4,
+    MAP_FRAGMENTS_V4,
 ];
 
 /// The socket-level load balancing programs and their hooks.
@@ -306,6 +307,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         MAP_SOCK_REVNAT_V4 => sizes(size_of::<SockRevNatKeyV4>(), size_of::<SockRevNatV4>()),
         MAP_SOCKET_LB_CONFIG => sizes(size_of::<u32>(), size_of::<SocketLbConfigV4>()),
         MAP_MAGLEV_V4 => sizes(size_of::<u32>(), size_of::<u32>()),
+        MAP_FRAGMENTS_V4 => sizes(size_of::<FragmentKeyV4>(), size_of::<FragmentPortsV4>()),
         proxy_common::trace::MAP_TRACE => {
             sizes(size_of::<u32>(), size_of::<proxy_common::trace::TraceConfig>())
         }
@@ -326,6 +328,13 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
         let (Some((key, value)), true) = (expected_layout(name), path.exists()) else { continue };
         let info =
             aya::maps::MapInfo::from_pin(&path).with_context(|| format!("reading {}", path.display()))?;
+        if name == MAP_STATS && info.max_entries() < proxy_common::stats::Stat::COUNT {
+            // Made by a kproxy that knew fewer counters: counting starts afresh in one that
+            // has room for all of them.
+            tracing::info!(map = %path.display(), "the stats map lacks newer counters: replacing it");
+            remove_file_if_present(&path)?;
+            continue;
+        }
         if (info.key_size(), info.value_size()) != (key, value) {
             bail!(
                 "the pinned map {} has keys of {} and values of {} bytes, this kproxy needs {key} and {value}: \

@@ -26,7 +26,10 @@ mod servers;
 mod tools;
 
 pub use sandbox::{GATEWAY_IP, NETNS_PREFIX, NODE_DEVICE, NODE_IP, Pod, Sandbox, Spawned, cleanup_stale};
-pub use servers::{BIG_FILE_LEN, BIG_FILE_PATH, QueryLog, SLOW_FILE_PATH, big_file_contents};
+pub use servers::{
+    BIG_FILE_LEN, BIG_FILE_PATH, BIG_TXT_STRINGS, QueryLog, SLOW_FILE_PATH, big_dns_query_script,
+    big_file_contents,
+};
 pub use tools::{find_tool, kproxy_bin, require_root, require_tools};
 
 #[cfg(test)]

@@ -134,6 +134,8 @@ impl Pod {
     /// - `web.default.svc.cluster.local` A → `answer`,
     /// - `whoami.kproxy.test` TXT → this pod's name (tells which backend answered),
     /// - `ip.kproxy.test` A → this pod's address,
+    /// - `big.kproxy.test` TXT → [`BIG_TXT_STRINGS`] strings of 250 bytes, the first naming this
+    ///   pod (a UDP answer of about 2 KB: fragmented on a 1500-byte MTU),
     ///
     /// and nothing else (no upstream, no /etc/hosts). Returns once it listens.
     pub fn start_dnsmasq(&self, answer: Ipv4Addr) -> Result<Spawned> {
@@ -160,6 +162,9 @@ impl Pod {
             format!("--address=/web.default.svc.cluster.local/{answer}"),
             format!("--txt-record=whoami.kproxy.test,{}", self.name()),
             format!("--host-record=ip.kproxy.test,{}", self.ip()),
+            big_txt_record(self.name()),
+            // dnsmasq ≥ 2.87 reads and answers at most 1232 bytes by default.
+            "--edns-packet-max=4096".into(),
             format!("--pid-file={}", dir.join("dnsmasq.pid").display()),
             format!("--log-facility={}", dir.join("dnsmasq.log").display()),
             "--cache-size=1000".into(),
@@ -182,4 +187,43 @@ impl Pod {
 pub enum QueryLog {
     On,
     Off,
+}
+
+/// How many 250-byte strings `big.kproxy.test` has.
+pub const BIG_TXT_STRINGS: usize = 8;
+
+/// `--txt-record` for `big.kproxy.test`: the pod's name padded to 250 bytes, then more strings of
+/// 250 bytes.
+fn big_txt_record(pod: &str) -> String {
+    let mut strings = vec![format!("{pod:-<250}")];
+    strings.extend((1..BIG_TXT_STRINGS).map(|i| format!("{i}").repeat(250)));
+    format!("--txt-record=big.kproxy.test,{}", strings.join(","))
+}
+
+/// A Python script that sends `server:port` a TXT query for `big.kproxy.test` padded to 2 KB
+/// (EDNS0 padding option; UDP payload size 4096), so that query and answer both travel in
+/// fragments on a 1500-byte MTU. It prints the query's length, the answer's length, the address
+/// the answer came from and the DNS pod named in it.
+pub fn big_dns_query_script(server: std::net::Ipv4Addr, port: u16) -> String {
+    format!(
+        r#"
+import socket, struct
+q = struct.pack('>HHHHHH', 0x4242, 0x0100, 1, 0, 0, 1)
+for label in b'big.kproxy.test'.split(b'.'):
+    q += bytes([len(label)]) + label
+q += b'\x00' + struct.pack('>HH', 16, 1)
+padding = struct.pack('>HH', 12, 1900) + bytes(1900)
+q += b'\x00' + struct.pack('>HHIH', 41, 4096, 0, len(padding)) + padding
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(q, ('{server}', {port}))
+reply, source = s.recvfrom(8192)
+# Header, question, then the answer: compressed name, type, class, TTL, length, first string.
+i = 12
+while reply[i] != 0:
+    i += reply[i] + 1
+i += 1 + 4 + 2 + 2 + 2 + 4 + 2
+print(len(q), len(reply), source[0], reply[i + 1:i + 1 + reply[i]].decode().rstrip('-'))
+"#
+    )
 }

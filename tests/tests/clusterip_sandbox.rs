@@ -105,6 +105,46 @@ fn dig_to_the_dns_cluster_ip_is_answered_from_the_vip() {
     );
 }
 
+/// Kubernetes' e2e tests send 2000-byte UDP payloads: on a 1500-byte MTU they travel in
+/// fragments, and only the first carries the ports. A 2 KB DNS query (EDNS padding) and its 2 KB
+/// answer get through the ClusterIP both ways.
+#[test]
+fn fragmented_udp_queries_and_answers_go_through_the_cluster_ip() {
+    let cluster = Cluster::start("frag");
+    let followed_before = stat(&cluster, "fragment_followed");
+    let script = sandbox::big_dns_query_script(DNS_VIP, 53);
+    let mut answered_by = BTreeMap::new();
+    for _ in 0..6 {
+        let out = cluster.client.exec(["python3", "-c", &script]).unwrap_or_else(|e| {
+            let logs: String = cluster
+                .dns
+                .iter()
+                .map(|p| {
+                    std::fs::read_to_string(p.dir().join("dnsmasq/dnsmasq.log")).unwrap_or_default()
+                        + &p.exec(["nstat", "-az"]).unwrap_or_default()
+                })
+                .collect();
+            panic!("{e:#}\n{}\n{logs}", cluster.kproxy(&["dump", "stats"]))
+        });
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.len(), 4, "{out}");
+        let (query_len, answer_len): (usize, usize) =
+            (fields[0].parse().unwrap(), fields[1].parse().unwrap());
+        assert!(query_len > 1500 && answer_len > 1500 + sandbox::BIG_TXT_STRINGS, "{out}");
+        assert_eq!(fields[2], DNS_VIP.to_string(), "the answer comes from the ClusterIP");
+        *answered_by.entry(fields[3].to_owned()).or_insert(0) += 1;
+    }
+    let names: Vec<&str> = DNS_PODS.iter().map(|(n, _)| *n).collect();
+    assert!(answered_by.keys().all(|k| names.contains(&k.as_str())), "{answered_by:?}");
+    // Each query and each answer had a later fragment that followed its first.
+    assert!(stat(&cluster, "fragment_followed") >= followed_before + 12);
+}
+
+fn stat(cluster: &Cluster, reason: &str) -> u64 {
+    let stats = cluster.dump_json("stats");
+    stats.as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"].as_u64().unwrap()
+}
+
 #[test]
 fn a_10_mb_transfer_through_the_vip_arrives_intact_with_software_checksums() {
     let cluster = Cluster::start("big");

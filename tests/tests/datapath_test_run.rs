@@ -99,6 +99,69 @@ fn udp_dns_query_and_reply() {
     assert_eq!(fwd.state, CtState::Open as u8);
 }
 
+/// A datagram larger than the MTU arrives in fragments; only the first has the UDP header.
+/// Each fragment is translated as the whole datagram would be: the first one's checksum
+/// (which covers the whole datagram) and addresses, the later one's addresses, with the ports
+/// the first one had. Replies the same way back.
+#[test]
+fn a_fragmented_udp_datagram_is_translated_fragment_by_fragment() {
+    let h = Harness::new();
+    let query = Packet::udp(CLIENT, 56341, DNS_VIP, 53, &[0x5a; 100]);
+    let (first, later) = fragments(&query.frame(), 48);
+    let (want_first, want_later) = fragments(&Packet { dst: DNS_BACKEND, ..query.clone() }.frame(), 48);
+    let followed = h.stat(Stat::FragmentFollowed);
+    let (ret, out) = h.ingress(&first);
+    assert_eq!((ret, &out), (PASS, &want_first), "first fragment");
+    let (ret, out) = h.ingress(&later);
+    assert_eq!((ret, &out), (PASS, &want_later), "later fragment");
+    assert_eq!(h.stat(Stat::FragmentFollowed), followed + 1);
+    assert_eq!(reassembled_checksum_valid(&want_first, &want_later), Ok(()));
+
+    let answer = Packet { ip_id: 0x7001, ..Packet::udp(DNS_BACKEND, 53, CLIENT, 56341, &[0xa5; 200]) };
+    let (first, later) = fragments(&answer.frame(), 104);
+    let (want_first, want_later) = fragments(&Packet { src: DNS_VIP, ..answer }.frame(), 104);
+    assert_eq!(h.egress(&first).1, want_first, "first fragment of the reply");
+    assert_eq!(h.egress(&later).1, want_later, "later fragment of the reply");
+
+    // Another datagram's later fragment, its first never seen: left alone.
+    let stray = fragments(&Packet { ip_id: 0x7002, ..query }.frame(), 48).1;
+    let passed = h.stat(Stat::PassFragment);
+    assert_eq!(h.ingress(&stray), (PASS, stray.clone()));
+    assert_eq!(h.stat(Stat::PassFragment), passed + 1);
+}
+
+/// Splits an option-less IPv4 frame into two fragments: the first carries `first_len` bytes of
+/// the IP payload (a multiple of 8), the second the rest; IP header checksums recomputed.
+fn fragments(frame: &[u8], first_len: usize) -> (Vec<u8>, Vec<u8>) {
+    assert_eq!(first_len % 8, 0);
+    let (head, payload) = frame.split_at(14 + 20);
+    let fragment = |data: &[u8], frag_field: u16| {
+        let mut out = head.to_vec();
+        out[14 + 2..14 + 4].copy_from_slice(&((20 + data.len()) as u16).to_be_bytes());
+        out[14 + 6..14 + 8].copy_from_slice(&frag_field.to_be_bytes());
+        out[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+        let check = proxy_common::checksum::checksum(&out[14..14 + 20]);
+        out[14 + 10..14 + 12].copy_from_slice(&check.to_be_bytes());
+        out.extend_from_slice(data);
+        out
+    };
+    (fragment(&payload[..first_len], 0x2000), fragment(&payload[first_len..], (first_len / 8) as u16))
+}
+
+/// Whether the UDP checksum in `first` is right for the datagram the two fragments make.
+fn reassembled_checksum_valid(first: &[u8], later: &[u8]) -> Result<(), String> {
+    let mut whole = first[..14 + 20].to_vec();
+    whole.extend_from_slice(&first[14 + 20..]);
+    whole.extend_from_slice(&later[14 + 20..]);
+    let total = (whole.len() - 14) as u16;
+    whole[14 + 2..14 + 4].copy_from_slice(&total.to_be_bytes());
+    whole[14 + 6..14 + 8].copy_from_slice(&[0, 0]);
+    whole[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+    let check = proxy_common::checksum::checksum(&whole[14..14 + 20]);
+    whole[14 + 10..14 + 12].copy_from_slice(&check.to_be_bytes());
+    if checksums_valid(&whole) { Ok(()) } else { Err(format!("{whole:?}")) }
+}
+
 #[test]
 fn udp_without_checksum_keeps_zero() {
     let h = Harness::new();
@@ -141,11 +204,9 @@ fn other_traffic_passes_untouched() {
     ipv6.extend_from_slice(&[0x86, 0xdd, 0x60]);
     ipv6.extend_from_slice(&[0u8; 60]);
     cases.push(("IPv6", ipv6, Stat::PassNotIpv4));
-    let first_fragment = Packet { frag_field: 0x2000, ..Packet::udp(CLIENT, 999, DNS_VIP, 53, &[7; 64]) };
-    cases.push(("first fragment", first_fragment.frame(), Stat::PassFragment));
     let mut later_fragment = Packet::udp(CLIENT, 999, DNS_VIP, 53, &[7; 64]).frame();
     later_fragment[14 + 6..14 + 8].copy_from_slice(&0x00b9u16.to_be_bytes());
-    cases.push(("non-first fragment", later_fragment, Stat::PassFragment));
+    cases.push(("a later fragment whose first was not seen", later_fragment, Stat::PassFragment));
     let mut truncated = Packet::tcp(CLIENT, 1234, WEB_VIP, 80, TCP_SYN).frame();
     truncated.truncate(14 + 20 + 10);
     cases.push(("TCP header cut short", truncated, Stat::PassMalformed));

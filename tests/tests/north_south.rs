@@ -393,6 +393,28 @@ fn a_fixed_port_udp_client_follows_a_replaced_nodeport_backend_and_a_deleted_nod
     }
 }
 
+/// A 2 KB UDP query and its 2 KB answer, both in fragments, through the NodePort of the node
+/// without the DNS pod (source NAT; XDP leaves fragments to tc) and of the node with it.
+#[test]
+fn fragmented_udp_through_a_node_port_reaches_the_dns_pod_and_comes_back() {
+    let cluster = NorthSouth::start("np-frag");
+    for node in 0..2 {
+        let node_ip = cluster.multi.node_ip(node);
+        let script = sandbox::big_dns_query_script(node_ip, 30053);
+        let out = cluster
+            .multi
+            .external_exec(["python3", "-c", &script])
+            .unwrap_or_else(|e| panic!("via node {node}: {e:#}\n{}", cluster.agent_logs()));
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.len(), 4, "{out}");
+        let (query_len, answer_len): (usize, usize) =
+            (fields[0].parse().unwrap(), fields[1].parse().unwrap());
+        assert!(query_len > 1500 && answer_len > 1500, "{out}");
+        assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
+        assert!(cluster.stat(node, "fragment_followed") >= 2, "node {node}");
+    }
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_the_client_drops_without_a_local_endpoint_and_drains_a_terminating_one()
  {

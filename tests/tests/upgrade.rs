@@ -51,11 +51,21 @@ fn an_agent_with_new_programs_and_maps_takes_over_without_dropping_a_flow() {
     let download = cluster.client.download_slowly(&WEB_VIP.to_string(), &out).unwrap();
     std::thread::sleep(Duration::from_millis(700));
 
-    // As if the running datapath came from an older kproxy without tracing.
+    // As if the running datapath came from an older kproxy without tracing, and with fewer
+    // counters.
     cluster.stop_agent();
     for map in ["events", "trace"] {
         std::fs::remove_file(cluster.pin_dir.join("maps").join(map)).unwrap();
     }
+    let stats = cluster.pin_dir.join("maps/stats");
+    std::fs::remove_file(&stats).unwrap();
+    let created = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&stats)
+        .args(["type", "percpu_array", "key", "4", "value", "8", "entries", "33", "name", "STATS"])
+        .status()
+        .unwrap();
+    assert!(created.success());
     cluster.start_agent();
     cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -70,6 +80,12 @@ fn an_agent_with_new_programs_and_maps_takes_over_without_dropping_a_flow() {
     assert_eq!(links_to(old_ingress), 0);
     assert!(cluster.pin_dir.join("maps/trace").exists() && cluster.pin_dir.join("maps/events").exists());
     assert!(cluster.client.curl(&format!("http://{WEB_VIP}/")).unwrap().starts_with("web-"));
+    let counters = cluster.dump_json("stats");
+    let newest = proxy_common::stats::Stat::ALL.last().unwrap().name();
+    assert!(
+        counters.as_array().unwrap().iter().any(|r| r["reason"] == newest),
+        "the stats map was not replaced: {counters}"
+    );
 
     let status = download.wait_timeout(Duration::from_secs(30)).unwrap().expect("download finished");
     assert!(status.success(), "the flow broke during the takeover: {}", download.log());
