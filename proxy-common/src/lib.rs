@@ -5,6 +5,7 @@
 
 pub mod checksum;
 pub mod conntrack;
+pub mod icmp;
 pub mod maglev;
 pub mod maps;
 pub mod packet;

@@ -72,10 +72,12 @@ pub enum Stat {
     MaglevPick,
     /// A later IPv4 fragment got its first fragment's ports (and translation).
     FragmentFollowed,
+    /// An ICMP error quoting a translated flow was un-NATed for its client.
+    IcmpErrorUnnat,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 34;
+    pub const COUNT: u32 = 35;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -112,6 +114,7 @@ impl Stat {
         Stat::SockReverse,
         Stat::MaglevPick,
         Stat::FragmentFollowed,
+        Stat::IcmpErrorUnnat,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -150,6 +153,7 @@ impl Stat {
             Stat::SockReverse => "socket_lb_reverse",
             Stat::MaglevPick => "maglev_pick",
             Stat::FragmentFollowed => "fragment_followed",
+            Stat::IcmpErrorUnnat => "icmp_error_unnat",
         }
     }
 }

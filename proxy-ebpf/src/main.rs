@@ -11,6 +11,7 @@ mod config;
 mod conntrack;
 mod events;
 mod fib;
+mod icmp;
 mod lb;
 mod maps;
 mod nat;
@@ -531,7 +532,11 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
 }
 
 fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
-    let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
+    let flow = match parse::flow(ctx) {
+        Ok(flow) => flow,
+        Err(Stat::PassNotTcpUdp) => return icmp::unnat_error(ctx),
+        Err(stat) => return Err(Verdict::Pass(stat)),
+    };
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
     let now = conntrack::now();

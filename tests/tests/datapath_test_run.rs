@@ -162,6 +162,69 @@ fn reassembled_checksum_valid(first: &[u8], later: &[u8]) -> Result<(), String> 
     if checksums_valid(&whole) { Ok(()) } else { Err(format!("{whole:?}")) }
 }
 
+/// An ICMP error about a translated flow reaches the client as if the Service had sent it: the
+/// quoted packet's destination goes back to the Service (address, header checksum, port, with
+/// the ICMP checksum kept right), and the outer source too when the backend sent the error.
+#[test]
+fn icmp_errors_quoting_a_translated_flow_are_un_nated_for_the_client() {
+    let h = Harness::new();
+    let unnat_before = h.stat(Stat::IcmpErrorUnnat);
+
+    // The DNS backend has nothing on port 53 any more: port unreachable, from the backend.
+    let query = Packet::udp(CLIENT, 40000, DNS_VIP, 53, b"\x12\x34\x01\x00");
+    let (_, dnat) = h.ingress(&query.frame());
+    let sent = &dnat[14..];
+    let error = icmp_error(DNS_BACKEND, CLIENT, 3, 3, &sent[..28]);
+    let mut quote = query.frame()[14..14 + 20].to_vec();
+    quote.extend_from_slice(&sent[20..28]);
+    let (ret, out) = h.egress(&error);
+    assert_eq!((ret, out), (PASS, icmp_error(DNS_VIP, CLIENT, 3, 3, &quote)), "port unreachable");
+
+    // A router between node and web backend needs smaller packets: fragmentation needed, from
+    // the router; the quoted port goes back from 8080 to 80.
+    let syn = Packet::tcp(CLIENT, 40001, WEB_VIP, 80, TCP_SYN);
+    let (_, dnat) = h.ingress(&syn.frame());
+    let sent = &dnat[14..];
+    let router = [10, 244, 9, 1];
+    let error = icmp_error(router, CLIENT, 3, 4, &sent[..28]);
+    let mut quote = syn.frame()[14..14 + 20].to_vec();
+    quote.extend_from_slice(&sent[20..22]);
+    quote.extend_from_slice(&80u16.to_be_bytes());
+    quote.extend_from_slice(&sent[24..28]);
+    let (ret, out) = h.egress(&error);
+    assert_eq!((ret, out), (PASS, icmp_error(router, CLIENT, 3, 4, &quote)), "fragmentation needed");
+    assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat_before + 2);
+
+    // An error about a flow kproxy never translated is left alone.
+    let stranger = Packet::udp(CLIENT, 40002, [10, 244, 0, 30], 53, b"x").frame()[14..14 + 28].to_vec();
+    let error = icmp_error([10, 244, 0, 30], CLIENT, 3, 3, &stranger);
+    assert_eq!(h.egress(&error), (PASS, error.clone()));
+    assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat_before + 2);
+}
+
+/// An Ethernet frame with an ICMP error of `kind`/`code` from `src` to `dst` quoting `quote`,
+/// checksums computed from scratch.
+fn icmp_error(src: [u8; 4], dst: [u8; 4], kind: u8, code: u8, quote: &[u8]) -> Vec<u8> {
+    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0, 0];
+    if code == 4 {
+        icmp[6..8].copy_from_slice(&1400u16.to_be_bytes());
+    }
+    icmp.extend_from_slice(quote);
+    let check = proxy_common::checksum::checksum(&icmp);
+    icmp[2..4].copy_from_slice(&check.to_be_bytes());
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let check = proxy_common::checksum::checksum(&ip);
+    ip[10..12].copy_from_slice(&check.to_be_bytes());
+    let mut frame = common::Packet::udp(src, 1, dst, 1, b"").frame()[..14].to_vec();
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&icmp);
+    frame
+}
+
 #[test]
 fn udp_without_checksum_keeps_zero() {
     let h = Harness::new();

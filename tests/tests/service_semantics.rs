@@ -75,6 +75,68 @@ fn a_service_without_endpoints_refuses_at_once() {
     assert!(count("reject_tcp_rst") >= 2 && count("reject_udp_icmp") >= 1, "{stats:#}");
 }
 
+/// A backend with nothing listening on the Service's UDP port answers with ICMP port
+/// unreachable; the client's socket, connected to the Service, learns it at once
+/// (ECONNREFUSED) instead of waiting out its timeout — the error is un-NATed like a reply.
+#[test]
+fn a_backend_port_unreachable_reaches_the_client_as_a_refusal_from_the_service() {
+    let cluster = Cluster::start("icmp");
+    add_manifest(
+        &cluster,
+        "closed.yaml",
+        "apiVersion: v1
+kind: Service
+metadata: {name: closed, namespace: default}
+spec:
+  clusterIP: 10.96.0.150
+  ports: [{name: udp, port: 9999, protocol: UDP, targetPort: 9998}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: closed-1
+  namespace: default
+  labels: {kubernetes.io/service-name: closed}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.11], conditions: {ready: true}}]
+ports: [{name: udp, port: 9998, protocol: UDP}]
+",
+    );
+    cluster.wait_for_frontends(&[("10.96.0.150:9999", "UDP", 1)]);
+    let before = stat(&cluster, "icmp_error_unnat");
+    let out = cluster
+        .client
+        .exec([
+            "python3",
+            "-c",
+            "
+import socket, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect(('10.96.0.150', 9999))
+s.settimeout(5)
+started = time.time()
+s.send(b'hello')
+try:
+    s.recv(512)
+    print('answered')
+except ConnectionRefusedError:
+    print('refused', round(time.time() - started, 3))
+except socket.timeout:
+    print('timeout')
+",
+        ])
+        .unwrap();
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(fields.first(), Some(&"refused"), "{out}");
+    assert!(fields[1].parse::<f64>().unwrap() < 1.0, "{out}");
+    assert_eq!(stat(&cluster, "icmp_error_unnat"), before + 1);
+}
+
+fn stat(cluster: &Cluster, reason: &str) -> u64 {
+    let stats = cluster.dump_json("stats");
+    stats.as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"].as_u64().unwrap()
+}
+
 /// The answering DNS pod for a query from a fixed source port.
 fn whoami_from_port(cluster: &Cluster, port: u16) -> Option<String> {
     let out = cluster
