@@ -137,6 +137,19 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     println!("   web.default.svc.cluster.local A → {}", a.trim());
     println!("   (dig accepts an answer only from the address it asked: each reply came from {DNS_VIP})");
 
+    heading("a 2 KB DNS query and its 2 KB answer: IP fragments, only the first with the UDP ports");
+    let out = client.exec(["python3", "-c", &sandbox::big_dns_query_script(DNS_VIP, 53)])?;
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    if let [query, answer, source, pod] = fields[..] {
+        println!("   a {query}-byte query, a {answer}-byte answer from {source}, answered by {pod}");
+    } else {
+        bail!("unexpected output of the fragmented query: {out}");
+    }
+    let stats = demo.kproxy(&["dump", "stats"])?;
+    if let Some(line) = stats.lines().find(|l| l.starts_with("fragment_followed")) {
+        println!("   {line}   (later fragments translated with their first fragment's ports)");
+    }
+
     heading("who un-NATs the return packet? one DNS query as the node's interfaces saw it");
     show_one_query(&demo, &client)?;
 
