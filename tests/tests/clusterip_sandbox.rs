@@ -111,7 +111,7 @@ fn dig_to_the_dns_cluster_ip_is_answered_from_the_vip() {
 #[test]
 fn fragmented_udp_queries_and_answers_go_through_the_cluster_ip() {
     let cluster = Cluster::start("frag");
-    let followed_before = stat(&cluster, "fragment_followed");
+    let followed_before = cluster.stat("fragment_followed");
     let script = sandbox::big_dns_query_script(DNS_VIP, 53);
     let mut answered_by = BTreeMap::new();
     for _ in 0..6 {
@@ -137,12 +137,7 @@ fn fragmented_udp_queries_and_answers_go_through_the_cluster_ip() {
     let names: Vec<&str> = DNS_PODS.iter().map(|(n, _)| *n).collect();
     assert!(answered_by.keys().all(|k| names.contains(&k.as_str())), "{answered_by:?}");
     // Each query and each answer had a later fragment that followed its first.
-    assert!(stat(&cluster, "fragment_followed") >= followed_before + 12);
-}
-
-fn stat(cluster: &Cluster, reason: &str) -> u64 {
-    let stats = cluster.dump_json("stats");
-    stats.as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"].as_u64().unwrap()
+    assert!(cluster.stat("fragment_followed") >= followed_before + 12);
 }
 
 #[test]

@@ -103,7 +103,7 @@ ports: [{name: udp, port: 9998, protocol: UDP}]
 ",
     );
     cluster.wait_for_frontends(&[("10.96.0.150:9999", "UDP", 1)]);
-    let before = stat(&cluster, "icmp_error_unnat");
+    let before = cluster.stat("icmp_error_unnat");
     let out = cluster
         .client
         .exec([
@@ -129,12 +129,7 @@ except socket.timeout:
     let fields: Vec<&str> = out.split_whitespace().collect();
     assert_eq!(fields.first(), Some(&"refused"), "{out}");
     assert!(fields[1].parse::<f64>().unwrap() < 1.0, "{out}");
-    assert_eq!(stat(&cluster, "icmp_error_unnat"), before + 1);
-}
-
-fn stat(cluster: &Cluster, reason: &str) -> u64 {
-    let stats = cluster.dump_json("stats");
-    stats.as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"].as_u64().unwrap()
+    assert_eq!(cluster.stat("icmp_error_unnat"), before + 1);
 }
 
 /// The answering DNS pod for a query from a fixed source port.

@@ -42,12 +42,6 @@ fn start(tag: &str, cgroup: &TestCgroup) -> Cluster {
     cluster
 }
 
-fn stat(cluster: &Cluster, reason: &str) -> u64 {
-    cluster.dump_json("stats").as_array().unwrap().iter().find(|r| r["reason"] == reason).unwrap()["packets"]
-        .as_u64()
-        .unwrap()
-}
-
 fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
     let out = cgroup.command(netns, &["python3", "-c", script]).output().unwrap();
     assert!(out.status.success(), "{script}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -58,7 +52,7 @@ fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
 fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted() {
     let cgroup = TestCgroup::new("kproxy-test").unwrap();
     let cluster = start("sock-tcp", &cgroup);
-    let dnat_before = stat(&cluster, "dnat_new_flow");
+    let dnat_before = cluster.stat("dnat_new_flow");
     let script = format!(
         r#"
 import socket
@@ -86,14 +80,14 @@ for _ in range(6):
         backends.insert(fields[2].to_owned());
     }
     assert!(backends.iter().all(|b| b.starts_with("10.244.0.1")), "{out}");
-    assert!(stat(&cluster, "socket_lb_translated") >= 6);
-    assert!(stat(&cluster, "socket_lb_reverse") >= 6, "getpeername was rewritten");
-    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before, "the tc path translated nothing: no double NAT");
+    assert!(cluster.stat("socket_lb_translated") >= 6);
+    assert!(cluster.stat("socket_lb_reverse") >= 6, "getpeername was rewritten");
+    assert_eq!(cluster.stat("dnat_new_flow"), dnat_before, "the tc path translated nothing: no double NAT");
 
     // A process outside the cgroup still goes through the tc path.
     let page = cluster.client.curl(&format!("http://{WEB_VIP}/whoami")).unwrap();
     assert!(page.starts_with("10.244.0.1"), "{page}");
-    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before + 1);
+    assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1);
 }
 
 #[test]
@@ -135,7 +129,7 @@ for n in range(16):
         .unwrap();
     let answer = String::from_utf8_lossy(&dig.stdout);
     assert!(answer.trim().starts_with("10.244.0.2"), "dig through socket LB: {answer}");
-    assert!(stat(&cluster, "socket_lb_translated") >= 5);
+    assert!(cluster.stat("socket_lb_translated") >= 5);
 }
 
 #[test]
@@ -157,7 +151,7 @@ except OSError as e:
     print(errno.errorcode[e.errno])
 "#;
     assert_eq!(run(&cgroup, cluster.client.netns(), script).trim(), "ECONNREFUSED");
-    assert!(stat(&cluster, "socket_lb_refused") >= 1);
+    assert!(cluster.stat("socket_lb_refused") >= 1);
 }
 
 #[test]
@@ -312,7 +306,7 @@ fn host_only_translates_the_nodes_sockets_and_leaves_pods_to_tc() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let node_netns = cluster.sandbox.node_netns().to_owned();
-    let translated_before = stat(&cluster, "socket_lb_translated");
+    let translated_before = cluster.stat("socket_lb_translated");
     let page = run(
         &cgroup,
         &node_netns,
@@ -328,9 +322,9 @@ print(s.recv(4096).split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()
     let fields: Vec<&str> = page.split_whitespace().collect();
     assert!(fields[0].starts_with("10.244.0.1"), "the node reached a web backend: {page}");
     assert_eq!(fields[1], WEB_VIP.to_string(), "getpeername shows the Service");
-    assert_eq!(stat(&cluster, "socket_lb_translated"), translated_before + 1);
+    assert_eq!(cluster.stat("socket_lb_translated"), translated_before + 1);
 
-    let dnat_before = stat(&cluster, "dnat_new_flow");
+    let dnat_before = cluster.stat("dnat_new_flow");
     let out = run(
         &cgroup,
         cluster.client.netns(),
@@ -339,10 +333,6 @@ print(s.recv(4096).split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()
         ),
     );
     assert_eq!(out.trim(), "ok");
-    assert_eq!(
-        stat(&cluster, "socket_lb_translated"),
-        translated_before + 1,
-        "a pod's socket was translated"
-    );
-    assert_eq!(stat(&cluster, "dnat_new_flow"), dnat_before + 1, "the pod's connection went through tc");
+    assert_eq!(cluster.stat("socket_lb_translated"), translated_before + 1, "a pod's socket was translated");
+    assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1, "the pod's connection went through tc");
 }

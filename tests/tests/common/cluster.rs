@@ -205,6 +205,13 @@ impl Cluster {
         serde_json::from_str(&self.kproxy(&["dump", what, "--json"])).unwrap()
     }
 
+    /// A datapath counter from `kproxy dump stats`, by its name.
+    pub fn stat(&self, reason: &str) -> u64 {
+        let stats = self.dump_json("stats");
+        let row = stats.as_array().unwrap().iter().find(|r| r["reason"] == reason);
+        row.and_then(|r| r["packets"].as_u64()).unwrap_or_else(|| panic!("no counter {reason} in {stats}"))
+    }
+
     /// Slot 0 of a frontend: its backend count, or None when absent.
     pub fn backend_count(&self, frontend: &str, proto: &str) -> Option<u64> {
         // Until the agent has pinned its maps, dump fails: not yet programmed.
