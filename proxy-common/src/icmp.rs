@@ -19,7 +19,9 @@ pub const ICMP_ERROR_SPAN: usize = ICMP_HLEN + 20 + 4;
 /// Offsets inside that span.
 pub const ICMP_OFF_CHECK: usize = 2;
 pub const QUOTE_OFF_CHECK: usize = ICMP_HLEN + 10;
+pub const QUOTE_OFF_SADDR: usize = ICMP_HLEN + 12;
 pub const QUOTE_OFF_DADDR: usize = ICMP_HLEN + 16;
+pub const QUOTE_OFF_SPORT: usize = ICMP_HLEN + 20;
 pub const QUOTE_OFF_DPORT: usize = ICMP_HLEN + 20 + 2;
 
 /// The quoted packet of an ICMP error, when it is one the datapath un-NATs.

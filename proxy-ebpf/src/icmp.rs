@@ -1,56 +1,146 @@
 //! ICMP errors about translated flows, on their way to the client: the quoted
-//! client → backend packet becomes client → Service (see `proxy_common::icmp`).
+//! packet becomes the one the client sent (see `proxy_common::icmp`).
+//!
+//! Rewriting a quoted address together with the quote's header checksum leaves
+//! the ICMP checksum as it was; quoted ports are accounted for in it. The
+//! quote's own L4 checksum is left stale: receivers do not check a quote's.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     icmp::{
         ICMP_ERROR_SPAN, ICMP_OFF_CHECK, IPPROTO_ICMP, QUOTE_OFF_CHECK, QUOTE_OFF_DADDR, QUOTE_OFF_DPORT,
-        quoted,
+        QUOTE_OFF_SADDR, QUOTE_OFF_SPORT, Quote, quoted,
     },
-    packet::{ETH_HLEN, IP_OFF_CHECK, IP_OFF_SADDR},
+    maps::CT_FLAG_SNAT,
+    packet::{ETH_HLEN, IP_OFF_CHECK, IP_OFF_DADDR, IP_OFF_SADDR},
     stats::Stat,
 };
 
-use crate::{Done, Verdict, conntrack, stats};
+use crate::{Done, Verdict, conntrack, fib, snat, stats};
 
-/// Un-NATs an ICMP error whose quote matches a conntrack reply entry: the
-/// quoted destination (address, header checksum, port) goes back to the
-/// Service, and so does the outer source when the backend itself sent the
-/// error. Rewriting the quoted address together with its header checksum
-/// leaves the ICMP checksum as it was; the quoted port is accounted for in it.
-/// The quoted L4 checksum is left stale: receivers do not check a quote's.
+/// An ICMP error's outer header, where its message starts, and what it quotes.
+struct Error {
+    outer: [u8; 20],
+    at: usize,
+    quote: Quote,
+}
+
+#[inline(always)]
+fn read(ctx: &TcContext) -> Result<Error, Verdict> {
+    let not_ours = || Verdict::Pass(Stat::PassNotTcpUdp);
+    let outer: [u8; 20] = ctx.load(ETH_HLEN).map_err(|_| not_ours())?;
+    // Fragmented errors do not happen in practice; their quote would be cut.
+    if outer[9] != IPPROTO_ICMP || outer[6] & 0x3f != 0 || outer[7] != 0 {
+        return Err(not_ours());
+    }
+    let at = ETH_HLEN + ((usize::from(outer[0] & 0x0f) * 4) & 0x3c);
+    let message: [u8; ICMP_ERROR_SPAN] = ctx.load(at).map_err(|_| not_ours())?;
+    let quote = quoted(&message).ok_or_else(not_ours)?;
+    Ok(Error { outer, at, quote })
+}
+
+#[inline(always)]
+fn failed(_: i64) -> Verdict {
+    Verdict::Drop(Stat::RewriteFailed)
+}
+
+/// An address of the quote, with the quote's header checksum.
+#[inline(always)]
+fn quoted_addr(
+    ctx: &TcContext,
+    error: &Error,
+    field: usize,
+    old: [u8; 4],
+    new: [u8; 4],
+) -> Result<(), Verdict> {
+    let (old, new) = (u64::from(u32::from_ne_bytes(old)), u64::from(u32::from_ne_bytes(new)));
+    ctx.l3_csum_replace(error.at + QUOTE_OFF_CHECK, old, new, 4).map_err(failed)?;
+    ctx.store(error.at + field, &(new as u32), 0).map_err(failed)
+}
+
+/// A port of the quote, with the ICMP checksum.
+#[inline(always)]
+fn quoted_port(
+    ctx: &TcContext,
+    error: &Error,
+    field: usize,
+    old: [u8; 2],
+    new: [u8; 2],
+) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
+    let (old, new) = (u64::from(u16::from_ne_bytes(old)), u64::from(u16::from_ne_bytes(new)));
+    ctx.l4_csum_replace(error.at + ICMP_OFF_CHECK, old, new, 2).map_err(failed)?;
+    ctx.store(error.at + field, &(new as u16), 0).map_err(failed)
+}
+
+/// An address of the outer header, with its checksum.
+#[inline(always)]
+fn outer_addr(ctx: &TcContext, field: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Verdict> {
+    let (old, new) = (u64::from(u32::from_ne_bytes(old)), u64::from(u32::from_ne_bytes(new)));
+    ctx.l3_csum_replace(ETH_HLEN + IP_OFF_CHECK, old, new, 4).map_err(failed)?;
+    ctx.store(ETH_HLEN + field, &(new as u32), 0).map_err(failed)
+}
+
+#[inline(always)]
+fn outer_saddr(error: &Error) -> [u8; 4] {
+    [error.outer[12], error.outer[13], error.outer[14], error.outer[15]]
+}
+
+/// On a pod's veth (egress): an error about a DNATed flow, from its backend or
+/// a router on the way. The quoted destination goes back to the Service, and
+/// so does the outer source when the backend itself sent the error.
 /// Not inlined: a packet that is no ICMP error costs the caller one call.
 #[inline(never)]
 pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
-    let outer: [u8; 20] = ctx.load(ETH_HLEN).map_err(|_| Verdict::Pass(Stat::PassNotTcpUdp))?;
-    // Fragmented errors do not happen in practice; their quote would be cut.
-    if outer[9] != IPPROTO_ICMP || outer[6] & 0x3f != 0 || outer[7] != 0 {
-        return Err(Verdict::Pass(Stat::PassNotTcpUdp));
-    }
-    let icmp_at = ETH_HLEN + ((usize::from(outer[0] & 0x0f) * 4) & 0x3c);
-    let message: [u8; ICMP_ERROR_SPAN] = ctx.load(icmp_at).map_err(|_| Verdict::Pass(Stat::PassNotTcpUdp))?;
-    let quote = quoted(&message).ok_or(Verdict::Pass(Stat::PassNotTcpUdp))?;
+    let error = read(ctx)?;
+    let quote = error.quote;
     let entry = conntrack::lookup(&quote.reply_key()).ok_or(Verdict::Pass(Stat::PassNoService))?;
     // SAFETY: a map value valid for this program run; copied out at once.
     let (service, service_port, flags) = unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
     if flags != 0 {
-        // Hairpin and source-NATed flows quote other addresses.
+        // Hairpin flows quote the hairpin address; source-NATed ones reach the
+        // node, not a pod (see `unnat_snat_error`).
         return Err(Verdict::Pass(Stat::PassNoService));
     }
-    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
-    let (backend, service_addr) =
-        (u64::from(u32::from_ne_bytes(quote.daddr)), u64::from(u32::from_ne_bytes(service)));
-    ctx.l3_csum_replace(icmp_at + QUOTE_OFF_CHECK, backend, service_addr, 4).map_err(failed)?;
-    ctx.store(icmp_at + QUOTE_OFF_DADDR, &(service_addr as u32), 0).map_err(failed)?;
-    if quote.dport != service_port {
-        let (old, new) =
-            (u64::from(u16::from_ne_bytes(quote.dport)), u64::from(u16::from_ne_bytes(service_port)));
-        ctx.l4_csum_replace(icmp_at + ICMP_OFF_CHECK, old, new, 2).map_err(failed)?;
-        ctx.store(icmp_at + QUOTE_OFF_DPORT, &(new as u16), 0).map_err(failed)?;
-    }
-    if outer[12..16] == quote.daddr {
-        ctx.l3_csum_replace(ETH_HLEN + IP_OFF_CHECK, backend, service_addr, 4).map_err(failed)?;
-        ctx.store(ETH_HLEN + IP_OFF_SADDR, &(service_addr as u32), 0).map_err(failed)?;
+    quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, service)?;
+    quoted_port(ctx, &error, QUOTE_OFF_DPORT, quote.dport, service_port)?;
+    if outer_saddr(&error) == quote.daddr {
+        outer_addr(ctx, IP_OFF_SADDR, quote.daddr, service)?;
     }
     stats::count(Stat::IcmpErrorUnnat);
     Ok(Done::Next)
+}
+
+/// On an external interface (ingress): an error addressed to the node about a
+/// flow it source-NATed to a remote backend — "fragmentation needed" from a
+/// router on the way, above all, or the client's TCP never learns the path's
+/// MTU. The quote becomes client → frontend, the error goes to the client
+/// (from the frontend when the backend sent it) and leaves at once.
+#[inline(never)]
+pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
+    let error = read(ctx)?;
+    let quote = error.quote;
+    let key = quote.reply_key();
+    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    // SAFETY: a map value valid for this program run; copied out at once.
+    let (frontend, frontend_port, flags) = unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
+    if flags & CT_FLAG_SNAT == 0 {
+        return Err(Verdict::Pass(Stat::PassNoService));
+    }
+    let client = snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    quoted_addr(ctx, &error, QUOTE_OFF_SADDR, quote.saddr, client.addr)?;
+    quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
+    quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, frontend)?;
+    quoted_port(ctx, &error, QUOTE_OFF_DPORT, quote.dport, frontend_port)?;
+    let mut source = outer_saddr(&error);
+    if source == quote.daddr {
+        outer_addr(ctx, IP_OFF_SADDR, source, frontend)?;
+        source = frontend;
+    }
+    outer_addr(ctx, IP_OFF_DADDR, quote.saddr, client.addr)?;
+    stats::count(Stat::IcmpErrorUnnat);
+    let length = u16::from_be_bytes([error.outer[2], error.outer[3]]);
+    let route = fib::route(ctx, crate::ingress_ifindex(ctx), source, client.addr, length)?;
+    Ok(Done::Redirect(route))
 }

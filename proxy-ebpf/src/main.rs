@@ -211,7 +211,11 @@ struct Found {
 /// a pod.
 #[inline(always)]
 fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
-    let flow = parse::flow(ctx).map_err(Verdict::Pass)?;
+    let flow = match parse::flow(ctx) {
+        Ok(flow) => flow,
+        Err(Stat::PassNotTcpUdp) if EXTERNAL => return icmp::unnat_snat_error(ctx),
+        Err(stat) => return Err(Verdict::Pass(stat)),
+    };
     let mut found = Found {
         frontend: core::ptr::null(),
         scope: 0,

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use common::{
     Packet, checksums_valid,
     harness::{CLIENT, DNS_BACKEND, DNS_VIP, Harness, PASS, WEB_BACKENDS, WEB_VIP, ct_key, desired},
+    icmp_error,
 };
 use kproxy::model::Desired;
 use proxy_common::{
@@ -200,29 +201,6 @@ fn icmp_errors_quoting_a_translated_flow_are_un_nated_for_the_client() {
     let error = icmp_error([10, 244, 0, 30], CLIENT, 3, 3, &stranger);
     assert_eq!(h.egress(&error), (PASS, error.clone()));
     assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat_before + 2);
-}
-
-/// An Ethernet frame with an ICMP error of `kind`/`code` from `src` to `dst` quoting `quote`,
-/// checksums computed from scratch.
-fn icmp_error(src: [u8; 4], dst: [u8; 4], kind: u8, code: u8, quote: &[u8]) -> Vec<u8> {
-    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0, 0];
-    if code == 4 {
-        icmp[6..8].copy_from_slice(&1400u16.to_be_bytes());
-    }
-    icmp.extend_from_slice(quote);
-    let check = proxy_common::checksum::checksum(&icmp);
-    icmp[2..4].copy_from_slice(&check.to_be_bytes());
-    let mut ip = vec![0x45, 0];
-    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
-    ip.extend_from_slice(&src);
-    ip.extend_from_slice(&dst);
-    let check = proxy_common::checksum::checksum(&ip);
-    ip[10..12].copy_from_slice(&check.to_be_bytes());
-    let mut frame = common::Packet::udp(src, 1, dst, 1, b"").frame()[..14].to_vec();
-    frame.extend_from_slice(&ip);
-    frame.extend_from_slice(&icmp);
-    frame
 }
 
 #[test]

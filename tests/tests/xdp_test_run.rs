@@ -22,11 +22,12 @@ use proxy_common::{
 };
 
 mod common;
-use common::{Packet, checksums_valid, harness::ct_key};
+use common::{Packet, checksums_valid, harness::ct_key, icmp_error};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_REDIRECT: u32 = 4;
+const TC_ACT_REDIRECT: u32 = 7;
 
 const NODE: [u8; 4] = [192, 168, 100, 10];
 const CLIENT: [u8; 4] = [192, 168, 100, 200];
@@ -140,6 +141,26 @@ impl Xdp0 {
     fn stat(&self, stat: Stat) -> u64 {
         self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
     }
+
+    /// The external tc program (what XDP passes on) on a frame arriving on the interface.
+    fn tc(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &aya::programs::SchedClassifier =
+            self.ebpf.program("kproxy_external_ingress").unwrap().try_into().unwrap();
+        // struct __sk_buff up to ifindex (offset 40), which picks the device the packet is on.
+        let mut ctx = vec![0u8; 192];
+        ctx[40..44].copy_from_slice(&self.ingress.to_ne_bytes());
+        let mut out = vec![0u8; frame.len() + 256];
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("tc test run: {e:?}"));
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
 }
 
 fn frame_to_node(packet: &Packet) -> Vec<u8> {
@@ -197,6 +218,32 @@ fn nodeport_to_a_remote_backend_is_dnated_snated_and_sent_back_out_and_so_is_its
         );
         assert_eq!(x.stat(Stat::XdpForwarded), 3);
         assert_eq!(x.stat(Stat::SnatNew), 1);
+    });
+}
+
+/// A router between the node and the remote backend needs smaller packets: its "fragmentation
+/// needed" reaches the node, quoting the source-NATed packet. tc sends it on to the client as
+/// an error about the packet the client sent (quote un-NATed both ways, checksums right), so the
+/// client's TCP learns the path MTU.
+#[test]
+fn fragmentation_needed_for_a_source_natted_flow_goes_on_to_the_client() {
+    in_private_netns(|ingress| {
+        let x = Xdp0::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_SYN).with_payload(b"hello");
+        let (action, out) = x.xdp(&frame_to_node(&syn));
+        assert_eq!(action, XDP_REDIRECT);
+        let router = [192, 168, 100, 11];
+        let mut error = icmp_error(router, NODE, 3, 4, &out[14..14 + 28]);
+        error[..6].copy_from_slice(&NODE_MAC);
+        error[6..12].copy_from_slice(&PEER_MAC);
+        let before = x.stat(Stat::IcmpErrorUnnat);
+        let (action, out) = x.tc(&error);
+        assert_eq!(action, TC_ACT_REDIRECT, "{out:?}");
+        let mut want = icmp_error(router, CLIENT, 3, 4, &syn.frame()[14..14 + 28]);
+        want[..6].copy_from_slice(&CLIENT_MAC);
+        want[6..12].copy_from_slice(&NODE_MAC);
+        assert_eq!(out, want);
+        assert_eq!(x.stat(Stat::IcmpErrorUnnat), before + 1);
     });
 }
 

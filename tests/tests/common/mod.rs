@@ -130,3 +130,26 @@ pub fn checksums_valid(frame: &[u8]) -> bool {
         seg,
     ))
 }
+
+/// An Ethernet frame with an ICMP error of `kind`/`code` from `src` to `dst` quoting `quote`,
+/// checksums computed from scratch.
+pub fn icmp_error(src: [u8; 4], dst: [u8; 4], kind: u8, code: u8, quote: &[u8]) -> Vec<u8> {
+    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0, 0];
+    if code == 4 {
+        icmp[6..8].copy_from_slice(&1400u16.to_be_bytes());
+    }
+    icmp.extend_from_slice(quote);
+    let check = proxy_common::checksum::checksum(&icmp);
+    icmp[2..4].copy_from_slice(&check.to_be_bytes());
+    let mut ip = vec![0x45, 0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+    ip.extend_from_slice(&src);
+    ip.extend_from_slice(&dst);
+    let check = proxy_common::checksum::checksum(&ip);
+    ip[10..12].copy_from_slice(&check.to_be_bytes());
+    let mut frame = Packet::udp(src, 1, dst, 1, b"").frame()[..14].to_vec();
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&icmp);
+    frame
+}
