@@ -23,8 +23,15 @@ pub struct Route {
     pub macs: [u8; 12],
 }
 
+/// For tc: no length, so that the kernel checks the packet itself against the
+/// route's MTU (`is_skb_forwardable`), which knows GRO/GSO packets. Their IP
+/// total length is the merged one, far above the MTU: checked by length, every
+/// aggregated segment of a bulk transfer would be refused.
+pub const CHECK_SKB: u16 = 0;
+
 /// Looks up the route for `saddr → daddr` as if the packet arrived on
-/// `ingress_ifindex`.
+/// `ingress_ifindex`. `ip_total_len` is the length to check against the MTU:
+/// the packet's own in XDP (no aggregation there), [`CHECK_SKB`] in tc.
 #[inline(always)]
 pub fn route<C: EbpfContext>(
     ctx: &C,

@@ -140,7 +140,6 @@ pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     }
     outer_addr(ctx, IP_OFF_DADDR, quote.saddr, client.addr)?;
     stats::count(Stat::IcmpErrorUnnat);
-    let length = u16::from_be_bytes([error.outer[2], error.outer[3]]);
-    let route = fib::route(ctx, crate::ingress_ifindex(ctx), source, client.addr, length)?;
+    let route = fib::route(ctx, crate::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
     Ok(Done::Redirect(route))
 }

@@ -367,8 +367,7 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
         // The translation was evicted: nothing can un-NAT replies.
         let to_node = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
         nat::rewrite_source(ctx, flow, to_node.addr, to_node.port)?;
-        let route =
-            fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, flow.ip_total_len)?;
+        let route = fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, fib::CHECK_SKB)?;
         return Ok(Done::Redirect(route));
     }
     Ok(Done::Next)
@@ -393,7 +392,7 @@ fn new_flow<const EXTERNAL: bool>(
     let mut route = None;
     if EXTERNAL && found.scope != SCOPE_EXTERNAL {
         let ifindex = ingress_ifindex(ctx);
-        let backend_route = fib::route(ctx, ifindex, flow.saddr, choice.backend.addr, flow.ip_total_len)?;
+        let backend_route = fib::route(ctx, ifindex, flow.saddr, choice.backend.addr, fib::CHECK_SKB)?;
         // A backend reached through the interface the client came in on
         // would answer the client directly; a client outside the cluster
         // reaching a cluster IP is masqueraded like kube-proxy does.
@@ -493,7 +492,7 @@ fn snat_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
             now,
         );
     }
-    let route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, flow.ip_total_len)?;
+    let route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, fib::CHECK_SKB)?;
     Ok(Done::Redirect(route))
 }
 

@@ -415,6 +415,87 @@ fn fragmented_udp_through_a_node_port_reaches_the_dns_pod_and_comes_back() {
     }
 }
 
+/// Counts what a connection sends until it is shut, then answers the count.
+const SINK_SERVER: &str = "
+import socket
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(('0.0.0.0', 9000))
+server.listen(8)
+while True:
+    conn, _ = server.accept()
+    count = 0
+    while True:
+        data = conn.recv(65536)
+        if not data:
+            break
+        count += len(data)
+    conn.sendall(str(count).encode())
+    conn.close()
+";
+
+/// Node 1 reaches web-b over a link with a smaller MTU (1400): it answers the client's 1500-byte
+/// segments — source-NATed by node 0 — with "fragmentation needed" to node 0. Unless node 0
+/// passes that on to the client, un-NATed, the upload stalls (a path-MTU black hole).
+#[test]
+fn a_client_uploading_through_a_node_port_learns_a_smaller_path_mtu_behind_it() {
+    // tc only: in this sandbox GRO on the underlay's bridge ports merges a bulk transfer's
+    // segments before the nodes' XDP sees them (no wire does that), which breaks bulk traffic
+    // through native XDP on veth — kproxy's or any other program's.
+    let cluster = NorthSouth::start_with("np-pmtu", &["--xdp", "off"]);
+    let web_b = &cluster._pods[1];
+    let sink = web_b.spawn(["python3", "-c", SINK_SERVER]).unwrap();
+    web_b.wait_listening("tcp", 9000, Some(&sink), Duration::from_secs(10)).unwrap();
+    std::fs::write(
+        cluster.manifests.join("sink.yaml"),
+        "apiVersion: v1
+kind: Service
+metadata: {name: sink, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.90
+  ports: [{name: tcp, port: 9000, protocol: TCP, nodePort: 30090}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: sink-1
+  namespace: default
+  labels: {kubernetes.io/service-name: sink}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.11], conditions: {ready: true}, nodeName: node-1}]
+ports: [{name: tcp, port: 9000, protocol: TCP}]
+",
+    )
+    .unwrap();
+    let node0 = cluster.multi.node_ip(0);
+    cluster.wait_for_frontend(0, &format!("{node0}:30090"), "TCP", 1);
+    cluster.multi.node(1).node_exec(["ip", "link", "set", "dev", web_b.host_veth(), "mtu", "1400"]).unwrap();
+
+    let upload = format!(
+        "
+import socket
+s = socket.create_connection(('{node0}', 30090), timeout=10)
+s.sendall(bytes(300000))
+s.shutdown(socket.SHUT_WR)
+answer = b''
+while True:
+    data = s.recv(64)
+    if not data:
+        break
+    answer += data
+print(answer.decode())
+"
+    );
+    let before = cluster.stat(0, "icmp_error_unnat");
+    let out = cluster
+        .multi
+        .external_exec(["python3", "-c", &upload])
+        .unwrap_or_else(|e| panic!("the upload stalled: {e:#}\n{}", cluster.agent_logs()));
+    assert_eq!(out.trim(), "300000", "the sink got every byte");
+    assert!(cluster.stat(0, "icmp_error_unnat") > before, "no ICMP error went on to the client");
+}
+
 #[test]
 fn external_traffic_policy_local_keeps_the_client_drops_without_a_local_endpoint_and_drains_a_terminating_one()
  {
