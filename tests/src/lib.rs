@@ -24,6 +24,7 @@ pub mod multinode;
 mod sandbox;
 mod servers;
 mod tools;
+mod xdp_pass;
 
 pub use sandbox::{GATEWAY_IP, NETNS_PREFIX, NODE_DEVICE, NODE_IP, Pod, Sandbox, Spawned, cleanup_stale};
 pub use servers::{

@@ -16,7 +16,7 @@
 //! underlay; [`cleanup_stale_multinode`] removes what a killed run left behind.
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Once;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -196,18 +196,17 @@ impl MultiNode {
     /// Makes a veth pair behave like a NIC on a wire, as XDP on a real external interface
     /// sees it: packets leave `eth0` with complete checksums (a veth otherwise hands over the
     /// partial ones of checksum offload, which XDP cannot tell apart and XDP_TX would send on
-    /// unfinished), and the underlay-side port receives what XDP_TX sends back (veth gives a
-    /// device a receive queue for XDP_TX only when GRO or an XDP program is on).
+    /// unfinished), and the underlay-side port receives what XDP sends back out of `eth0` (a
+    /// veth has a receive queue for that only when GRO or an XDP program is on: a pass-all XDP
+    /// program, as GRO would merge a bulk transfer's segments before the other nodes' XDP sees
+    /// them — no wire does that, and a merged frame through XDP on veth loses its GSO state).
     fn make_wire(&self, netns: &str, port: &str) -> Result<()> {
         let ethtool = find_tool("ethtool")?;
-        for (ns, dev, setting) in
-            [(netns, NODE_EXTERNAL_DEVICE, ["tx", "off"]), (&self.underlay_ns, port, ["gro", "on"])]
-        {
-            let mut command = Command::new(find_tool("ip")?);
-            command.args(["netns", "exec", ns]).arg(&ethtool).args(["-K", dev]).args(setting);
-            cmd::run_ok(command, EXEC_TIMEOUT)?;
-        }
-        Ok(())
+        let mut command = Command::new(find_tool("ip")?);
+        command.args(["netns", "exec", netns]).arg(&ethtool).args(["-K", NODE_EXTERNAL_DEVICE, "tx", "off"]);
+        cmd::run_ok(command, EXEC_TIMEOUT)?;
+        let pin = Path::new("/sys/fs/bpf").join(format!("{}-{port}-xdp-pass", self.base));
+        crate::xdp_pass::attach(&self.underlay_ns, port, &pin)
     }
 
     fn attach_node(&self, i: usize) -> Result<()> {

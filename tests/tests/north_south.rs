@@ -439,10 +439,17 @@ while True:
 /// passes that on to the client, un-NATed, the upload stalls (a path-MTU black hole).
 #[test]
 fn a_client_uploading_through_a_node_port_learns_a_smaller_path_mtu_behind_it() {
-    // tc only: in this sandbox GRO on the underlay's bridge ports merges a bulk transfer's
-    // segments before the nodes' XDP sees them (no wire does that), which breaks bulk traffic
-    // through native XDP on veth — kproxy's or any other program's.
-    let cluster = NorthSouth::start_with("np-pmtu", &["--xdp", "off"]);
+    upload_learning_a_smaller_path_mtu("np-pmtu", &[]);
+}
+
+/// The same when tc alone translates (the client's segments are GRO aggregates there).
+#[test]
+fn a_client_uploading_through_a_node_port_learns_a_smaller_path_mtu_with_tc_alone() {
+    upload_learning_a_smaller_path_mtu("np-pmtu-tc", &["--xdp", "off"]);
+}
+
+fn upload_learning_a_smaller_path_mtu(tag: &str, agent_args: &[&str]) {
+    let cluster = NorthSouth::start_with(tag, agent_args);
     let web_b = &cluster._pods[1];
     let sink = web_b.spawn(["python3", "-c", SINK_SERVER]).unwrap();
     web_b.wait_listening("tcp", 9000, Some(&sink), Duration::from_secs(10)).unwrap();
@@ -494,6 +501,9 @@ print(answer.decode())
         .unwrap_or_else(|e| panic!("the upload stalled: {e:#}\n{}", cluster.agent_logs()));
     assert_eq!(out.trim(), "300000", "the sink got every byte");
     assert!(cluster.stat(0, "icmp_error_unnat") > before, "no ICMP error went on to the client");
+    if agent_args.is_empty() {
+        assert!(cluster.stat(0, "xdp_forwarded") > 100, "XDP carried the upload");
+    }
 }
 
 #[test]
