@@ -415,6 +415,55 @@ fn fragmented_udp_through_a_node_port_reaches_the_dns_pod_and_comes_back() {
     }
 }
 
+/// A 10 MB download from the pod on node 1 through node 0's NodePort: every segment of the
+/// answer is un-NATed by node 0 (XDP, or tc alone) and reaches the client intact.
+#[test]
+fn a_10_mb_download_through_a_node_port_from_another_node_arrives_intact() {
+    for (tag, args) in [("np-big", &[][..]), ("np-big-tc", &["--xdp", "off"][..])] {
+        let cluster = NorthSouth::start_with(tag, args);
+        std::fs::write(
+            cluster.manifests.join("web-b-only.yaml"),
+            "apiVersion: v1
+kind: Service
+metadata: {name: web-b-only, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.91
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30091}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-b-only-1
+  namespace: default
+  labels: {kubernetes.io/service-name: web-b-only}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.11], conditions: {ready: true}, nodeName: node-1}]
+ports: [{name: http, port: 80, protocol: TCP}]
+",
+        )
+        .unwrap();
+        let node0 = cluster.multi.node_ip(0);
+        cluster.wait_for_frontend(0, &format!("{node0}:30091"), "TCP", 1);
+        let out = cluster.manifests.join("big.bin");
+        let url = format!("http://{node0}:30091{}", sandbox::BIG_FILE_PATH);
+        cluster
+            .multi
+            .external_exec(["curl", "-sS", "--max-time", "60", "-o", out.to_str().unwrap(), &url])
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}\n{}", cluster.agent_logs()));
+        let got = std::fs::read(&out).unwrap();
+        std::fs::remove_file(&out).unwrap();
+        assert!(got == sandbox::big_file_contents(), "{tag}: the 10 MB file arrived corrupted");
+        assert_eq!(cluster.stat(0, "rewrite_failed"), 0, "{tag}");
+        if args.is_empty() {
+            assert!(cluster.stat(0, "xdp_forwarded") > 5000, "{tag}: XDP carried the download");
+        } else {
+            // In tc a failed route lookup drops the packet (XDP leaves such packets to tc).
+            assert_eq!(cluster.stat(0, "fib_lookup_failed"), 0, "{tag}");
+        }
+    }
+}
+
 /// Counts what a connection sends until it is shut, then answers the count.
 const SINK_SERVER: &str = "
 import socket
