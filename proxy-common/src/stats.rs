@@ -56,7 +56,8 @@ pub enum Stat {
     DropSourceRange,
     /// externalTrafficPolicy: Local and no endpoint on this node: dropped.
     DropNoLocalEndpoint,
-    /// The route lookup for a rewritten packet failed: dropped.
+    /// The route lookup for a rewritten packet failed: dropped by tc; XDP
+    /// leaves such a packet to tc instead (before rewriting it).
     FibLookupFailed,
     /// XDP sent a rewritten packet out without the stack.
     XdpForwarded,

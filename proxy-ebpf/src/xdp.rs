@@ -157,7 +157,8 @@ fn route_back_out(
     let route =
         fib::route(ctx, ingress, saddr, daddr, flow.ip_total_len).map_err(|_| Stat::FibLookupFailed)?;
     if !route.neighbour_known {
-        return Err(Stat::FibLookupFailed);
+        // Not a failure: tc's redirect resolves the neighbour.
+        return Err(Stat::XdpPass);
     }
     if route.ifindex != ingress {
         return Err(Stat::PassNoService);
@@ -358,7 +359,8 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
         return Err(Stat::XdpPass);
     }
     if !route.neighbour_known {
-        return Err(Stat::FibLookupFailed);
+        // Not a failure: tc's redirect resolves the neighbour.
+        return Err(Stat::XdpPass);
     }
     *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
     Ok(())
