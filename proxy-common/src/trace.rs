@@ -17,6 +17,9 @@ pub const EV_UNNAT: u8 = 3;
 pub const EV_REJECT: u8 = 4;
 /// INVALID TCP to a VIP was dropped.
 pub const EV_DROP_INVALID: u8 = 5;
+/// An ICMP error quoting a translated flow was un-NATed for its client: the
+/// "before" tuple is the quoted packet as it arrived, "after" as rewritten.
+pub const EV_ICMP_UNNAT: u8 = 6;
 
 /// The TRACE array's only entry.
 #[repr(C)]

@@ -22,21 +22,33 @@ pub fn enabled() -> bool {
 /// that emit the most.
 #[inline(always)]
 pub fn from_flow(flow: &Flow, kind: u8, now: u64) -> Option<&'static mut TraceEventV4> {
+    from_tuple((flow.saddr, flow.sport), (flow.daddr, flow.dport), flow.proto, kind, now)
+}
+
+/// [`from_flow`] for a tuple that is not the packet's own (an ICMP error's quote).
+#[inline(always)]
+pub fn from_tuple(
+    source: ([u8; 4], [u8; 2]),
+    destination: ([u8; 4], [u8; 2]),
+    proto: u8,
+    kind: u8,
+    now: u64,
+) -> Option<&'static mut TraceEventV4> {
     let event = EVENT_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's entry; a program runs to completion on its CPU.
     let event = unsafe { &mut *event };
     *event = TraceEventV4 {
         timestamp_ns: now,
-        before_saddr: flow.saddr,
-        before_daddr: flow.daddr,
-        before_sport: flow.sport,
-        before_dport: flow.dport,
-        after_saddr: flow.saddr,
-        after_daddr: flow.daddr,
-        after_sport: flow.sport,
-        after_dport: flow.dport,
+        before_saddr: source.0,
+        before_daddr: destination.0,
+        before_sport: source.1,
+        before_dport: destination.1,
+        after_saddr: source.0,
+        after_daddr: destination.0,
+        after_sport: source.1,
+        after_dport: destination.1,
         kind,
-        proto: flow.proto,
+        proto,
         ..Default::default()
     };
     Some(event)

@@ -17,8 +17,8 @@ use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use proxy_common::{
     maps::{CT_FLAG_HAIRPIN, FrontendNameV4, IPPROTO_TCP, IPPROTO_UDP, MAP_FRONTEND_NAMES_V4},
     trace::{
-        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT, MAP_EVENTS, MAP_TRACE,
-        TraceConfig, TraceEventV4,
+        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, MAP_EVENTS,
+        MAP_TRACE, TraceConfig, TraceEventV4,
     },
 };
 use serde::Serialize;
@@ -144,6 +144,18 @@ pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: Syste
             &before_dst,
             format!("{service}: TCP segment of no known connection (INVALID)"),
         )],
+        EV_ICMP_UNNAT => vec![
+            step("ICMP", &before_src, &before_dst, "an ICMP error quotes this packet".to_owned()),
+            step(
+                "un-NAT",
+                &after_src,
+                &after_dst,
+                format!(
+                    "{service}: the quote rewritten for the client, conntrack entry created {} ago",
+                    age(event.timestamp_ns.saturating_sub(event.ct_created_ns))
+                ),
+            ),
+        ],
         _ => vec![step("unknown", &before_src, &before_dst, format!("event kind {}", event.kind))],
     }
 }
