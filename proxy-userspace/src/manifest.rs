@@ -362,9 +362,14 @@ fn add_list(value: Value, origin: &str, kind: &str, depth: usize, out: &mut Obje
         "EndpointSliceList" => Some(("EndpointSlice", "discovery.k8s.io/v1")),
         _ => None,
     };
-    let items = match value.get("items") {
+    // Taken out of the list, not copied: a list can be most of a large file.
+    let items = match value {
+        Value::Mapping(mut list) => list.remove("items"),
+        _ => None,
+    };
+    let items = match items {
         None | Some(Value::Null) => return,
-        Some(Value::Sequence(items)) => items.clone(),
+        Some(Value::Sequence(items)) => items,
         Some(_) => {
             let err = ManifestError::new(origin, "expected a sequence of objects");
             out.errors.push(err.with_object(kind).with_field("items"));
@@ -412,7 +417,7 @@ fn typed<T: DeserializeOwned + k8s_openapi::Resource>(
         errors.push(ManifestError::new(origin, message).with_object(object).with_field("apiVersion"));
         return None;
     }
-    match serde_yaml::from_value::<T>(value.clone()) {
+    match T::deserialize(&value) {
         Ok(typed) => Some(typed),
         Err(value_err) => {
             // Errors from a Value carry no field path; the text deserializer tracks it. Use the document's
