@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
 use serde_yaml::Value;
 use tracing::debug;
 
@@ -190,14 +191,11 @@ pub fn parse_str(text: &str, origin: &str) -> Objects {
     let trimmed = text.trim_start();
     if trimmed.starts_with('{') || trimmed.starts_with('[') {
         match parse_json_documents(text) {
-            Ok(values) => {
-                let numbered = values.len() > 1;
-                for (index, value) in values.into_iter().enumerate() {
+            Ok(documents) => {
+                let numbered = documents.len() > 1;
+                for (index, document) in documents.into_iter().enumerate() {
                     let doc_origin = document_origin(origin, numbered, index + 1);
-                    match serde_yaml::to_value(value) {
-                        Ok(value) => add_document(value, None, &doc_origin, &mut out),
-                        Err(err) => out.errors.push(ManifestError::new(doc_origin, err.to_string())),
-                    }
+                    add_json_document(document, &doc_origin, &mut out);
                 }
                 return out;
             }
@@ -248,8 +246,38 @@ impl Document {
     }
 }
 
-fn parse_json_documents(text: &str) -> Result<Vec<serde_json::Value>, serde_json::Error> {
-    serde_json::Deserializer::from_str(text).into_iter::<serde_json::Value>().collect()
+/// The JSON documents of a file, unparsed (syntax checked): a large List is then taken apart item by
+/// item, never held as a whole tree.
+fn parse_json_documents(text: &str) -> Result<Vec<&RawValue>, serde_json::Error> {
+    serde_json::Deserializer::from_str(text).into_iter::<&RawValue>().collect()
+}
+
+/// What a JSON document's outside says: a list's items stay unparsed.
+#[derive(serde::Deserialize)]
+struct JsonOutline<'a> {
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default, rename = "apiVersion")]
+    api_version: Option<String>,
+    #[serde(default, borrow)]
+    items: Option<Vec<&'a RawValue>>,
+}
+
+fn add_json_document(document: &RawValue, origin: &str, out: &mut Objects) {
+    let outline = serde_json::from_str::<JsonOutline>(document.get()).ok();
+    if let Some(JsonOutline { kind: Some(kind), api_version, items: Some(items) }) = outline
+        && list_item_type(&kind, api_version.as_deref().unwrap_or("")).is_some()
+    {
+        let items = items
+            .into_iter()
+            .map(|item| serde_json::from_str::<Value>(item.get()).map_err(|e| e.to_string()));
+        add_items(items, origin, &kind, 0, out);
+        return;
+    }
+    match serde_json::from_str::<Value>(document.get()) {
+        Ok(value) => add_document(value, None, origin, out),
+        Err(err) => out.errors.push(ManifestError::new(origin, err.to_string())),
+    }
 }
 
 fn document_origin(origin: &str, numbered: bool, number: usize) -> String {
@@ -351,17 +379,20 @@ fn add_value(value: Value, source: Option<&Document>, origin: &str, depth: usize
     }
 }
 
-fn add_list(value: Value, origin: &str, kind: &str, depth: usize, out: &mut Objects) {
-    if depth >= MAX_LIST_DEPTH {
-        out.errors.push(ManifestError::new(origin, "lists nested too deeply").with_object(kind));
-        return;
-    }
-    // Items of a typed list as the API server returns them carry no kind or apiVersion of their own.
-    let item_type = match kind {
-        "ServiceList" => Some(("Service", "v1")),
-        "EndpointSliceList" => Some(("EndpointSlice", "discovery.k8s.io/v1")),
+/// Whether `kind` (of `api_version`) is a list kproxy reads, and the kind and apiVersion its items
+/// have when they carry none (typed lists as the API server returns them): `Some(None)` for `List`.
+fn list_item_type(kind: &str, api_version: &str) -> Option<Option<(&'static str, &'static str)>> {
+    let core = api_version.is_empty() || api_version == "v1";
+    let discovery = api_version.is_empty() || api_version.starts_with("discovery.k8s.io/");
+    match kind {
+        "List" if core => Some(None),
+        "ServiceList" if core => Some(Some(("Service", "v1"))),
+        "EndpointSliceList" if discovery => Some(Some(("EndpointSlice", "discovery.k8s.io/v1"))),
         _ => None,
-    };
+    }
+}
+
+fn add_list(value: Value, origin: &str, kind: &str, depth: usize, out: &mut Objects) {
     // Taken out of the list, not copied: a list can be most of a large file.
     let items = match value {
         Value::Mapping(mut list) => list.remove("items"),
@@ -376,13 +407,37 @@ fn add_list(value: Value, origin: &str, kind: &str, depth: usize, out: &mut Obje
             return;
         }
     };
-    for (index, mut item) in items.into_iter().enumerate() {
+    add_items(items.into_iter().map(Ok), origin, kind, depth, out);
+}
+
+/// The items of a list of `kind`, each an object or why it could not be read.
+fn add_items(
+    items: impl IntoIterator<Item = Result<Value, String>>,
+    origin: &str,
+    kind: &str,
+    depth: usize,
+    out: &mut Objects,
+) {
+    if depth >= MAX_LIST_DEPTH {
+        out.errors.push(ManifestError::new(origin, "lists nested too deeply").with_object(kind));
+        return;
+    }
+    // Items of a typed list as the API server returns them carry no kind or apiVersion of their own.
+    let item_type = list_item_type(kind, "").flatten();
+    for (index, item) in items.into_iter().enumerate() {
         let item_origin = match origin.strip_suffix(')') {
             // `file (document 2)` or `file (items[1])`: add to the parenthesis we made.
             Some(open) if open.rsplit_once(" (").is_some_and(|(_, last)| is_our_suffix(last)) => {
                 format!("{open}, items[{index}])")
             }
             _ => format!("{origin} (items[{index}])"),
+        };
+        let mut item = match item {
+            Ok(item) => item,
+            Err(err) => {
+                out.errors.push(ManifestError::new(item_origin, err));
+                continue;
+            }
         };
         if let (Some((item_kind, item_api_version)), Value::Mapping(map)) = (item_type, &mut item) {
             if !map.contains_key("kind") {
@@ -835,6 +890,27 @@ items:
         assert!(objects.errors.is_empty(), "{:?}", objects.errors);
         assert_eq!(names(&objects), ["Slice shop/web-1"]);
         assert_eq!(objects.slices[0].origin, "slice.json");
+    }
+
+    /// JSON lists are read item by item (never held whole); typed lists still give their items a
+    /// kind, and a list whose items are not a sequence is reported as in YAML.
+    #[test]
+    fn json_typed_lists_several_documents_and_bad_items() {
+        let json = r#"{"apiVersion": "v1", "kind": "ServiceList", "items": [
+            {"metadata": {"name": "a", "namespace": "default"}, "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 443}]}}]}
+{"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList", "items": [
+            {"metadata": {"name": "a-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "a"}},
+             "addressType": "IPv4", "endpoints": []}]}
+{"apiVersion": "v1", "kind": "List", "items": {"not": "a sequence"}}"#;
+        let objects = parse_str(json, "lists.json");
+        assert_eq!(names(&objects), ["Service default/a", "Slice default/a-1"]);
+        assert_eq!(objects.services[0].origin, "lists.json (document 1, items[0])");
+        assert_eq!(objects.slices[0].origin, "lists.json (document 2, items[0])");
+        assert_eq!(objects.errors.len(), 1);
+        assert_eq!(
+            objects.errors[0].to_string(),
+            "lists.json (document 3): List: items: expected a sequence of objects"
+        );
     }
 
     #[test]
