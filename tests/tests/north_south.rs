@@ -13,7 +13,7 @@ use std::{
 use sandbox::{Pod, Spawned, multinode::MultiNode};
 
 mod common;
-use common::cluster::{TempDir, kproxy_bin, unique_pin_dir};
+use common::cluster::{TempDir, Trace, kproxy_bin, unique_pin_dir};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 200);
 /// A second address of the external client, outside web-ranges' loadBalancerSourceRanges.
@@ -670,45 +670,15 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
             .unwrap()
     };
     assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
-    let pins = cluster.pins[0].display().to_string();
-    let bin = kproxy_bin();
-    let trace = cluster
-        .multi
-        .node(0)
-        .node_spawn([
-            bin.to_str().unwrap(),
-            "--pin-dir",
-            &pins,
-            "trace",
-            "--client",
-            &CLIENT.to_string(),
-            "--count",
-            "2",
-            "--timeout",
-            "30",
-            "--json",
-        ])
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !trace.log().contains("tracing NAT events") {
-        assert!(trace.is_running() && Instant::now() < deadline, "trace did not start: {}", trace.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let trace = Trace::start(cluster.multi.node(0), &cluster.pins[0], &["--client", &CLIENT.to_string()]);
     let forwarded_before = cluster.stat(0, "xdp_forwarded");
     assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
-    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
-    assert!(status.success(), "{}", trace.log());
+    let steps = trace.steps();
     assert!(
         cluster.stat(0, "xdp_forwarded") >= forwarded_before + 2,
         "the query and its answer went through XDP"
     );
 
-    let steps: Vec<serde_json::Value> = trace
-        .log()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
     assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
     let client_end = steps[0]["source"].as_str().unwrap().to_owned();

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::cluster::{Cluster, DNS_VIP, WEB_VIP};
+use common::cluster::{Cluster, DNS_VIP, Trace, WEB_VIP};
 
 fn edit(cluster: &Cluster, file: &str, from: &str, to: &str) {
     let path = cluster.manifest(file);
@@ -104,29 +104,7 @@ ports: [{name: udp, port: 9998, protocol: UDP}]
     );
     cluster.wait_for_frontends(&[("10.96.0.150:9999", "UDP", 1)]);
     let before = cluster.stat("icmp_error_unnat");
-    let pin_dir = cluster.pin_dir.display().to_string();
-    let bin = common::cluster::kproxy_bin();
-    let trace = cluster
-        .sandbox
-        .node_spawn([
-            bin.to_str().unwrap(),
-            "--pin-dir",
-            &pin_dir,
-            "trace",
-            "--port",
-            "9999",
-            "--count",
-            "2",
-            "--timeout",
-            "30",
-            "--json",
-        ])
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !trace.log().contains("tracing NAT events") {
-        assert!(trace.is_running() && Instant::now() < deadline, "trace did not start: {}", trace.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--port", "9999"]);
     let out = cluster
         .client
         .exec([
@@ -155,14 +133,7 @@ except socket.timeout:
     assert_eq!(cluster.stat("icmp_error_unnat"), before + 1);
 
     // `kproxy trace` shows the error's quote as it arrived and as the client got it.
-    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
-    assert!(status.success(), "{}", trace.log());
-    let steps: Vec<serde_json::Value> = trace
-        .log()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let steps = trace.steps();
     let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
     assert_eq!(names, ["pre-DNAT", "post-DNAT", "ICMP", "un-NAT"], "{steps:#?}");
     assert_eq!(steps[2]["destination"], "10.244.0.11:9998", "{steps:#?}");

@@ -5,38 +5,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{CLIENT_IP, Cluster, DNS_VIP, WEB_VIP, kproxy_bin};
+use common::cluster::{CLIENT_IP, Cluster, DNS_VIP, Trace, WEB_VIP};
 
 #[test]
 fn trace_shows_the_four_nat_steps_of_a_dns_query() {
     let cluster = Cluster::start("trace");
-    let bin = kproxy_bin();
-    let pin_dir = cluster.pin_dir.display().to_string();
     let client = CLIENT_IP.to_string();
-    let trace = cluster
-        .sandbox
-        .node_spawn([
-            bin.to_str().unwrap(),
-            "--pin-dir",
-            &pin_dir,
-            "trace",
-            "--client",
-            &client,
-            "--port",
-            "53",
-            "--count",
-            "2",
-            "--timeout",
-            "30",
-            "--json",
-        ])
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !trace.log().contains("tracing NAT events") {
-        assert!(trace.is_running(), "trace exited: {}", trace.log());
-        assert!(Instant::now() < deadline, "trace did not start: {}", trace.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--client", &client, "--port", "53"]);
     // Other traffic at the same time: web requests are filtered out by --port.
     let web = cluster
         .client
@@ -44,16 +19,9 @@ fn trace_shows_the_four_nat_steps_of_a_dns_query() {
         .unwrap();
     let answer = cluster.client.dig(DNS_VIP, "web.default.svc.cluster.local", "A").unwrap();
     assert_eq!(answer.trim(), WEB_VIP.to_string());
-    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
-    assert!(status.success(), "{}", trace.log());
+    let steps = trace.steps();
     let _ = web.wait_timeout(Duration::from_secs(10));
 
-    let steps: Vec<serde_json::Value> = trace
-        .log()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
     assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
     let client_end = steps[0]["source"].as_str().unwrap();

@@ -272,3 +272,39 @@ impl Drop for Cluster {
             .output();
     }
 }
+
+/// `kproxy trace --json` on a node, for two events, started and listening.
+pub struct Trace(Spawned);
+
+impl Trace {
+    /// Starts `kproxy trace` with `filters` (e.g. `["--port", "53"]`) on `node` and waits until it
+    /// listens.
+    pub fn start(node: &Sandbox, pin_dir: &Path, filters: &[&str]) -> Self {
+        let bin = kproxy_bin();
+        let pin_dir = pin_dir.display().to_string();
+        let mut args = vec![bin.to_str().unwrap(), "--pin-dir", &pin_dir, "trace"];
+        args.extend(filters);
+        args.extend(["--count", "2", "--timeout", "30", "--json"]);
+        let trace = node.node_spawn(&args).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !trace.log().contains("tracing NAT events") {
+            assert!(trace.is_running(), "trace exited: {}", trace.log());
+            assert!(Instant::now() < deadline, "trace did not start: {}", trace.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self(trace)
+    }
+
+    /// Waits for the two events and returns their steps (one JSON object per printed line).
+    pub fn steps(self) -> Vec<serde_json::Value> {
+        let status =
+            self.0.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
+        assert!(status.success(), "{}", self.0.log());
+        self.0
+            .log()
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
