@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 
 use aya::{
     maps::{HashMap, MapData},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::SchedClassifier,
 };
 use kproxy::{
     datapath,
@@ -21,7 +21,7 @@ use proxy_common::{
 };
 
 mod common;
-use common::Packet;
+use common::{Packet, harness::test_run};
 
 const LB_IP: [u8; 4] = [192, 168, 200, 10];
 const CLIENT: [u8; 4] = [10, 244, 0, 2];
@@ -68,16 +68,7 @@ impl Node {
     /// The backend address a new flow from `sport` is sent to.
     fn pick(&self, sport: u16) -> [u8; 4] {
         let prog: &SchedClassifier = self.ebpf.program("kproxy_ingress").unwrap().try_into().unwrap();
-        let frame = Packet::tcp(CLIENT, sport, LB_IP, 80, TCP_SYN).frame();
-        let mut out = vec![0u8; frame.len() + 64];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(&frame),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
+        let (_, out) = test_run(prog, &Packet::tcp(CLIENT, sport, LB_IP, 80, TCP_SYN).frame(), None);
         out[30..34].try_into().unwrap()
     }
 

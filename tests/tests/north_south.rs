@@ -166,6 +166,33 @@ impl NorthSouth {
         }
     }
 
+    /// A NodePort Service `name` (`cluster_ip`, TCP `port`, `node_port`) whose only endpoint is
+    /// web-b on node 1; returns once node 0 has programmed it.
+    fn add_node_port_to_web_b(&self, name: &str, cluster_ip: &str, port: u16, node_port: u16) {
+        let manifest = format!(
+            "apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: {cluster_ip}
+  ports: [{{name: tcp, port: {port}, protocol: TCP, nodePort: {node_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: {name}}}
+addressType: IPv4
+endpoints: [{{addresses: [{WEB_B}], conditions: {{ready: true}}, nodeName: node-1}}]
+ports: [{{name: tcp, port: {port}, protocol: TCP}}]
+"
+        );
+        std::fs::write(self.manifests.join(format!("{name}.yaml")), manifest).unwrap();
+        self.wait_for_frontend(0, &format!("{}:{node_port}", self.multi.node_ip(0)), "TCP", 1);
+    }
+
     /// `healthCheckNodePort` of `node` from the external client: (HTTP status, JSON body).
     fn health_check(&self, node: usize, port: u16) -> (String, serde_json::Value) {
         let url = format!("http://{}:{port}/", self.multi.node_ip(node));
@@ -421,30 +448,8 @@ fn fragmented_udp_through_a_node_port_reaches_the_dns_pod_and_comes_back() {
 fn a_10_mb_download_through_a_node_port_from_another_node_arrives_intact() {
     for (tag, args) in [("np-big", &[][..]), ("np-big-tc", &["--xdp", "off"][..])] {
         let cluster = NorthSouth::start_with(tag, args);
-        std::fs::write(
-            cluster.manifests.join("web-b-only.yaml"),
-            "apiVersion: v1
-kind: Service
-metadata: {name: web-b-only, namespace: default}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.91
-  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30091}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-b-only-1
-  namespace: default
-  labels: {kubernetes.io/service-name: web-b-only}
-addressType: IPv4
-endpoints: [{addresses: [10.244.1.11], conditions: {ready: true}, nodeName: node-1}]
-ports: [{name: http, port: 80, protocol: TCP}]
-",
-        )
-        .unwrap();
+        cluster.add_node_port_to_web_b("web-b-only", "10.96.0.91", 80, 30091);
         let node0 = cluster.multi.node_ip(0);
-        cluster.wait_for_frontend(0, &format!("{node0}:30091"), "TCP", 1);
         let out = cluster.manifests.join("big.bin");
         let url = format!("http://{node0}:30091{}", sandbox::BIG_FILE_PATH);
         cluster
@@ -500,30 +505,8 @@ fn upload_learning_a_smaller_path_mtu(tag: &str, agent_args: &[&str]) {
     let web_b = &cluster._pods[1];
     let sink = web_b.spawn(["python3", "-c", SINK_SERVER]).unwrap();
     web_b.wait_listening("tcp", 9000, Some(&sink), Duration::from_secs(10)).unwrap();
-    std::fs::write(
-        cluster.manifests.join("sink.yaml"),
-        "apiVersion: v1
-kind: Service
-metadata: {name: sink, namespace: default}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.90
-  ports: [{name: tcp, port: 9000, protocol: TCP, nodePort: 30090}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: sink-1
-  namespace: default
-  labels: {kubernetes.io/service-name: sink}
-addressType: IPv4
-endpoints: [{addresses: [10.244.1.11], conditions: {ready: true}, nodeName: node-1}]
-ports: [{name: tcp, port: 9000, protocol: TCP}]
-",
-    )
-    .unwrap();
+    cluster.add_node_port_to_web_b("sink", "10.96.0.90", 9000, 30090);
     let node0 = cluster.multi.node_ip(0);
-    cluster.wait_for_frontend(0, &format!("{node0}:30090"), "TCP", 1);
     cluster.multi.node(1).node_exec(["ip", "link", "set", "dev", web_b.host_veth(), "mtu", "1400"]).unwrap();
 
     let upload = format!(

@@ -9,7 +9,7 @@
 
 use std::{net::Ipv4Addr, process::Command};
 
-use aya::programs::{TestRun, TestRunOptions, Xdp};
+use aya::programs::Xdp;
 use kproxy::{
     datapath,
     model::{BackendAddr, Cidr4, Frontend, FrontendKind, Protocol, Scope, ServiceName},
@@ -22,7 +22,11 @@ use proxy_common::{
 };
 
 mod common;
-use common::{Packet, checksums_valid, harness::ct_key, icmp_error};
+use common::{
+    Packet, checksums_valid,
+    harness::{ct_key, test_run},
+    icmp_error,
+};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -125,17 +129,7 @@ impl Xdp0 {
         let mut ctx = [0u8; 24];
         ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
         ctx[12..16].copy_from_slice(&self.ingress.to_ne_bytes());
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ctx_in: Some(&ctx),
-                ..Default::default()
-            })
-            .unwrap_or_else(|e| panic!("XDP test run: {e:?}"));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        test_run(prog, frame, Some(&ctx))
     }
 
     fn stat(&self, stat: Stat) -> u64 {
@@ -147,19 +141,9 @@ impl Xdp0 {
         let prog: &aya::programs::SchedClassifier =
             self.ebpf.program("kproxy_external_ingress").unwrap().try_into().unwrap();
         // struct __sk_buff up to ifindex (offset 40), which picks the device the packet is on.
-        let mut ctx = vec![0u8; 192];
+        let mut ctx = [0u8; 192];
         ctx[40..44].copy_from_slice(&self.ingress.to_ne_bytes());
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ctx_in: Some(&ctx),
-                ..Default::default()
-            })
-            .unwrap_or_else(|e| panic!("tc test run: {e:?}"));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        test_run(prog, frame, Some(&ctx))
     }
 }
 

@@ -98,13 +98,7 @@ impl Harness {
 
     pub fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
         let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..Default::default() })
-            .map_err(|e: ProgramError| format!("{e:?}"))
-            .unwrap_or_else(|e| panic!("test run of a {}-byte frame {frame:02x?}: {e}", frame.len()));
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        test_run(prog, frame, None)
     }
 
     pub fn ingress(&self, frame: &[u8]) -> (u32, Vec<u8>) {
@@ -140,3 +134,23 @@ pub fn ct_key(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, proto: u8, dir
 pub const BOUNCE: u32 = 7;
 /// TC_ACT_SHOT.
 pub const DROP: u32 = 2;
+
+/// One BPF_PROG_TEST_RUN of a tc or XDP program on `frame` (with `ctx` as its context, when
+/// given): its return value and the frame as it came out.
+pub fn test_run<P>(prog: &P, frame: &[u8], ctx: Option<&[u8]>) -> (u32, Vec<u8>)
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>,
+{
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = prog
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ctx_in: ctx,
+            ..Default::default()
+        })
+        .map_err(|e: ProgramError| format!("{e:?}"))
+        .unwrap_or_else(|e| panic!("test run of a {}-byte frame {frame:02x?}: {e}", frame.len()));
+    out.truncate(result.data_size_out as usize);
+    (result.return_value, out)
+}
