@@ -58,14 +58,10 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return PROCEED;
     }
-    // SAFETY: a helper reading the context's socket.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // The socket stands in for the client address and port, which do not exist
-    // yet: Maglev spreads sockets, not one constant "0.0.0.0:0" flow.
-    let flow = Flow {
-        saddr: (cookie as u32).to_ne_bytes(),
+    let mut flow = Flow {
+        saddr: [0; 4],
         daddr: ip.to_ne_bytes(),
-        sport: ((cookie >> 32) as u16).to_ne_bytes(),
+        sport: [0; 2],
         dport: (port as u16).to_ne_bytes(),
         proto,
         tcp_flags: 0,
@@ -85,6 +81,13 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         unsafe { bpf_set_retval(-ECONNREFUSED) };
         return 0;
     }
+    // Only now, for connections to a Service: every connect() on the node runs
+    // this hook. The socket stands in for the client address and port, which
+    // do not exist yet: Maglev spreads sockets, not one constant "0.0.0.0:0".
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    flow.saddr = (cookie as u32).to_ne_bytes();
+    flow.sport = ((cookie >> 32) as u16).to_ne_bytes();
     // A UDP socket keeps its backend from one sendmsg to the next (as long as the
     // backends stay), like a conntrack entry would keep its flow's; TCP
     // connects once and picks at random.
