@@ -93,22 +93,7 @@ impl SocketLbOptions {
 fn own_netns_cookie() -> Result<u64> {
     const SO_NETNS_COOKIE: i32 = 71;
     let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("a socket to read the netns cookie")?;
-    let mut cookie = 0u64;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: getsockopt writing a u64 into a live, correctly sized buffer.
-    let ret = unsafe {
-        libc::getsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&socket),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
-        )
-    };
-    if ret != 0 {
-        return Err(std::io::Error::last_os_error()).context("getsockopt(SO_NETNS_COOKIE)");
-    }
-    Ok(cookie)
+    crate::sockdiag::socket_cookie_option(&socket, SO_NETNS_COOKIE).context("getsockopt(SO_NETNS_COOKIE)")
 }
 
 /// Conntrack timeouts, table size and garbage collection.

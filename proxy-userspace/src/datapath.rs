@@ -765,20 +765,20 @@ pub struct Maps {
     pub maglev: Array<MapData, u32>,
 }
 
+fn open_pinned(pins: &PinDir, name: &str) -> Result<MapData> {
+    let path = pins.map(name);
+    MapData::from_pin(&path)
+        .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
+}
+
 /// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
 pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
-    let path = pins.map(MAP_SOCK_REVNAT_V4);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(HashMap::try_from(Map::LruHashMap(data))?)
+    Ok(HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SOCK_REVNAT_V4)?))?)
 }
 
 impl Maps {
     pub fn from_pins(pins: &PinDir) -> Result<Self> {
-        let open = |name: &str| -> Result<MapData> {
-            let path = pins.map(name);
-            MapData::from_pin(&path)
-                .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
-        };
+        let open = |name: &str| open_pinned(pins, name);
         Ok(Self {
             services: HashMap::try_from(Map::HashMap(open(MAP_SERVICES_V4)?))?,
             backends: HashMap::try_from(Map::HashMap(open(MAP_BACKENDS_V4)?))?,

@@ -65,6 +65,23 @@ impl SockId {
     }
 }
 
+/// A `SOL_SOCKET` option whose value is a u64 (`SO_COOKIE`, `SO_NETNS_COOKIE`).
+pub fn socket_cookie_option(socket: &impl AsRawFd, option: i32) -> io::Result<u64> {
+    let mut value = 0u64;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt writing a u64 into a live, correctly sized buffer.
+    let ret = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&mut value as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    if ret != 0 { Err(io::Error::last_os_error()) } else { Ok(value) }
+}
+
 /// Whether the socket with this cookie was connected to `peer` by kproxy's socket hooks.
 pub type Translated<'a> = &'a (dyn Fn(u64, &Peer) -> bool + Sync);
 
@@ -289,20 +306,7 @@ mod tests {
     }
 
     fn cookie_of(socket: &std::net::UdpSocket) -> u64 {
-        let mut cookie = 0u64;
-        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-        // SAFETY: getsockopt into a live u64 of the given length.
-        let rc = unsafe {
-            libc::getsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_COOKIE,
-                &mut cookie as *mut u64 as *mut c_void,
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0, "SO_COOKIE: {}", io::Error::last_os_error());
-        cookie
+        socket_cookie_option(socket, libc::SO_COOKIE).expect("SO_COOKIE")
     }
 
     /// On loopback in the test's namespace: of two sockets connected to a gone peer, the one the
