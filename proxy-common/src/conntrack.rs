@@ -142,6 +142,67 @@ impl CtState {
     }
 }
 
+/// Whether a TCP segment with `tcp_flags` may start a flow: a bare SYN. With
+/// ACK, RST or FIN it belongs to a connection that must already exist
+/// (netfilter's TCP tracker calls SYN|FIN and SYN|RST invalid).
+pub const fn starts_tcp_flow(tcp_flags: u8) -> bool {
+    tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN
+}
+
+/// What becomes of a translated flow when a new flow would have the same
+/// reply tuple (the client reused its source port: to a pod it had reached
+/// through a Service, or through a second Service to the same backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clash {
+    /// The translated flow is over: its entries are removed and the new flow
+    /// takes the tuple (netfilter reuses the tuple of a closed TCP connection
+    /// the same way).
+    Yield,
+    /// The translated flow may still carry packets: the new flow's source port
+    /// is remapped so that both keep working (netfilter's clash resolution).
+    Remap,
+    /// The packet cannot start a flow (a TCP segment without SYN): nothing
+    /// is changed for it.
+    Leave,
+}
+
+/// The translated flow's side of a clash, as its entries record it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClashingFlow {
+    /// The forward entry's state; `None` when only the reply entry is left
+    /// (its forward entry was evicted or removed: nothing can use it).
+    pub state: Option<u8>,
+    /// TCP flags seen from the client and from the backend.
+    pub forward_flags_seen: u8,
+    pub reply_flags_seen: u8,
+    /// Whether the flow is idle past its state's timeout.
+    pub idle: bool,
+}
+
+impl Clash {
+    /// The resolution for a new packet with `tcp_flags` (`proto`) whose reply
+    /// tuple is already `existing`'s.
+    pub const fn resolve(proto: u8, tcp_flags: u8, existing: ClashingFlow) -> Clash {
+        let over = match existing.state {
+            None => true,
+            Some(_) if existing.idle => true,
+            Some(state) => {
+                proto == IPPROTO_TCP
+                    && (state == CtState::Closed as u8
+                        || (existing.forward_flags_seen & TCP_FIN != 0
+                            && existing.reply_flags_seen & TCP_FIN != 0))
+            }
+        };
+        if over {
+            return Clash::Yield;
+        }
+        if proto == IPPROTO_TCP && !starts_tcp_flow(tcp_flags) {
+            return Clash::Leave;
+        }
+        Clash::Remap
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +275,53 @@ mod tests {
         let custom = Timeouts::from_config(&config);
         assert_eq!(custom.udp_ns, SECOND);
         assert_eq!(custom.tcp_established_ns, t.tcp_established_ns);
+    }
+
+    fn flow(state: CtState, fwd: u8, rep: u8) -> ClashingFlow {
+        ClashingFlow { state: Some(state as u8), forward_flags_seen: fwd, reply_flags_seen: rep, idle: false }
+    }
+
+    #[test]
+    fn a_closed_translated_flow_yields_its_tuple() {
+        // The server closed first, the client answered: no TIME_WAIT on the client.
+        let closed = flow(CtState::Closing, TCP_SYN | TCP_ACK | TCP_FIN, TCP_SYN | TCP_ACK | TCP_FIN);
+        assert_eq!(Clash::resolve(IPPROTO_TCP, TCP_SYN, closed), Clash::Yield);
+        assert_eq!(
+            Clash::resolve(IPPROTO_TCP, TCP_SYN, flow(CtState::Closed, TCP_SYN, TCP_RST)),
+            Clash::Yield
+        );
+        let orphan = ClashingFlow { state: None, ..closed };
+        assert_eq!(Clash::resolve(IPPROTO_UDP, 0, orphan), Clash::Yield);
+        let idle = ClashingFlow { idle: true, ..flow(CtState::Open, 0, 0) };
+        assert_eq!(Clash::resolve(IPPROTO_UDP, 0, idle), Clash::Yield);
+    }
+
+    #[test]
+    fn a_live_translated_flow_keeps_its_tuple_and_the_new_one_is_remapped() {
+        let live = flow(CtState::Established, TCP_SYN | TCP_ACK, TCP_SYN | TCP_ACK);
+        assert_eq!(Clash::resolve(IPPROTO_TCP, TCP_SYN, live), Clash::Remap);
+        // Half-closed: the other side may still send.
+        let half = flow(CtState::Closing, TCP_ACK | TCP_FIN, TCP_SYN | TCP_ACK);
+        assert_eq!(Clash::resolve(IPPROTO_TCP, TCP_SYN, half), Clash::Remap);
+        // UDP cannot tell a new exchange from the old one: always both.
+        assert_eq!(Clash::resolve(IPPROTO_UDP, 0, flow(CtState::Open, 0, 0)), Clash::Remap);
+    }
+
+    #[test]
+    fn only_a_syn_starts_a_remapped_tcp_flow() {
+        let live = flow(CtState::Established, TCP_SYN | TCP_ACK, TCP_SYN | TCP_ACK);
+        for flags in [TCP_ACK, TCP_SYN | TCP_ACK, TCP_RST, TCP_SYN | TCP_RST, TCP_FIN | TCP_ACK] {
+            assert_eq!(Clash::resolve(IPPROTO_TCP, flags, live), Clash::Leave, "flags {flags:#x}");
+        }
+    }
+
+    #[test]
+    fn only_a_bare_syn_starts_a_tcp_flow() {
+        assert!(starts_tcp_flow(TCP_SYN));
+        assert!(starts_tcp_flow(TCP_SYN | 0x08 | 0x20), "PSH and URG do not matter");
+        for flags in [0, TCP_ACK, TCP_SYN | TCP_ACK, TCP_SYN | TCP_FIN, TCP_SYN | TCP_RST, TCP_FIN, TCP_RST] {
+            assert!(!starts_tcp_flow(flags), "flags {flags:#x}");
+        }
     }
 
     #[test]

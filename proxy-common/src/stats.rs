@@ -75,10 +75,21 @@ pub enum Stat {
     FragmentFollowed,
     /// An ICMP error quoting a translated flow was un-NATed for its client.
     IcmpErrorUnnat,
+    /// A new flow's reply tuple was a live translated flow's: its source port
+    /// was remapped so that both keep working.
+    PortRemapped,
+    /// A new flow took the reply tuple of a translated flow that was over
+    /// (closed, idle or half-evicted), whose entries were removed.
+    ClashYielded,
+    /// A packet that would have been refused (RST, ICMP port unreachable), but
+    /// whose source names no single host (broadcast, multicast, loopback,
+    /// 0.0.0.0/8, 240.0.0.0/4) or that was sent to a link-layer group:
+    /// dropped without an answer (RFC 1122).
+    RejectUnanswerable,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 35;
+    pub const COUNT: u32 = 38;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -116,6 +127,9 @@ impl Stat {
         Stat::MaglevPick,
         Stat::FragmentFollowed,
         Stat::IcmpErrorUnnat,
+        Stat::PortRemapped,
+        Stat::ClashYielded,
+        Stat::RejectUnanswerable,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -155,6 +169,9 @@ impl Stat {
             Stat::MaglevPick => "maglev_pick",
             Stat::FragmentFollowed => "fragment_followed",
             Stat::IcmpErrorUnnat => "icmp_error_unnat",
+            Stat::PortRemapped => "port_remapped",
+            Stat::ClashYielded => "clash_yielded",
+            Stat::RejectUnanswerable => "reject_unanswerable",
         }
     }
 }

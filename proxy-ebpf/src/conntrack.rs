@@ -1,11 +1,21 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT, CtEntryV4, CtKeyV4, snat_reply_key},
+    conntrack::{Clash, ClashingFlow, CtState},
+    maps::{
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT,
+        CtEntryV4, CtKeyV4, reply_key_in_snat, snat_reply_key,
+    },
     stats::Stat,
 };
 
-use crate::{Verdict, config::Config, lb::Choice, maps::CONNTRACK_V4, parse::Flow, snat};
+use crate::{
+    Verdict,
+    config::Config,
+    lb::Choice,
+    maps::{CONNTRACK_V4, SNAT_V4},
+    parse::Flow,
+    snat, stats,
+};
 
 #[inline(always)]
 pub fn now() -> u64 {
@@ -25,7 +35,7 @@ fn reply_key(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4])
     if forward.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = *hairpin_addr;
     }
-    if forward.flags & CT_FLAG_SNAT != 0
+    if reply_key_in_snat(forward.flags)
         && let Some(to_node) = snat::forward(forward_key, forward.nat_addr, forward.nat_port)
     {
         key =
@@ -50,13 +60,109 @@ pub fn expired(forward_key: &CtKeyV4, forward: &CtEntryV4, config: &Config, now:
     }
 }
 
+/// Keeps a flow's reply entry as fresh as its forward entry in the LRU, and
+/// puts it back if it was evicted: a client that keeps sending while its
+/// backend is silent must not lose the un-NAT of the backend's next reply.
+#[inline(always)]
+pub fn keep_reply(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) {
+    if reply_key_in_snat(forward.flags)
+        && snat::forward(forward_key, forward.nat_addr, forward.nat_port).is_none()
+    {
+        return;
+    }
+    let key = reply_key(forward_key, forward, hairpin_addr);
+    if lookup(&key).is_some() {
+        return;
+    }
+    let reply = CtEntryV4 {
+        packets: 0,
+        bytes: 0,
+        nat_addr: forward_key.daddr,
+        nat_port: forward_key.dport,
+        tcp_flags_seen: 0,
+        ..*forward
+    };
+    let _ = CONNTRACK_V4.insert(key, reply, 0);
+}
+
 /// Deletes a flow's two entries (so a new flow can take the tuple).
 #[inline(always)]
 pub fn remove_pair(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) {
     let _ = CONNTRACK_V4.remove(reply_key(forward_key, forward, hairpin_addr));
     let _ = CONNTRACK_V4.remove(*forward_key);
-    if forward.flags & CT_FLAG_SNAT != 0 {
+    if reply_key_in_snat(forward.flags) {
         snat::remove(forward_key, forward.nat_addr, forward.nat_port);
+    }
+}
+
+/// Whether a new flow of `flow`'s client may have `reply_key` as its reply
+/// tuple. `None`: nothing else has it (any translated flow that had it but was
+/// over has just been removed). Otherwise how the clash is resolved.
+/// Not inlined: its copies of two entries stay out of the caller's frame.
+/// Plain and remapped flows only can clash: hairpin and node-address SNAT
+/// reply tuples never are a pod's own.
+#[inline(never)]
+pub fn claim(flow: &Flow, reply_key: &CtKeyV4, now: u64) -> Option<Clash> {
+    // Map values are read in place: copies of two entries would not fit in
+    // the stack beside the caller's.
+    let reply = lookup(reply_key)?;
+    // SAFETY: a map value valid for this program run.
+    let (reply_flags, reply_flags_seen, nat_addr, nat_port) =
+        unsafe { ((*reply).flags, (*reply).tcp_flags_seen, (*reply).nat_addr, (*reply).nat_port) };
+    let config = crate::config::get();
+    // The flow the reply entry belongs to, if its forward entry is still
+    // there and still that flow's (pointing back at the reply's source).
+    let mut forward_key = CtKeyV4 {
+        saddr: reply_key.daddr,
+        daddr: nat_addr,
+        sport: reply_key.dport,
+        dport: nat_port,
+        proto: reply_key.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    };
+    let mut forward: *mut CtEntryV4 = core::ptr::null_mut();
+    let remapped = reply_flags & CT_FLAG_REMAP != 0;
+    let client = if remapped { SNAT_V4.get_ptr(reply_key) } else { None };
+    if !remapped || client.is_some() {
+        if let Some(client) = client {
+            // SAFETY: as above.
+            forward_key.sport = unsafe { (*client).port };
+        }
+        if let Some(ptr) = lookup(&forward_key)
+            // SAFETY: as above.
+            && unsafe { (*ptr).nat_addr == reply_key.saddr && (*ptr).nat_port == reply_key.sport }
+        {
+            forward = ptr;
+        }
+    }
+    let existing = if forward.is_null() {
+        ClashingFlow { state: None, forward_flags_seen: 0, reply_flags_seen, idle: true }
+    } else {
+        // SAFETY: as above.
+        let entry = unsafe { &*forward };
+        ClashingFlow {
+            state: Some(entry.state),
+            forward_flags_seen: entry.tcp_flags_seen,
+            reply_flags_seen,
+            idle: expired(&forward_key, entry, &config, now),
+        }
+    };
+    match Clash::resolve(flow.proto, flow.tcp_flags, existing) {
+        Clash::Yield => {
+            if forward.is_null() {
+                let _ = CONNTRACK_V4.remove(*reply_key);
+                if remapped {
+                    let _ = SNAT_V4.remove(*reply_key);
+                }
+            } else {
+                // SAFETY: as above.
+                remove_pair(&forward_key, unsafe { &*forward }, &config.hairpin_addr);
+            }
+            stats::count(Stat::ClashYielded);
+            None
+        }
+        other => Some(other),
     }
 }
 
@@ -79,11 +185,6 @@ pub unsafe fn track_reply(
     };
     // SAFETY: per the contract above.
     let mirrored = unsafe { (*entry).state };
-    if flow.proto != IPPROTO_TCP
-        || (flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0 && mirrored == CtState::Established as u8)
-    {
-        return;
-    }
     let forward = CtKeyV4 {
         saddr: client.0,
         daddr: frontend.0,
@@ -93,25 +194,73 @@ pub unsafe fn track_reply(
         direction: CT_DIR_FORWARD,
         _pad: [0; 2],
     };
-    if let Some(fwd) = lookup(&forward) {
-        // SAFETY: both are map values valid for this program run.
-        unsafe {
-            let state = CtState::from_u8((*fwd).state).unwrap_or(CtState::Open);
-            let next = state.next(flow.proto, flow.tcp_flags, CT_DIR_REPLY) as u8;
-            (*fwd).state = next;
-            (*entry).state = next;
-        }
+    // Looked up on every reply: a backend that keeps sending to a silent
+    // client keeps the flow's forward entry from being evicted first.
+    let Some(fwd) = lookup(&forward) else {
+        // Evicted all the same: put it back from what the reply entry knows,
+        // so the client's next packet is not taken for a flow mid-stream.
+        // SAFETY: per the contract above.
+        let reply = unsafe { *entry };
+        let recreated = CtEntryV4 {
+            packets: 0,
+            bytes: 0,
+            nat_addr: flow.saddr,
+            nat_port: flow.sport,
+            tcp_flags_seen: 0,
+            ..reply
+        };
+        let _ = CONNTRACK_V4.insert(forward, recreated, 0);
+        return;
+    };
+    if flow.proto != IPPROTO_TCP
+        || (flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0 && mirrored == CtState::Established as u8)
+    {
+        return;
+    }
+    // SAFETY: both are map values valid for this program run.
+    unsafe {
+        let state = CtState::from_u8((*fwd).state).unwrap_or(CtState::Open);
+        let next = state.next(flow.proto, flow.tcp_flags, CT_DIR_REPLY) as u8;
+        (*fwd).state = next;
+        (*entry).state = next;
     }
 }
 
-/// Where a new flow's replies come back to, besides the client itself.
+/// Where a new flow's replies come back to: the client itself, or (by
+/// `flags`) the hairpin address `addr`, a node address and SNAT port
+/// `addr:port`, or the client at a remapped `port`. A plain struct with every
+/// byte set: an enum with data in some variants leaves bytes undefined, and
+/// the verifier refuses a copy of them.
 #[derive(Clone, Copy)]
-pub enum ReplyTo {
-    Client,
-    /// The hairpin address (a pod reaching itself).
-    Hairpin([u8; 4]),
-    /// A node address and SNAT port.
-    Snat([u8; 4], [u8; 2]),
+#[repr(C)]
+pub struct ReplyTo {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    /// `CT_FLAG_*` of the flow's entries.
+    pub flags: u8,
+    _pad: u8,
+}
+
+impl ReplyTo {
+    pub const CLIENT: ReplyTo = ReplyTo { addr: [0; 4], port: [0; 2], flags: 0, _pad: 0 };
+
+    pub const fn hairpin(addr: [u8; 4]) -> Self {
+        ReplyTo { addr, flags: CT_FLAG_HAIRPIN, ..Self::CLIENT }
+    }
+
+    pub const fn snat(addr: [u8; 4], port: [u8; 2]) -> Self {
+        ReplyTo { addr, port, flags: CT_FLAG_SNAT, _pad: 0 }
+    }
+
+    /// `direct`: a flow to a pod's own address, not a Service's.
+    pub const fn remap(port: [u8; 2], direct: bool) -> Self {
+        let flags = if direct { CT_FLAG_REMAP | CT_FLAG_DIRECT } else { CT_FLAG_REMAP };
+        ReplyTo { port, flags, ..Self::CLIENT }
+    }
+
+    pub const fn is(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
 }
 
 /// Records one more packet of the flow and advances its state.
@@ -147,18 +296,20 @@ pub fn create(
 ) -> Result<(), Verdict> {
     let state = CtState::initial(flow.proto, flow.tcp_flags) as u8;
     let mut reply_key = forward_key.reply_of(choice.backend.addr, choice.backend.port);
-    let mut flags = 0;
-    match reply_to {
-        ReplyTo::Client => {}
-        ReplyTo::Hairpin(addr) => {
-            reply_key.daddr = addr;
-            flags = CT_FLAG_HAIRPIN;
-        }
-        ReplyTo::Snat(addr, port) => {
-            reply_key = snat_reply_key(flow.proto, choice.backend.addr, choice.backend.port, addr, port);
-            flags = CT_FLAG_SNAT;
-        }
+    if reply_to.is(CT_FLAG_HAIRPIN) {
+        reply_key.daddr = reply_to.addr;
+    } else if reply_to.is(CT_FLAG_SNAT) {
+        reply_key = snat_reply_key(
+            flow.proto,
+            choice.backend.addr,
+            choice.backend.port,
+            reply_to.addr,
+            reply_to.port,
+        );
+    } else if reply_to.is(CT_FLAG_REMAP) {
+        reply_key.dport = reply_to.port;
     }
+    let flags = reply_to.flags;
     let reply = CtEntryV4 {
         created_ns: now,
         last_seen_ns: now,

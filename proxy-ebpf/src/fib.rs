@@ -17,6 +17,7 @@ const AF_INET: u8 = 2;
 /// neighbour is known (destination then source MAC, as in the frame).
 /// Not an `Option`: copying a `None` copies undefined bytes, and the
 /// verifier refuses reads of registers that were never written.
+#[derive(Clone, Copy)]
 pub struct Route {
     pub ifindex: u32,
     pub neighbour_known: bool,

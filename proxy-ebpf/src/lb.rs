@@ -2,9 +2,9 @@ use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     maglev::{MAGLEV_TABLE_SIZE, flow_hash, table_index},
     maps::{
-        AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CtEntryV4, SCOPE_EXTERNAL,
-        SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_MAGLEV, ServiceKeyV4,
-        ServiceValueV4, SourceRangeV4,
+        AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CT_FLAG_DIRECT, CtEntryV4,
+        IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY,
+        SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4, SourceRangeV4,
     },
     slots::select_slot,
     stats::Stat,
@@ -67,6 +67,18 @@ pub fn backend_is_current(entry: &CtEntryV4) -> bool {
         Some(b) => b.addr == entry.nat_addr && b.port == entry.nat_port,
         None => false,
     }
+}
+
+/// Whether a known flow stays on the backend its entry records. TCP always
+/// does, as with kube-proxy (it never touches a TCP flow's conntrack entry):
+/// a readiness flap or a pod leaving its slice while it still serves must
+/// not break its connections, and a backend that is really gone stops
+/// answering either way. UDP moves once its backend is gone (the CoreDNS
+/// problem: a client that keeps its source port reaches a live backend with
+/// its next datagram); direct flows have no backend to lose.
+#[inline(always)]
+pub fn keeps_backend(entry: &CtEntryV4, proto: u8) -> bool {
+    proto == IPPROTO_TCP || entry.flags & CT_FLAG_DIRECT != 0 || backend_is_current(entry)
 }
 
 pub struct Choice {

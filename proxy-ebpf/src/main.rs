@@ -29,11 +29,12 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use proxy_common::{
+    conntrack::{Clash, starts_tcp_flow},
     maps::{
-        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL,
-        SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_EXTERNAL_LOCAL, SVC_FLAG_SOURCE_RANGES,
+        BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP,
+        CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_EXTERNAL_LOCAL,
+        SVC_FLAG_SOURCE_RANGES, reply_key_in_snat,
     },
-    packet::{TCP_ACK, TCP_RST, TCP_SYN},
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT},
 };
@@ -193,6 +194,8 @@ enum Step {
     Established,
     /// The first packet of a flow to [`Found::frontend`].
     NewFlow,
+    /// A packet to no Service, from a pod.
+    Direct,
 }
 
 /// What [`classify`] looked up, for the step that follows. Raw pointers,
@@ -233,7 +236,27 @@ fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::Pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, &flow),
         Step::Established => established(ctx, &flow, &found),
-        Step::NewFlow => new_flow::<EXTERNAL>(ctx, &flow, &found),
+        Step::NewFlow => {
+            let mut plan = NewFlowPlan {
+                choice: lb::Choice { backend_id: 0, backend: BackendV4::default(), slot: 0 },
+                reply_to: ReplyTo::CLIENT,
+                route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
+            };
+            plan_new_flow::<EXTERNAL>(ctx, &flow, &found, &mut plan)?;
+            let backend = &plan.choice.backend;
+            let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
+            if plan.reply_to.flags == 0 && conntrack::claim(&flow, &reply_key, found.now).is_some() {
+                plan.reply_to = ReplyTo::remap([0; 2], false);
+            }
+            new_flow(ctx, &flow, &found, &plan)
+        }
+        Step::Direct => {
+            let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(flow.daddr, flow.dport);
+            match conntrack::claim(&flow, &reply_key, found.now) {
+                Some(Clash::Remap) => direct(ctx, &flow, &found),
+                _ => Err(Verdict::Pass(Stat::PassNoService)),
+            }
+        }
     }
 }
 
@@ -248,34 +271,14 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     if dport >= snat_min && dport <= snat_max && is_snat_reply(flow) {
         return Step::SnatReply;
     }
-    let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
-    let Some(frontend) = frontend else {
-        if lb::is_vip(&flow.daddr) {
-            // A port the Service does not have.
-            if events::enabled()
-                && let Some(event) = events::from_flow(flow, EV_REJECT, conntrack::now())
-            {
-                events::emit(event);
-            }
-            return Step::Refuse;
-        }
-        return Step::Pass(Stat::PassNoService);
-    };
-    let value = frontend.value;
-    if EXTERNAL
-        && value.flags & SVC_FLAG_SOURCE_RANGES != 0
-        && !lb::source_allowed(value.rev_nat_id, flow.saddr)
-    {
-        return Step::Drop(Stat::DropSourceRange);
-    }
-    found.frontend = value;
-    found.scope = frontend.scope;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let now = conntrack::now();
     found.now = now;
     found.hairpin_addr = config.hairpin_addr;
 
-    let mut rebalance = false;
+    // A known flow before its frontend: as with netfilter's conntrack, it
+    // continues after its Service (or the port) is deleted, and so does a
+    // direct flow whose source port was remapped.
     if let Some(entry) = conntrack::lookup(&key) {
         // SAFETY: map values stay valid for the program's run; concurrent
         // writers only race on counters and timestamps.
@@ -283,21 +286,42 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
         if conntrack::expired(&key, &entry_copy, &config, now) {
             conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
             stats::count(Stat::ConntrackExpired);
-        } else if lb::backend_is_current(&entry_copy) {
+        } else if lb::keeps_backend(&entry_copy, flow.proto) {
             found.entry = entry;
             return Step::Established;
         } else {
-            // The backend is gone: send the flow elsewhere. UDP simply moves;
-            // a TCP segment reaches a backend without the connection, which
-            // answers with a RST, so the client learns at once.
             conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
             stats::count(Stat::Rebalanced);
-            debug!(ctx, "backend {} of a flow is gone: rebalancing", entry_copy.backend_id);
-            rebalance = true;
+            debug!(ctx, "backend {} of a UDP flow is gone: rebalancing", entry_copy.backend_id);
         }
     }
 
-    if flow.proto == IPPROTO_TCP && !rebalance && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN {
+    let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
+    let Some(frontend) = frontend else {
+        if lb::is_vip(&flow.daddr) {
+            // A port the Service does not have.
+            if events::enabled()
+                && let Some(event) = events::from_flow(flow, EV_REJECT, now)
+            {
+                events::emit(event);
+            }
+            return Step::Refuse;
+        }
+        if !EXTERNAL && flow.has_l4_header() {
+            return Step::Direct;
+        }
+        return Step::Pass(Stat::PassNoService);
+    };
+    let value = frontend.value;
+    // Pods are filtered too: kube-proxy checks every source before DNAT, so an
+    // allow-list cannot be bypassed from inside the cluster.
+    if value.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb::source_allowed(value.rev_nat_id, flow.saddr) {
+        return Step::Drop(Stat::DropSourceRange);
+    }
+    found.frontend = value;
+    found.scope = frontend.scope;
+
+    if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {
         // No connection is known for this segment: translating it would start
         // a flow mid-stream, and passing it would leak it to the VIP.
         if events::enabled()
@@ -326,7 +350,31 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     Step::NewFlow
 }
 
-/// A packet of a known flow whose backend is still there.
+/// A pod's packet to an address that is no Service's (another pod, most
+/// often). Untouched — unless a translated flow of the same client already
+/// has its reply tuple: the client reused a source port for a pod it had
+/// reached through a Service. Then the translated flow yields the tuple if it
+/// is over, and otherwise this flow's source port is remapped, so that the
+/// replies of each reach the right socket (netfilter's clash resolution).
+#[inline(never)]
+fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Verdict> {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let port = snat::allocate(flow, &key, flow.daddr, flow.dport, flow.saddr, found.now)?;
+    let choice = lb::Choice {
+        backend_id: 0,
+        backend: BackendV4 { addr: flow.daddr, port: flow.dport, proto: flow.proto, flags: 0 },
+        slot: 0,
+    };
+    if let Err(e) = conntrack::create(flow, &key, &choice, 0, found.now, ReplyTo::remap(port, true)) {
+        snat::remove(&key, flow.daddr, flow.dport);
+        return Err(e);
+    }
+    nat::rewrite_source_port(ctx, flow, port)?;
+    stats::count(Stat::PortRemapped);
+    Ok(Done::Next)
+}
+
+/// A packet of a known flow.
 /// Not inlined: the ingress program's stack frame has no room for it.
 #[inline(never)]
 fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Verdict> {
@@ -336,8 +384,11 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
     let entry_copy = unsafe { *entry };
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
+    // The flow's translation lives or dies as one: a busy forward entry keeps
+    // its reply entry from being evicted first.
+    conntrack::keep_reply(key, &entry_copy, &hairpin_addr);
     let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
-    let to_node = if entry_copy.flags & CT_FLAG_SNAT != 0 {
+    let to_node = if reply_key_in_snat(entry_copy.flags) {
         snat::forward(key, entry_copy.nat_addr, entry_copy.nat_port)
     } else {
         None
@@ -363,9 +414,14 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
         nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         return Ok(Done::Bounce);
     }
-    if entry_copy.flags & CT_FLAG_SNAT != 0 {
+    if reply_key_in_snat(entry_copy.flags) {
         // The translation was evicted: nothing can un-NAT replies.
         let to_node = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
+        if entry_copy.flags & CT_FLAG_REMAP != 0 {
+            // The client's own address: the node routes it as it is.
+            nat::rewrite_source_port(ctx, flow, to_node.port)?;
+            return Ok(Done::Next);
+        }
         nat::rewrite_source(ctx, flow, to_node.addr, to_node.port)?;
         let route = fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, fib::CHECK_SKB)?;
         return Ok(Done::Redirect(route));
@@ -373,23 +429,34 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
     Ok(Done::Next)
 }
 
-/// Picks a backend for a new flow, records it and translates the packet.
-/// Not inlined: the ingress program's stack frame has no room for it.
+/// What the first stage of a new flow decided, for the second.
+struct NewFlowPlan {
+    choice: lb::Choice,
+    reply_to: ReplyTo,
+    /// Where a source-NATed flow is sent (`reply_to` has `CT_FLAG_SNAT`).
+    route: fib::Route,
+}
+
+/// The first stage of a new flow: picks its backend and whether it is
+/// source-NATed (then with its SNAT port). The clash check that follows
+/// (`conntrack::claim`) is called from the program itself, between the two
+/// stages: it would not fit in the stack beside either.
 #[inline(never)]
-fn new_flow<const EXTERNAL: bool>(
+fn plan_new_flow<const EXTERNAL: bool>(
     ctx: &TcContext,
     flow: &parse::Flow,
     found: &Found,
-) -> Result<Done, Verdict> {
+    plan: &mut NewFlowPlan,
+) -> Result<(), Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
-    let (now, hairpin_addr) = (found.now, found.hairpin_addr);
+    let now = found.now;
     // SAFETY: `classify` set it to a map value before choosing this step.
     let frontend = unsafe { &*found.frontend };
-    let found = lb::Frontend { value: frontend, scope: found.scope };
-    let choice = lb::select_backend(flow, &found, now)?;
-    let hairpin = !EXTERNAL && choice.backend.addr == flow.saddr;
-    let mut reply_to = if hairpin { ReplyTo::Hairpin(hairpin_addr) } else { ReplyTo::Client };
-    let mut route = None;
+    let found_frontend = lb::Frontend { value: frontend, scope: found.scope };
+    let choice = lb::select_backend(flow, &found_frontend, now)?;
+    if !EXTERNAL && choice.backend.addr == flow.saddr {
+        plan.reply_to = ReplyTo::hairpin(found.hairpin_addr);
+    }
     if EXTERNAL && found.scope != SCOPE_EXTERNAL {
         let ifindex = ingress_ifindex(ctx);
         let backend_route = fib::route(ctx, ifindex, flow.saddr, choice.backend.addr, fib::CHECK_SKB)?;
@@ -405,12 +472,34 @@ fn new_flow<const EXTERNAL: bool>(
                 .map(|i| i.addr)
                 .ok_or(Verdict::Pass(Stat::PassNoService))?;
             let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, node_addr, now)?;
-            reply_to = ReplyTo::Snat(node_addr, port);
-            route = Some(backend_route);
+            plan.reply_to = ReplyTo::snat(node_addr, port);
+            plan.route = backend_route;
         }
     }
-    if let Err(e) = conntrack::create(flow, key, &choice, frontend.rev_nat_id, now, reply_to) {
-        if let ReplyTo::Snat(..) = reply_to {
+    plan.choice = choice;
+    Ok(())
+}
+
+/// The second stage of a new flow: records it and translates the packet. A
+/// plan with `CT_FLAG_REMAP` and no port yet gets its remapped port here.
+/// Not inlined: the ingress program's stack frame has no room for it.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPlan) -> Result<Done, Verdict> {
+    let key = &flow.ct_key(CT_DIR_FORWARD);
+    let (now, hairpin_addr) = (found.now, found.hairpin_addr);
+    // SAFETY: `classify` set it to a map value before choosing this step.
+    let frontend = unsafe { &*found.frontend };
+    let choice = &plan.choice;
+    let mut reply_to = plan.reply_to;
+    let hairpin = reply_to.is(CT_FLAG_HAIRPIN);
+    if reply_to.is(CT_FLAG_REMAP) {
+        // A live flow of this client already has the reply tuple (the same
+        // backend through another Service, or directly from this port).
+        let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, flow.saddr, now)?;
+        reply_to = ReplyTo::remap(port, false);
+    }
+    if let Err(e) = conntrack::create(flow, key, choice, frontend.rev_nat_id, now, reply_to) {
+        if reply_key_in_snat(reply_to.flags) {
             snat::remove(key, choice.backend.addr, choice.backend.port);
         }
         return Err(e);
@@ -433,10 +522,12 @@ fn new_flow<const EXTERNAL: bool>(
             event.after_saddr = hairpin_addr;
             event.ct_flags = CT_FLAG_HAIRPIN;
         }
-        if let ReplyTo::Snat(addr, port) = reply_to {
-            event.after_saddr = addr;
-            event.after_sport = port;
-            event.ct_flags = CT_FLAG_SNAT;
+        if reply_to.is(CT_FLAG_SNAT) {
+            event.after_saddr = reply_to.addr;
+        }
+        if reply_key_in_snat(reply_to.flags) {
+            event.after_sport = reply_to.port;
+            event.ct_flags = reply_to.flags;
         }
         event.ct_created_ns = now;
         event.backend_id = choice.backend_id;
@@ -450,10 +541,15 @@ fn new_flow<const EXTERNAL: bool>(
         stats::count(Stat::Hairpin);
         return Ok(Done::Bounce);
     }
-    if let (ReplyTo::Snat(addr, port), Some(route)) = (reply_to, route) {
-        nat::rewrite_source(ctx, flow, addr, port)?;
+    if reply_to.is(CT_FLAG_REMAP) {
+        nat::rewrite_source_port(ctx, flow, reply_to.port)?;
+        stats::count(Stat::PortRemapped);
+        return Ok(Done::Next);
+    }
+    if reply_to.is(CT_FLAG_SNAT) {
+        nat::rewrite_source(ctx, flow, reply_to.addr, reply_to.port)?;
         stats::count(Stat::SnatNew);
-        return Ok(Done::Redirect(route));
+        return Ok(Done::Redirect(plan.route));
     }
     Ok(Done::Next)
 }
@@ -544,21 +640,33 @@ fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
-    let (vip, vip_port) = unsafe {
-        conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
-        conntrack::track_reply(
-            entry,
-            &flow,
-            (flow.daddr, flow.dport),
-            ((*entry).nat_addr, (*entry).nat_port),
-        );
-        ((*entry).nat_addr, (*entry).nat_port)
+    let reply = unsafe { *entry };
+    // Where the client sent the flow, and from which port (a remapped flow's
+    // is in SNAT_V4).
+    let client_port = if reply.flags & CT_FLAG_REMAP != 0 {
+        snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?.port
+    } else {
+        flow.dport
     };
-    nat::rewrite_source(ctx, &flow, vip, vip_port)?;
-    stats::count(Stat::ReverseNat);
+    // SAFETY: as in `ingress`.
+    unsafe {
+        conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
+        conntrack::track_reply(entry, &flow, (flow.daddr, client_port), (reply.nat_addr, reply.nat_port));
+    }
+    nat::rewrite_source(ctx, &flow, reply.nat_addr, reply.nat_port)?;
+    nat::rewrite_destination_port(ctx, &flow, client_port)?;
+    if reply.flags & CT_FLAG_DIRECT == 0 {
+        stats::count(Stat::ReverseNat);
+    }
     if events::enabled() {
         // SAFETY: as in `ingress`.
-        events::emit_unnat(&flow, unsafe { &*entry }, (vip, vip_port), (flow.daddr, flow.dport), now);
+        events::emit_unnat(
+            &flow,
+            unsafe { &*entry },
+            (reply.nat_addr, reply.nat_port),
+            (flow.daddr, client_port),
+            now,
+        );
     }
     Ok(Done::Next)
 }

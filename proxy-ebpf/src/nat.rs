@@ -27,6 +27,9 @@ fn rewrite_addr(
     old: [u8; 4],
     new: [u8; 4],
 ) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
     let (old, new) = (u64::from(u32::from_ne_bytes(old)), u64::from(u32::from_ne_bytes(new)));
     let failed = |_| Verdict::Drop(Stat::RewriteFailed);
     // A later fragment has no L4 checksum: the first fragment's covers the
@@ -73,6 +76,18 @@ pub fn rewrite_destination(
 pub fn rewrite_source(ctx: &TcContext, flow: &Flow, addr: [u8; 4], port: [u8; 2]) -> Result<(), Verdict> {
     rewrite_addr(ctx, flow, IP_OFF_SADDR, flow.saddr, addr)?;
     rewrite_port(ctx, flow, L4_OFF_SPORT, flow.sport, port)
+}
+
+/// A remapped flow's source port (its address stays).
+#[inline(always)]
+pub fn rewrite_source_port(ctx: &TcContext, flow: &Flow, port: [u8; 2]) -> Result<(), Verdict> {
+    rewrite_port(ctx, flow, L4_OFF_SPORT, flow.sport, port)
+}
+
+/// A remapped flow's reply: the destination port goes back to the client's own.
+#[inline(always)]
+pub fn rewrite_destination_port(ctx: &TcContext, flow: &Flow, port: [u8; 2]) -> Result<(), Verdict> {
+    rewrite_port(ctx, flow, L4_OFF_DPORT, flow.dport, port)
 }
 
 /// Hairpin SNAT: only the source address changes; the port stays.

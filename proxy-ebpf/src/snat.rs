@@ -5,17 +5,21 @@
 //! flows never share a translation.
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    maps::{CtKeyV4, SnatEntryV4, snat_forward_key, snat_port_candidate, snat_reply_key},
+    maps::{CtKeyV4, SNAT_PORT_ATTEMPTS, SnatEntryV4, snat_forward_key, snat_port_candidate, snat_reply_key},
     stats::Stat,
 };
 
-use crate::{Verdict, config, maps::SNAT_V4, parse::Flow};
+use crate::{
+    Verdict, config,
+    maps::{CONNTRACK_V4, SNAT_V4},
+    parse::Flow,
+};
 
-/// Random ports tried before giving up on a new flow.
-const PORT_ATTEMPTS: u32 = 16;
-
-/// Takes a node port for `flow` (its original tuple is `forward_key`), sent to
-/// `backend:backend_port`, and records both directions. Returns the port.
+/// Takes a port for `flow` (its original tuple is `forward_key`), sent to
+/// `backend:backend_port`, as `node_addr` — a node address, or the client's
+/// own when only its port is remapped — and records both directions. A port
+/// whose reply tuple a conntrack entry already has is never taken. Returns
+/// the port.
 #[inline(always)]
 pub fn allocate(
     flow: &Flow,
@@ -26,12 +30,14 @@ pub fn allocate(
     now: u64,
 ) -> Result<[u8; 2], Verdict> {
     let (min, max) = config::nodeport().port_range();
-    // SAFETY: a helper without side effects.
-    let random = unsafe { bpf_get_prandom_u32() };
     let to_client = SnatEntryV4 { created_ns: now, addr: flow.saddr, port: flow.sport, _pad: [0; 2] };
-    for attempt in 0..PORT_ATTEMPTS {
-        let port = snat_port_candidate(random, attempt, min, max).to_be_bytes();
+    for _ in 0..SNAT_PORT_ATTEMPTS {
+        // SAFETY: a helper without side effects.
+        let port = snat_port_candidate(unsafe { bpf_get_prandom_u32() }, min, max).to_be_bytes();
         let reverse = snat_reply_key(flow.proto, backend, backend_port, node_addr, port);
+        if CONNTRACK_V4.get_ptr(&reverse).is_some() {
+            continue;
+        }
         if SNAT_V4.insert(reverse, to_client, u64::from(BPF_NOEXIST)).is_ok() {
             let to_node = SnatEntryV4 { created_ns: now, addr: node_addr, port, _pad: [0; 2] };
             let forward = snat_forward_key(forward_key, backend, backend_port);

@@ -12,13 +12,14 @@ use aya_ebpf::{
 };
 use proxy_common::{
     checksum,
+    conntrack::starts_tcp_flow,
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, IPPROTO_TCP, IPPROTO_UDP, SCOPE_EXTERNAL,
         SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_SOURCE_RANGES,
     },
     packet::{
-        ETH_HLEN, ETH_P_IP, Fragment, IP_OFF_CHECK, IPV4_MIN_HLEN, TCP_ACK, TCP_OFF_CHECK, TCP_OFF_FLAGS,
-        TCP_RST, TCP_SYN, UDP_OFF_CHECK, classify_ipv4,
+        ETH_HLEN, ETH_P_IP, Fragment, IP_OFF_CHECK, IPV4_MIN_HLEN, TCP_OFF_CHECK, TCP_OFF_FLAGS,
+        UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW},
@@ -302,7 +303,7 @@ fn established(
     let entry_copy = unsafe { *entry };
     if entry_copy.flags & CT_FLAG_SNAT == 0
         || conntrack::expired(&key, &entry_copy, &config, now)
-        || !lb::backend_is_current(&entry_copy)
+        || !lb::keeps_backend(&entry_copy, flow.proto)
     {
         return Err(Stat::PassNoService);
     }
@@ -340,9 +341,7 @@ struct Pick {
 fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick) -> Result<(), Stat> {
     let ingress = ctx.ingress_ifindex() as u32;
     let frontend = found.value;
-    if frontend.count == 0
-        || (flow.proto == IPPROTO_TCP && flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN)
-    {
+    if frontend.count == 0 || (flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags)) {
         // Refusals and invalid segments are the tc program's.
         return Err(Stat::PassNoService);
     }
@@ -354,7 +353,11 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
         // recorded here, so tc follows it as an established flow instead of
         // picking again (which would favour remote backends).
         let key = flow.ct_key(CT_DIR_FORWARD);
-        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::Client)
+        if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some() {
+            // Another flow has the reply tuple: tc resolves the clash.
+            return Err(Stat::XdpPass);
+        }
+        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::CLIENT)
             .map_err(|_| Stat::ConntrackInsertFailed)?;
         return Err(Stat::XdpPass);
     }
@@ -377,7 +380,7 @@ fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> 
     let key = flow.ct_key(CT_DIR_FORWARD);
     let port = snat::allocate(flow, &key, backend.addr, backend.port, node_addr, now)
         .map_err(|_| Stat::SnatPortExhausted)?;
-    if conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::Snat(node_addr, port))
+    if conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::snat(node_addr, port))
         .is_err()
     {
         snat::remove(&key, backend.addr, backend.port);

@@ -222,7 +222,7 @@ pub fn conntrack_rows(
         let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr, snat)).copied();
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
         let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
-        if fwd.flags & proxy_common::maps::CT_FLAG_SNAT != 0
+        if proxy_common::maps::reply_key_in_snat(fwd.flags)
             && let Some(to_node) = snat.get(&crate::gc::key_ord(&proxy_common::maps::snat_forward_key(
                 key,
                 fwd.nat_addr,

@@ -23,8 +23,8 @@ use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_SNAT,
-        ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY, SnatEntryV4, snat_forward_key,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4,
+        CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat, snat_forward_key,
         snat_reply_key,
     },
 };
@@ -52,13 +52,14 @@ pub fn snat_index(maps: &Maps) -> SnatIndex {
 /// The reply key of a forward entry: `backend → client`; for a hairpin
 /// flow (the client reached itself; its source was rewritten)
 /// `backend → hairpin address`, with the client's port either way; for a
-/// source-NATed flow `backend → node address:SNAT port`, from `snat`.
+/// source-NATed flow `backend → node address:SNAT port`, and for a remapped
+/// one `backend → client:remapped port`, from `snat`.
 pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], snat: &SnatIndex) -> CtKeyV4 {
     let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
     if entry.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = hairpin_addr;
     }
-    if entry.flags & CT_FLAG_SNAT != 0
+    if reply_key_in_snat(entry.flags)
         && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward, entry.nat_addr, entry.nat_port)))
     {
         key = snat_reply_key(forward.proto, entry.nat_addr, entry.nat_port, to_node.addr, to_node.port);
@@ -383,7 +384,7 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         if let Some(rkey) = rkey {
             n += u64::from(delete(maps, rkey)?);
         }
-        if fwd.flags & CT_FLAG_SNAT != 0 {
+        if reply_key_in_snat(fwd.flags) {
             delete_snat(maps, fkey, &fwd);
         }
         *report.deleted.entry(state_name(fwd.state)).or_default() += n;
@@ -444,12 +445,15 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
 /// Deletes at once every conntrack entry (both directions) of flows sent to
 /// these backends. Returns the number of entries deleted.
 ///
-/// The agent calls it for deleted UDP backends only: a UDP client that keeps
-/// its source port (DNS resolvers do) would otherwise keep a dead backend
-/// until the entry idles out. TCP flows are left to the datapath's rebalance:
-/// the next packet of such a flow goes to a live backend, which answers with
-/// a RST, so the client learns at once; a purge would turn that into a drop
-/// (a non-SYN packet without conntrack entry) and a timeout.
+/// The agent calls it for deleted UDP backends only, as kube-proxy clears
+/// stale UDP conntrack entries only: a UDP client that keeps its source port
+/// (DNS resolvers do) would otherwise keep a dead backend until the entry
+/// idles out. TCP flows keep their entries: a backend leaves the
+/// EndpointSlice while its pod still serves (a readiness flap, a relabelled
+/// pod), and the connection must carry on to it; a pod that is really gone
+/// ends the connection itself (RST or the client's timeout). A purge would
+/// turn the next segment into a drop (a non-SYN packet without conntrack
+/// entry) and the stream into a stall.
 pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<u64> {
     if backend_ids.is_empty() {
         return Ok(0);
