@@ -144,7 +144,10 @@ fn a_pod_reached_through_a_service_answers_directly_from_the_same_port() {
     for row in &rows {
         assert_eq!(row["via_service"]["ok"], true, "{row}");
         assert_eq!(row["via_service"]["peer"], WEB_VIP.to_string(), "{row}");
-        assert_eq!(row["direct"]["ok"], true, "direct connection after a closed one through the Service: {row}");
+        assert_eq!(
+            row["direct"]["ok"], true,
+            "direct connection after a closed one through the Service: {row}"
+        );
         assert_eq!(row["direct"]["pod"], row["via_service"]["pod"], "{row}");
     }
     assert!(cluster.stat("clash_yielded") >= 10, "{:#}", cluster.dump_json("stats"));
@@ -190,7 +193,8 @@ fn a_live_connection_through_the_service_and_one_to_its_pod_share_a_port() {
         let then = row["then"].as_array().unwrap();
         for (i, answer) in then.iter().enumerate() {
             assert_eq!(answer["ok"], true, "{row}");
-            let expected = if i % 2 == 0 { row["first"]["pod_ip"].clone() } else { DNS_VIP.to_string().into() };
+            let expected =
+                if i % 2 == 0 { row["first"]["pod_ip"].clone() } else { DNS_VIP.to_string().into() };
             assert_eq!(answer["from"], expected, "{row}");
         }
     }
