@@ -141,7 +141,7 @@ pub fn write_config(maps: &mut Maps, wanted: &ConfigV4) -> Result<bool> {
 }
 
 /// Deletes at once the conntrack entries of the UDP backends a sync removed
-/// (TCP flows are left to the datapath's rebalance; see [`gc::purge_backends`]).
+/// (TCP flows keep their backend, as kube-proxy's; see [`gc::purge_backends`]).
 pub fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Result<u64> {
     let udp: Vec<u32> = report
         .removed_backends
@@ -380,12 +380,15 @@ impl SyncLoop<'_> {
             None => model::build_with(&snapshot.services, &snapshot.slices, options),
         };
         let report = self.syncer.apply(&desired);
-        if self.socket_lb != SocketLbMode::Off && !report.removed_backend_addrs.is_empty() {
-            let peers: Vec<crate::sockdiag::Peer> = report
-                .removed_backend_addrs
-                .iter()
-                .map(|(b, proto)| crate::sockdiag::Peer { addr: b.addr, port: b.port, proto: *proto })
-                .collect();
+        // Only UDP sockets: a TCP connection to a backend that left the slice carries on while
+        // the pod answers, as kube-proxy leaves established TCP flows alone.
+        let peers: Vec<crate::sockdiag::Peer> = report
+            .removed_backend_addrs
+            .iter()
+            .filter(|(_, proto)| *proto == Protocol::Udp)
+            .map(|(b, _)| crate::sockdiag::Peer { addr: b.addr, port: b.port })
+            .collect();
+        if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
             let destroyed = open_sock_revnat(&self.pins).and_then(|sock_revnat| {
                 let translated = |cookie: u64, peer: &crate::sockdiag::Peer| {
                     let key = SockRevNatKeyV4 {
@@ -400,9 +403,11 @@ impl SyncLoop<'_> {
             });
             match destroyed {
                 Ok(0) => {}
-                Ok(n) => tracing::info!(sockets = n, "destroyed the sockets connected to removed backends"),
+                Ok(n) => {
+                    tracing::info!(sockets = n, "destroyed the UDP sockets connected to removed backends")
+                }
                 Err(e) => {
-                    tracing::warn!(error = %format!("{e:#}"), "destroying sockets of removed backends failed")
+                    tracing::warn!(error = %format!("{e:#}"), "destroying UDP sockets of removed backends failed")
                 }
             }
         }

@@ -1,11 +1,18 @@
-//! Destroying the sockets connected to backends that are gone.
+//! Destroying the UDP sockets connected to backends that are gone.
 //!
 //! With socket-level load balancing a connected socket talks to the backend's own address: no
 //! conntrack entry stands between it and a dead pod, and a connected UDP socket (a DNS client's)
-//! would send into the void forever. So when a backend leaves, the agent asks the kernel
-//! (`NETLINK_SOCK_DIAG`, `SOCK_DESTROY`, like `ss -K`) to abort the TCP and UDP sockets that the
-//! socket hooks connected to that backend, in every network namespace of the node (pods have
-//! their own): the application sees ECONNABORTED and reconnects, through the Service again.
+//! would send into the void forever. So when a UDP backend leaves, the agent asks the kernel
+//! (`NETLINK_SOCK_DIAG`, `SOCK_DESTROY`, like `ss -K`) to abort the UDP sockets that the socket
+//! hooks connected to that backend, in every network namespace of the node (pods have their
+//! own): the application sees ECONNABORTED and reconnects, through the Service again. This is
+//! the socket-level form of kube-proxy's conntrack clean-up, which deletes stale UDP entries
+//! only.
+//!
+//! TCP sockets are never destroyed. A backend leaves the EndpointSlice while its pod still
+//! serves (a readiness flap, a relabelled pod), and kube-proxy never touches an established TCP
+//! flow: the connection carries on to the pod as long as the pod answers, and a pod that is
+//! really gone ends it by itself (RST, or the client's timeout).
 //!
 //! Only sockets the hooks translated are touched — their cookie and peer are in
 //! `SOCK_REVNAT_V4`. A socket an application connected to the pod's own address (a headless
@@ -23,8 +30,6 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::model::Protocol;
-
 const NETLINK_SOCK_DIAG: i32 = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -33,17 +38,15 @@ const NLMSG_DONE: u16 = 3;
 const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 const NLM_F_DUMP: u16 = 0x300;
-const TCP_LISTEN: u8 = 10;
 const NLMSG_HDRLEN: usize = 16;
 const REQ_LEN: usize = 56;
 const MSG_LEN: usize = 72;
 
-/// A peer whose sockets must go.
+/// A UDP backend whose connected sockets must go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Peer {
     pub addr: Ipv4Addr,
     pub port: u16,
-    pub proto: Protocol,
 }
 
 /// `struct inet_diag_sockid`, as the kernel reported it (it must be sent back unchanged,
@@ -85,8 +88,8 @@ pub fn socket_cookie_option(socket: &impl AsRawFd, option: i32) -> io::Result<u6
 /// Whether the socket with this cookie was connected to `peer` by kproxy's socket hooks.
 pub type Translated<'a> = &'a (dyn Fn(u64, &Peer) -> bool + Sync);
 
-/// `nlmsghdr` + `inet_diag_req_v2` for IPv4 sockets of `proto` in any state.
-fn request(kind: u16, flags: u16, seq: u32, proto: Protocol, id: Option<&SockId>) -> Vec<u8> {
+/// `nlmsghdr` + `inet_diag_req_v2` for IPv4 UDP sockets in any state.
+fn request(kind: u16, flags: u16, seq: u32, id: Option<&SockId>) -> Vec<u8> {
     let mut msg = Vec::with_capacity(NLMSG_HDRLEN + REQ_LEN);
     msg.extend_from_slice(&((NLMSG_HDRLEN + REQ_LEN) as u32).to_ne_bytes());
     msg.extend_from_slice(&kind.to_ne_bytes());
@@ -94,7 +97,7 @@ fn request(kind: u16, flags: u16, seq: u32, proto: Protocol, id: Option<&SockId>
     msg.extend_from_slice(&seq.to_ne_bytes());
     msg.extend_from_slice(&0u32.to_ne_bytes());
     msg.push(libc::AF_INET as u8);
-    msg.push(proto.number());
+    msg.push(libc::IPPROTO_UDP as u8);
     msg.push(0); // no extensions
     msg.push(0);
     msg.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
@@ -102,8 +105,8 @@ fn request(kind: u16, flags: u16, seq: u32, proto: Protocol, id: Option<&SockId>
     msg
 }
 
-/// The sockets of one dump reply buffer: `(state, id)`; `None` at NLMSG_DONE.
-fn parse_dump(buf: &[u8]) -> Result<Option<Vec<(u8, SockId)>>> {
+/// The sockets of one dump reply buffer; `None` at NLMSG_DONE.
+fn parse_dump(buf: &[u8]) -> Result<Option<Vec<SockId>>> {
     let mut out = Vec::new();
     let mut at = 0;
     while at + NLMSG_HDRLEN <= buf.len() {
@@ -122,7 +125,7 @@ fn parse_dump(buf: &[u8]) -> Result<Option<Vec<(u8, SockId)>>> {
                 let body = &buf[at + NLMSG_HDRLEN..at + len];
                 let mut id = [0u8; 48];
                 id.copy_from_slice(&body[4..52]);
-                out.push((body[1], SockId(id)));
+                out.push(SockId(id));
             }
             _ => {}
         }
@@ -164,8 +167,8 @@ impl Netlink {
         Ok(got as usize)
     }
 
-    fn dump(&self, proto: Protocol) -> Result<Vec<(u8, SockId)>> {
-        self.send(&request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, proto, None))?;
+    fn dump(&self) -> Result<Vec<SockId>> {
+        self.send(&request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, None))?;
         let mut buf = vec![0u8; 64 * 1024];
         let mut all = Vec::new();
         loop {
@@ -177,8 +180,8 @@ impl Netlink {
         }
     }
 
-    fn destroy(&self, proto: Protocol, id: &SockId) -> Result<()> {
-        self.send(&request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, proto, Some(id)))?;
+    fn destroy(&self, id: &SockId) -> Result<()> {
+        self.send(&request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, Some(id)))?;
         let mut buf = [0u8; 512];
         let n = self.recv(&mut buf)?;
         if n >= NLMSG_HDRLEN + 4 && u16::from_ne_bytes([buf[4], buf[5]]) == NLMSG_ERROR {
@@ -192,26 +195,20 @@ impl Netlink {
     }
 }
 
-/// Destroys, in this thread's network namespace, the sockets whose peer is one of `peers` and
-/// that `translated` claims. Returns how many.
+/// Destroys, in this thread's network namespace, the UDP sockets whose peer is one of `peers`
+/// and that `translated` claims. Returns how many.
 pub fn destroy_here(peers: &[Peer], translated: Translated) -> Result<usize> {
+    if peers.is_empty() {
+        return Ok(0);
+    }
     let netlink = Netlink::open()?;
     let mut destroyed = 0;
-    for proto in [Protocol::Tcp, Protocol::Udp] {
-        let wanted: Vec<(Ipv4Addr, u16)> =
-            peers.iter().filter(|p| p.proto == proto).map(|p| (p.addr, p.port)).collect();
-        if wanted.is_empty() {
-            continue;
-        }
-        for (state, id) in netlink.dump(proto)? {
-            let (addr, port) = id.dst();
-            if state != TCP_LISTEN
-                && wanted.contains(&(addr, port))
-                && translated(id.cookie(), &Peer { addr, port, proto })
-            {
-                netlink.destroy(proto, &id)?;
-                destroyed += 1;
-            }
+    for id in netlink.dump()? {
+        let (addr, port) = id.dst();
+        let peer = Peer { addr, port };
+        if peers.contains(&peer) && translated(id.cookie(), &peer) {
+            netlink.destroy(&id)?;
+            destroyed += 1;
         }
     }
     Ok(destroyed)
@@ -272,7 +269,7 @@ mod tests {
     #[test]
     fn requests_have_the_kernel_layout() {
         assert_eq!(std::mem::size_of::<libc::nlmsghdr>(), NLMSG_HDRLEN);
-        let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, Protocol::Udp, None);
+        let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, None);
         assert_eq!(msg.len(), NLMSG_HDRLEN + REQ_LEN);
         assert_eq!(u32::from_ne_bytes(msg[0..4].try_into().unwrap()), 72);
         assert_eq!(u16::from_ne_bytes(msg[4..6].try_into().unwrap()), SOCK_DIAG_BY_FAMILY);
@@ -297,7 +294,7 @@ mod tests {
         buf.extend_from_slice(&body);
         let parsed = parse_dump(&buf).unwrap().unwrap();
         assert_eq!(parsed.len(), 1);
-        assert_eq!(parsed[0].1.dst(), (Ipv4Addr::new(10, 244, 0, 21), 53));
+        assert_eq!(parsed[0].dst(), (Ipv4Addr::new(10, 244, 0, 21), 53));
         let mut done = Vec::new();
         done.extend_from_slice(&20u32.to_ne_bytes());
         done.extend_from_slice(&NLMSG_DONE.to_ne_bytes());
@@ -322,7 +319,7 @@ mod tests {
         direct.connect(peer).unwrap();
         let other = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         other.connect(client.local_addr().unwrap()).unwrap();
-        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port: peer.port(), proto: Protocol::Udp };
+        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port: peer.port() };
         let client_cookie = cookie_of(&client);
         let translated = |cookie: u64, p: &Peer| cookie == client_cookie && *p == gone;
         let destroyed = destroy_here(&[gone], &translated).expect("needs root and CONFIG_INET_DIAG_DESTROY");
@@ -335,5 +332,28 @@ mod tests {
         let err = client.send(b"hello").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EDESTADDRREQ), "{err}");
         other.send(b"still fine").unwrap();
+    }
+
+    /// A TCP connection to the same address and port as a gone UDP peer, claimed as translated,
+    /// is left alone: the backend left the Service, not necessarily the network, and kube-proxy
+    /// lets an established TCP flow run on.
+    #[test]
+    fn a_tcp_connection_to_a_gone_peer_is_never_destroyed() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let udp_server = std::net::UdpSocket::bind(("127.0.0.1", port)).expect("the same port for UDP");
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (mut accepted, _) = listener.accept().unwrap();
+        let udp_client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        udp_client.connect(udp_server.local_addr().unwrap()).unwrap();
+        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port };
+        let destroyed = destroy_here(&[gone], &|_, p: &Peer| *p == gone)
+            .expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "the connected UDP socket only");
+        stream.write_all(b"still here").unwrap();
+        let mut got = [0u8; 10];
+        accepted.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"still here");
     }
 }

@@ -260,7 +260,7 @@ print('still connected', flush=True)
     let _ = child.wait();
     // The agent logs after SOCK_DESTROY returns; the script may see the error first.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !cluster.agent_log().contains("destroyed the sockets connected to removed backends") {
+    while !cluster.agent_log().contains("destroyed the UDP sockets connected to removed backends") {
         assert!(Instant::now() < deadline, "no destroy in the agent log:\n{}", cluster.agent_log());
         std::thread::sleep(Duration::from_millis(50));
     }
