@@ -63,6 +63,9 @@ pub struct SocketLbOptions {
     /// The cgroup (v2) whose processes' sockets are translated, with its
     /// descendants: the cgroup2 root on a node.
     pub cgroup: Option<PathBuf>,
+    /// `--socket-lb` was given. The default (host-only) gives way on a node
+    /// without cgroup2 instead of stopping the agent.
+    pub asked: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -77,6 +80,24 @@ pub enum SocketLbMode {
 }
 
 impl SocketLbOptions {
+    /// What the agent does: these options, or off when the default mode has no
+    /// cgroup2 hierarchy to attach to.
+    fn effective(&self) -> Result<Self> {
+        match (self.mode, &self.cgroup) {
+            (SocketLbMode::Off, _) | (_, Some(_)) => Ok(self.clone()),
+            (_, None) if self.asked => {
+                anyhow::bail!("--socket-lb needs a cgroup2 hierarchy: mount one or pass --cgroup-root")
+            }
+            (_, None) => {
+                tracing::warn!(
+                    "no cgroup2 hierarchy: socket-level load balancing off, so the node's own processes \
+                     (hostNetwork pods, kubelet) cannot reach cluster IPs; mount cgroup2 or pass --cgroup-root"
+                );
+                Ok(Self { mode: SocketLbMode::Off, ..self.clone() })
+            }
+        }
+    }
+
     fn config(&self) -> Result<proxy_common::maps::SocketLbConfigV4> {
         use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF, SocketLbConfigV4};
         let mode = match self.mode {
@@ -188,9 +209,10 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     if write_config(&mut maps, &config.conntrack.config())? {
         tracing::info!(timeouts = ?config.conntrack.timeouts, "wrote the datapath configuration");
     }
-    maps.socket_lb_config.set(0, config.socket_lb.config()?, 0).context("writing SOCKET_LB_CONFIG[0]")?;
+    let socket_lb = config.socket_lb.effective()?;
+    maps.socket_lb_config.set(0, socket_lb.config()?, 0).context("writing SOCKET_LB_CONFIG[0]")?;
     drop(maps);
-    match (&config.socket_lb.mode, &config.socket_lb.cgroup) {
+    match (&socket_lb.mode, &socket_lb.cgroup) {
         (SocketLbMode::Off, _) => {
             let detached = datapath::detach_socket_lb(&config.pins)?;
             if !detached.is_empty() {
@@ -275,7 +297,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         pins: config.pins.clone(),
         cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
         north_south: config.north_south.clone(),
-        socket_lb: config.socket_lb.mode,
+        socket_lb: socket_lb.mode,
         pod_interfaces: selector,
         node_addresses: None,
     };
@@ -600,6 +622,16 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_socket_lb_gives_way_without_cgroup2_an_asked_one_does_not() {
+        let defaulted = SocketLbOptions { mode: SocketLbMode::HostOnly, cgroup: None, asked: false };
+        assert_eq!(defaulted.effective().unwrap().mode, SocketLbMode::Off);
+        let asked = SocketLbOptions { asked: true, ..defaulted.clone() };
+        assert!(asked.effective().is_err(), "--socket-lb host-only without cgroup2 is an error");
+        let attached = SocketLbOptions { cgroup: Some("/sys/fs/cgroup".into()), ..defaulted };
+        assert_eq!(attached.effective().unwrap(), attached);
+    }
 
     #[test]
     fn durations_like_kube_proxy_flags() {

@@ -12,6 +12,9 @@
 //!   (one WARN per interface missing a hook).
 //! - **map \<name\>**: entries / capacity; hash maps WARN above 80 %, FAIL when full (inserts fail);
 //!   the LRU maps (conntrack, affinity) WARN when (nearly) full: they evict.
+//! - **north-south**: the external interfaces (tc, XDP) from the link pins (informational).
+//! - **socket-lb**: the socket hooks and their mode: host-only or on OK; off WARN (the node's own
+//!   processes cannot reach cluster IPs).
 //! - **agent**: `GET /healthz` on `--healthz-address`: 200 OK, 503 FAIL, nothing listening WARN.
 //! - **ip_forward**: at runtime and after the next boot, following sysctl's precedence (which file
 //!   and line sets it): runtime 0 FAIL, runtime 1 but persisted 0 (the incident of
@@ -505,6 +508,8 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
     out.push(north_south_check(&links));
     match datapath::Maps::from_pins(pins) {
         Ok(maps) => {
+            let mode = maps.socket_lb_config.get(&0, 0).ok().map(|c| c.mode);
+            out.push(socket_lb_check(&links, mode));
             for (map, entries, capacity) in crate::dump::map_usage(&maps) {
                 out.push(map_fill_check(map, entries, capacity));
             }
@@ -518,15 +523,13 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
     out
 }
 
-/// What serves traffic from outside and at the socket level, from the link pins: external
-/// interfaces (tc, XDP) and the cgroups the socket hooks are attached to. Informational: a
-/// node may well have neither.
+/// What serves traffic from outside, from the link pins: external interfaces (tc, XDP).
+/// Informational: a node may well have none.
 pub fn north_south_check(links: &std::collections::BTreeSet<String>) -> Check {
     let interface = |l: &str| l.split('@').next().unwrap_or(l).replace("%2E", ".");
     let external: Vec<String> =
         links.iter().filter(|l| l.ends_with("-external")).map(|l| interface(l)).collect();
     let xdp: Vec<String> = links.iter().filter(|l| l.ends_with("-xdp")).map(|l| interface(l)).collect();
-    let socket_hooks = links.iter().filter(|l| l.starts_with("cgroup@")).count();
     let mut parts = Vec::new();
     if external.is_empty() {
         parts.push(
@@ -540,12 +543,46 @@ pub fn north_south_check(links: &std::collections::BTreeSet<String>) -> Check {
             if xdp.is_empty() { "none".to_owned() } else { xdp.join(", ") }
         ));
     }
-    parts.push(if socket_hooks == 0 {
-        "socket-level load balancing off".to_owned()
-    } else {
-        format!("socket-level load balancing on ({socket_hooks} cgroup hooks)")
-    });
     Check::ok("north-south", parts.join("; "))
+}
+
+/// The socket hooks (link pins) and the mode the agent wrote (`SOCKET_LB_CONFIG`). Without
+/// them the node's own processes — hostNetwork pods, the kubelet, node daemons — cannot reach
+/// a cluster IP: their packets never cross the pods' interfaces, where the tc programs sit
+/// (kube-proxy serves them in nat OUTPUT).
+pub fn socket_lb_check(links: &std::collections::BTreeSet<String>, mode: Option<u32>) -> Check {
+    use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF};
+    let hooks = links.iter().filter(|l| l.starts_with("cgroup@")).count();
+    match mode {
+        _ if hooks == 0 => Check::warn(
+            "socket-lb",
+            "socket-level load balancing off: processes in the node's network namespace (hostNetwork pods, \
+             kubelet) cannot reach cluster IPs",
+            "run `kproxy agent` with --socket-lb host-only (the default) or on",
+        ),
+        Some(SOCKET_LB_OFF) => Check::warn(
+            "socket-lb",
+            format!(
+                "socket-level load balancing off, yet {hooks} cgroup hooks are pinned: processes in the node's \
+                 network namespace cannot reach cluster IPs"
+            ),
+            "restart `kproxy agent` with --socket-lb host-only (the default) or on",
+        ),
+        Some(SOCKET_LB_HOST_ONLY) => Check::ok(
+            "socket-lb",
+            format!(
+                "socket-level load balancing host-only ({hooks} cgroup hooks): the node's own processes reach \
+                 cluster IPs at connect()/sendmsg(), pods through tc"
+            ),
+        ),
+        Some(SOCKET_LB_ALL) => Check::ok(
+            "socket-lb",
+            format!(
+                "socket-level load balancing on ({hooks} cgroup hooks): every process's sockets are translated"
+            ),
+        ),
+        _ => Check::ok("socket-lb", format!("{hooks} cgroup hooks pinned (mode unknown)")),
+    }
 }
 
 // ---------------------------------------------------------------- agent
@@ -1285,7 +1322,30 @@ mod tests {
     }
 
     #[test]
-    fn north_south_check_names_external_interfaces_xdp_and_socket_hooks() {
+    fn socket_lb_check_names_the_mode_and_warns_when_the_node_is_not_served() {
+        use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF};
+        let links: std::collections::BTreeSet<String> = [
+            "veth1@5-ingress",
+            "cgroup@2f7379732f66732f636772-kproxy_connect4",
+            "cgroup@2f7379732f66732f636772-kproxy_sendmsg4",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let host_only = socket_lb_check(&links, Some(SOCKET_LB_HOST_ONLY));
+        assert_eq!(host_only.status, Status::Ok);
+        assert!(host_only.finding.contains("host-only (2 cgroup hooks)"), "{}", host_only.finding);
+        let on = socket_lb_check(&links, Some(SOCKET_LB_ALL));
+        assert!(on.finding.contains("on (2 cgroup hooks)"), "{}", on.finding);
+        let none = std::collections::BTreeSet::new();
+        for off in [socket_lb_check(&none, Some(SOCKET_LB_OFF)), socket_lb_check(&none, None)] {
+            assert_eq!(off.status, Status::Warn, "{}", off.finding);
+            assert!(off.finding.contains("cannot reach cluster IPs"), "{}", off.finding);
+        }
+    }
+
+    #[test]
+    fn north_south_check_names_external_interfaces_and_xdp() {
         let links: std::collections::BTreeSet<String> = [
             "eth0@2-external",
             "eth0@2-egress",
@@ -1299,13 +1359,7 @@ mod tests {
         .collect();
         let check = north_south_check(&links);
         assert!(check.finding.contains("external interfaces eth0 (XDP on eth0)"), "{}", check.finding);
-        assert!(
-            check.finding.contains("socket-level load balancing on (2 cgroup hooks)"),
-            "{}",
-            check.finding
-        );
         let none = north_south_check(&std::collections::BTreeSet::new());
         assert!(none.finding.contains("no external interface"), "{}", none.finding);
-        assert!(none.finding.contains("socket-level load balancing off"), "{}", none.finding);
     }
 }

@@ -167,9 +167,13 @@ struct AgentArgs {
     xdp: kproxy::datapath::XdpSetting,
     /// Socket-level load balancing: translate connect()/sendmsg() to Services
     /// for the processes of --cgroup-root (on), only for those in the host's
-    /// network namespace (host-only), or leave it all to the tc path (off).
-    #[arg(long, value_enum, default_value = "off")]
-    socket_lb: kproxy::agent::SocketLbMode,
+    /// network namespace (host-only: hostNetwork pods, the kubelet and node
+    /// daemons reach cluster IPs, which the per-packet tc path on the pods'
+    /// interfaces never sees), or leave it all to the tc path (off: the node's
+    /// own processes cannot reach cluster IPs). [default: host-only; without a
+    /// cgroup2 hierarchy the default runs without socket hooks, with a warning]
+    #[arg(long, value_enum)]
+    socket_lb: Option<kproxy::agent::SocketLbMode>,
     /// The cgroup (v2) the socket programs attach to; default: the cgroup2
     /// mount (every process of the node).
     #[arg(long)]
@@ -333,8 +337,9 @@ fn run(cli: Cli) -> Result<()> {
                     tables: args.maglev_tables,
                 }),
                 socket_lb: kproxy::agent::SocketLbOptions {
-                    mode: args.socket_lb,
+                    mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
                     cgroup: args.cgroup_root.or_else(kproxy::datapath::cgroup2_mount),
+                    asked: args.socket_lb.is_some(),
                 },
             };
             agent::run(config)?;

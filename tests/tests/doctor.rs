@@ -180,6 +180,8 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
     }
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/kproxy-test-doctor-{}", std::process::id()));
     let bin = kproxy_bin();
+    // The agent's default --socket-lb (host-only) attaches here, never to the machine's cgroups.
+    let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-test").unwrap();
     let mut agent = Agent { process: None, pin_dir: pin_dir.clone() };
     agent.process = Some(
         sandbox
@@ -194,6 +196,8 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
                 "veth*".as_ref(),
                 "--poll-ms".as_ref(),
                 "100".as_ref(),
+                "--cgroup-root".as_ref(),
+                cgroup.path().as_os_str(),
             ])
             .unwrap(),
     );
@@ -229,6 +233,9 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
         assert!(finding.contains(pod.host_veth()), "{finding}");
     }
     assert!(check(&report, "agent")["finding"].as_str().unwrap().contains("200"), "{report:#}");
+    let socket_lb = check(&report, "socket-lb");
+    assert_eq!(socket_lb["status"], "OK", "{socket_lb:#}");
+    assert!(socket_lb["finding"].as_str().unwrap().contains("host-only (4 cgroup hooks)"), "{socket_lb:#}");
     let conntrack = check(&report, "conntrack fill");
     assert_eq!(conntrack["status"], "OK", "{conntrack:#}");
     assert_eq!(check(&report, "map services_v4")["status"], "OK");

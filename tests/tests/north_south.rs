@@ -35,6 +35,8 @@ struct NorthSouth {
     /// A copy of `examples/north-south` the agents read and a test may change.
     manifests: PathBuf,
     _manifest_dir: TempDir,
+    /// Each agent's `--cgroup-root` (its socket hooks, host-only by default), removed after it.
+    _cgroups: Vec<sandbox::cgroup::ChildCgroup>,
 }
 
 impl Drop for NorthSouth {
@@ -81,8 +83,10 @@ impl NorthSouth {
         }
         let mut agents = Vec::new();
         let mut pins = Vec::new();
+        let mut cgroups = Vec::new();
         for node in 0..multi.node_count() {
             let pin_dir = unique_pin_dir();
+            let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-test").unwrap();
             let mut args: Vec<String> = vec![
                 kproxy_bin().display().to_string(),
                 "--pin-dir".into(),
@@ -100,12 +104,23 @@ impl NorthSouth {
                 format!("node-{node}"),
                 "--poll-ms".into(),
                 "100".into(),
+                "--cgroup-root".into(),
+                cgroup.path().display().to_string(),
             ];
             args.extend(extra_args.iter().map(|a| a.to_string()));
             agents.push(multi.node(node).node_spawn(&args).unwrap());
             pins.push(pin_dir);
+            cgroups.push(cgroup);
         }
-        let cluster = NorthSouth { agents, pins, _pods: pods, multi, manifests, _manifest_dir: manifest_dir };
+        let cluster = NorthSouth {
+            agents,
+            pins,
+            _pods: pods,
+            multi,
+            manifests,
+            _manifest_dir: manifest_dir,
+            _cgroups: cgroups,
+        };
         let xdp = !extra_args.windows(2).any(|w| w == ["--xdp", "off"]);
         for node in 0..2 {
             let ip = cluster.multi.node_ip(node);

@@ -1,8 +1,8 @@
-//! Socket-level load balancing with the real agent (`--socket-lb on`) attached to a child cgroup
-//! this test creates (never the machine's root cgroup). Client processes are moved into that
-//! cgroup, then enter a pod's network namespace; Python scripts make the socket calls whose
-//! results a user would see: where connect() goes, what getpeername() and recvfrom() report, what
-//! a connected UDP socket experiences when its backend leaves.
+//! Socket-level load balancing with the real agent, its hooks attached to the child cgroup the
+//! cluster fixture creates (never the machine's root cgroup). Client processes are moved into
+//! that cgroup, then enter a pod's (or the node's) network namespace; Python scripts make the
+//! socket calls whose results a user would see: where connect() goes, what getpeername() and
+//! recvfrom() report, what a connected UDP socket experiences when its backend leaves.
 
 use std::{
     io::{BufRead, BufReader},
@@ -28,18 +28,22 @@ def backend(reply):
     return reply[at:at + 9].decode() if at >= 0 else '?'
 "#;
 
-fn start(tag: &str, cgroup: &TestCgroup) -> Cluster {
+/// A cluster whose agent runs with `--socket-lb on`.
+fn start(tag: &str) -> Cluster {
     let mut cluster = Cluster::start(tag);
     cluster.stop_agent();
-    cluster.extra_agent_args =
-        vec!["--socket-lb".into(), "on".into(), "--cgroup-root".into(), cgroup.path().display().to_string()];
+    cluster.extra_agent_args = vec!["--socket-lb".into(), "on".into()];
     cluster.start_agent();
+    wait_for_socket_hooks(&cluster);
+    cluster
+}
+
+fn wait_for_socket_hooks(cluster: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !cluster.agent_log().contains("socket-level load balancing on") {
         assert!(Instant::now() < deadline, "socket LB not attached:\n{}", cluster.agent_log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    cluster
 }
 
 fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
@@ -50,8 +54,8 @@ fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
 
 #[test]
 fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted() {
-    let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let cluster = start("sock-tcp", &cgroup);
+    let cluster = start("sock-tcp");
+    let cgroup = &cluster.cgroup;
     let dnat_before = cluster.stat("dnat_new_flow");
     let script = format!(
         r#"
@@ -68,7 +72,7 @@ for _ in range(6):
     s.close()
 "#
     );
-    let out = run(&cgroup, cluster.client.netns(), &script);
+    let out = run(cgroup, cluster.client.netns(), &script);
     let mut backends = std::collections::BTreeSet::new();
     for line in out.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -92,8 +96,8 @@ for _ in range(6):
 
 #[test]
 fn unconnected_udp_keeps_a_backend_per_socket_answers_come_from_the_service_and_dig_works() {
-    let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let cluster = start("sock-udp", &cgroup);
+    let cluster = start("sock-udp");
+    let cgroup = &cluster.cgroup;
     let script = format!(
         r#"{DNS_HELPERS}
 for n in range(16):
@@ -106,7 +110,7 @@ for n in range(16):
     s.close()
 "#
     );
-    let out = run(&cgroup, cluster.client.netns(), &script);
+    let out = run(cgroup, cluster.client.netns(), &script);
     let mut backends_of_socket: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
         Default::default();
     for line in out.lines() {
@@ -134,8 +138,8 @@ for n in range(16):
 
 #[test]
 fn a_service_without_endpoints_refuses_connect() {
-    let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let cluster = start("sock-refuse", &cgroup);
+    let cluster = start("sock-refuse");
+    let cgroup = &cluster.cgroup;
     std::fs::write(
         cluster.manifest("empty.yaml"),
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: empty\n  namespace: default\nspec:\n  clusterIP: 10.96.0.200\n  ports:\n  - name: http\n    port: 80\n",
@@ -150,7 +154,7 @@ try:
 except OSError as e:
     print(errno.errorcode[e.errno])
 "#;
-    assert_eq!(run(&cgroup, cluster.client.netns(), script).trim(), "ECONNREFUSED");
+    assert_eq!(run(cgroup, cluster.client.netns(), script).trim(), "ECONNREFUSED");
     assert!(cluster.stat("socket_lb_refused") >= 1);
 }
 
@@ -176,8 +180,7 @@ enum AgentDuringRemoval {
 }
 
 fn connected_udp_socket_is_destroyed_when_its_backend_leaves(tag: &str, agent: AgentDuringRemoval) {
-    let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let mut cluster = start(tag, &cgroup);
+    let mut cluster = start(tag);
     let script = format!(
         r#"{DNS_HELPERS}
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -212,7 +215,8 @@ while time.time() < deadline:
 print('still connected', flush=True)
 "#
     );
-    let mut child = cgroup
+    let mut child = cluster
+        .cgroup
         .command(cluster.client.netns(), &["python3", "-c", &script])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -285,30 +289,60 @@ fn remove_endpoint(yaml: &str, ip: &str) -> String {
     out.join("\n") + "\n"
 }
 
-/// `--socket-lb host-only`: the node's own processes (the agent's network namespace) reach a
-/// cluster IP through the socket hooks — the node has no route to it otherwise — while pods in
-/// the same cgroup keep the per-packet tc path.
+/// With the agent's default flags (only `--cgroup-root` moved to the test's child cgroup, which
+/// holds the client processes): the node's own processes (the agent's network namespace: a
+/// hostNetwork pod, the kubelet) reach a cluster IP over TCP and UDP through the socket hooks in
+/// host-only mode — the node has no route to it otherwise, and the tc programs on the pods'
+/// interfaces never see those packets — while pods in the same cgroup keep the per-packet tc
+/// path.
 #[test]
-fn host_only_translates_the_nodes_sockets_and_leaves_pods_to_tc() {
-    let cgroup = TestCgroup::new("kproxy-test").unwrap();
-    let mut cluster = Cluster::start("sock-host");
-    cluster.stop_agent();
-    cluster.extra_agent_args = vec![
-        "--socket-lb".into(),
-        "host-only".into(),
-        "--cgroup-root".into(),
-        cgroup.path().display().to_string(),
-    ];
-    cluster.start_agent();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !cluster.agent_log().contains("socket-level load balancing on") {
-        assert!(Instant::now() < deadline, "socket LB not attached:\n{}", cluster.agent_log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+fn with_default_flags_the_node_reaches_cluster_ips_and_pods_keep_the_tc_path() {
+    let cluster = Cluster::start("sock-default");
+    assert!(cluster.extra_agent_args.is_empty(), "default flags");
+    wait_for_socket_hooks(&cluster);
+    let cgroup = &cluster.cgroup;
     let node_netns = cluster.sandbox.node_netns().to_owned();
     let translated_before = cluster.stat("socket_lb_translated");
+
+    let url = format!("http://{WEB_VIP}/whoami");
+    let mut answered = Vec::new();
+    for _ in 0..10 {
+        let out = cgroup.command(&node_netns, &["curl", "-sS", "--max-time", "5", &url]).output().unwrap();
+        let body = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && body.starts_with("10.244.0.1") {
+            answered.push(body);
+        }
+    }
+    assert_eq!(answered.len(), 10, "of 10 HTTP requests from the node to {url}: {answered:?}");
+    assert!(cluster.stat("socket_lb_translated") >= translated_before + 10);
+
+    let mut answers = Vec::new();
+    for _ in 0..10 {
+        let dig = cgroup
+            .command(
+                &node_netns,
+                &[
+                    "dig",
+                    "+short",
+                    "+time=2",
+                    "+tries=1",
+                    &format!("@{DNS_VIP}"),
+                    "whoami.kproxy.test",
+                    "TXT",
+                ],
+            )
+            .output()
+            .unwrap();
+        let answer = String::from_utf8_lossy(&dig.stdout).trim().to_owned();
+        if answer.starts_with("\"coredns-") {
+            answers.push(answer);
+        }
+    }
+    assert_eq!(answers.len(), 10, "of 10 DNS queries over UDP from the node to {DNS_VIP}: {answers:?}");
+
+    // getpeername shows the Service, as it would through kube-proxy's nat OUTPUT rules.
     let page = run(
-        &cgroup,
+        cgroup,
         &node_netns,
         &format!(
             r#"
@@ -322,17 +356,17 @@ print(s.recv(4096).split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()
     let fields: Vec<&str> = page.split_whitespace().collect();
     assert!(fields[0].starts_with("10.244.0.1"), "the node reached a web backend: {page}");
     assert_eq!(fields[1], WEB_VIP.to_string(), "getpeername shows the Service");
-    assert_eq!(cluster.stat("socket_lb_translated"), translated_before + 1);
 
+    let translated_before = cluster.stat("socket_lb_translated");
     let dnat_before = cluster.stat("dnat_new_flow");
     let out = run(
-        &cgroup,
+        cgroup,
         cluster.client.netns(),
         &format!(
             "import socket\nsocket.create_connection(('{WEB_VIP}', 80), timeout=5).close()\nprint('ok')"
         ),
     );
     assert_eq!(out.trim(), "ok");
-    assert_eq!(cluster.stat("socket_lb_translated"), translated_before + 1, "a pod's socket was translated");
+    assert_eq!(cluster.stat("socket_lb_translated"), translated_before, "a pod's socket was translated");
     assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1, "the pod's connection went through tc");
 }

@@ -33,9 +33,13 @@ struct Demo {
     kproxy: PathBuf,
     stop: Arc<AtomicBool>,
     // Dropped in this order: the agent first, then the sandbox (processes,
-    // namespaces, veths); `Drop for Demo` unpins the datapath in between.
+    // namespaces, veths), then the cgroup; `Drop for Demo` unpins the datapath
+    // before them.
     agent: Option<Spawned>,
     sandbox: Sandbox,
+    /// The agent's `--cgroup-root`: the socket hooks (host-only, the default)
+    /// attach here, not to the machine's cgroups; the demo's node processes run in it.
+    cgroup: sandbox::cgroup::ChildCgroup,
 }
 
 impl Drop for Demo {
@@ -85,7 +89,8 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
 
     heading("building the sandbox: one node namespace, six pods on veth pairs, no route out");
     let sandbox = Sandbox::new("demo")?;
-    let mut demo = Demo { kproxy: kproxy_bin.to_path_buf(), stop, agent: None, sandbox };
+    let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-demo")?;
+    let mut demo = Demo { kproxy: kproxy_bin.to_path_buf(), stop, agent: None, sandbox, cgroup };
     let client = demo.sandbox.add_pod(CLIENT.0, CLIENT.1)?;
     println!("   {:<10} {:<12} {}", CLIENT.0, CLIENT.1, client.host_veth());
     let mut pods: Vec<Pod> = Vec::new();
@@ -105,7 +110,11 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     }
 
     let manifests = examples_dir.join("clusterip");
-    heading(&format!("kproxy agent --manifests {} --interfaces 'veth*'", manifests.display()));
+    heading(&format!(
+        "kproxy agent --manifests {} --interfaces 'veth*' --cgroup-root {}",
+        manifests.display(),
+        demo.cgroup.path().display()
+    ));
     let agent = demo.sandbox.node_spawn([
         kproxy_bin.as_os_str(),
         "--pin-dir".as_ref(),
@@ -115,6 +124,8 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
         manifests.as_os_str(),
         "--interfaces".as_ref(),
         "veth*".as_ref(),
+        "--cgroup-root".as_ref(),
+        demo.cgroup.path().as_os_str(),
     ])?;
     demo.agent = Some(agent);
     wait_until_programmed(&demo)?;
@@ -136,6 +147,27 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     let a = client.dig(DNS_VIP, "web.default.svc.cluster.local", "A")?;
     println!("   web.default.svc.cluster.local A → {}", a.trim());
     println!("   (dig accepts an answer only from the address it asked: each reply came from {DNS_VIP})");
+
+    heading(&format!(
+        "curl http://{WEB_VIP}/ from the node itself (a hostNetwork pod, the kubelet): the socket hooks"
+    ));
+    let node_netns = demo.sandbox.node_netns().to_owned();
+    for i in 1..=3 {
+        let out = demo
+            .cgroup
+            .command(&node_netns, &["curl", "-sS", "--max-time", "5", &format!("http://{WEB_VIP}/")])
+            .output()
+            .context("curl from the node")?;
+        if !out.status.success() {
+            bail!("curl from the node failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        println!("   connection {i}: answered by {}", String::from_utf8_lossy(&out.stdout).trim());
+        demo.check_interrupted()?;
+    }
+    println!(
+        "   (--socket-lb host-only, the default: connect() from the node's network namespace goes straight\n    \
+         to a backend; the node's packets never cross the pods' veths, where the tc programs sit)"
+    );
 
     heading("a 2 KB DNS query and its 2 KB answer: IP fragments, only the first with the UDP ports");
     let out = client.exec(["python3", "-c", &sandbox::big_dns_query_script(DNS_VIP, 53)])?;

@@ -28,6 +28,8 @@ struct NorthSouth {
     agents: Vec<Spawned>,
     _pods: Vec<Pod>,
     multi: MultiNode,
+    /// Each agent's `--cgroup-root` (its host-only socket hooks), removed after the agents.
+    cgroups: Vec<sandbox::cgroup::ChildCgroup>,
 }
 
 impl Drop for NorthSouth {
@@ -89,8 +91,16 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path, stop: Arc<AtomicBool>) -> Res
     let dns = multi.add_pod(1, "dns-b", Ipv4Addr::new(10, 244, 1, 21))?;
     dns.start_dnsmasq(WEB[1].2)?;
     pods.push(dns);
-    let mut demo =
-        NorthSouth { kproxy: kproxy_bin.to_path_buf(), stop, agents: Vec::new(), _pods: pods, multi };
+    let cgroups =
+        (0..2).map(|_| sandbox::cgroup::ChildCgroup::new("kproxy-demo")).collect::<Result<Vec<_>>>()?;
+    let mut demo = NorthSouth {
+        kproxy: kproxy_bin.to_path_buf(),
+        stop,
+        agents: Vec::new(),
+        _pods: pods,
+        multi,
+        cgroups,
+    };
 
     let manifests = examples_dir.join("north-south");
     heading(&format!(
@@ -114,6 +124,8 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path, stop: Arc<AtomicBool>) -> Res
             "10.244.0.0/16",
             "--hostname-override",
             &hostname,
+            "--cgroup-root",
+            demo.cgroups[node].path().to_string_lossy().as_ref(),
         ])?;
         demo.agents.push(agent);
     }

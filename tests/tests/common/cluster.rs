@@ -2,6 +2,9 @@
 //! pod, three nginx pods behind `default/web` (10.96.0.100:80) and two dnsmasq
 //! pods behind `kube-system/kube-dns` (10.96.0.10:53 UDP and TCP), programmed
 //! from the manifests in examples/clusterip (copied, so tests may edit them).
+//!
+//! The agent runs with its default `--socket-lb` (host-only), its socket hooks attached to a
+//! child cgroup the cluster creates and removes ([`Cluster::cgroup`]), never to the machine's.
 
 use std::{
     net::Ipv4Addr,
@@ -10,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sandbox::{Pod, Sandbox, Spawned, apiserver::ApiServer};
+use sandbox::{Pod, Sandbox, Spawned, apiserver::ApiServer, cgroup::ChildCgroup};
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
 pub const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
@@ -56,6 +59,10 @@ pub struct Cluster {
     pub pin_dir: PathBuf,
     pub manifests: PathBuf,
     _manifest_dir: TempDir,
+    /// The agent's `--cgroup-root` (unless `extra_agent_args` name another): processes the
+    /// test starts in it ([`ChildCgroup::command`]) get the socket hooks. Removed after the
+    /// agent and the pins (fields drop after [`Cluster`]'s own `drop`).
+    pub cgroup: ChildCgroup,
 }
 
 /// A directory removed on drop.
@@ -121,6 +128,7 @@ impl Cluster {
             pin_dir: unique_pin_dir(),
             manifests: manifest_dir.clone(),
             _manifest_dir: TempDir(manifest_dir),
+            cgroup: ChildCgroup::new("kproxy-test").expect("a child cgroup for the socket hooks"),
         };
         cluster.start_agent();
         cluster.wait_for_frontends(&[
@@ -169,6 +177,9 @@ impl Cluster {
         match &self.api {
             Some(api) => args.extend(["--master".into(), api.url().into()]),
             None => args.extend(["--manifests".into(), self.manifests.clone().into()]),
+        }
+        if !self.extra_agent_args.iter().any(|a| a == "--cgroup-root" || a.starts_with("--cgroup-root=")) {
+            args.extend(["--cgroup-root".into(), self.cgroup.path().into()]);
         }
         args.extend(self.extra_agent_args.iter().map(Into::into));
         self.agent = Some(self.sandbox.node_spawn(args).unwrap());

@@ -67,7 +67,8 @@ impl Agent<'_> {
         let bin = self.ctx.kproxy.to_string_lossy().into_owned();
         let mut args = vec![bin.as_str(), "--pin-dir", PIN_DIR, "agent"];
         args.extend_from_slice(source);
-        args.extend(["--interfaces", "nomatch", "--healthz-bind-address", ""]);
+        // Control-plane figures only: no socket hooks, no cgroup of the machine's touched.
+        args.extend(["--interfaces", "nomatch", "--healthz-bind-address", "", "--socket-lb", "off"]);
         self.sandbox.node_spawn(args)
     }
 
