@@ -20,6 +20,8 @@
 pub mod apiserver;
 pub mod cgroup;
 mod cmd;
+pub mod differential;
+pub mod kube_proxy_rules;
 pub mod multinode;
 mod sandbox;
 mod servers;

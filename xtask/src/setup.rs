@@ -29,6 +29,8 @@ const PACKAGES: &[&str] = &[
     "util-linux",
     "procps",
     "nftables",
+    // The differential test's kube-proxy runs delete stale UDP entries as kube-proxy does.
+    "conntrack",
     // The socket-level load balancing tests drive sockets from small scripts.
     "python3",
 ];

@@ -167,6 +167,7 @@ fn frontend(svc: &rules::Svc) -> Frontend {
 
 fn measured_service() -> rules::Svc {
     rules::Svc {
+        namespace: rules::NAMESPACE.into(),
         name: "web".into(),
         vip: Ipv4Addr::from(VIP),
         port: 80,

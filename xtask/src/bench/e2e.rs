@@ -72,6 +72,7 @@ impl Drop for Unload {
 
 fn web_svc(target_port: u16) -> Svc {
     Svc {
+        namespace: rules::NAMESPACE.into(),
         name: "web".into(),
         vip: WEB_VIP,
         port: 80,
@@ -84,6 +85,7 @@ fn web_svc(target_port: u16) -> Svc {
 
 fn dns_svc() -> Svc {
     Svc {
+        namespace: rules::NAMESPACE.into(),
         name: "kube-dns".into(),
         vip: DNS_VIP,
         port: 53,

@@ -29,7 +29,7 @@ mod imp;
 #[cfg(feature = "bench")]
 mod report;
 #[cfg(feature = "bench")]
-mod rules;
+use sandbox::kube_proxy_rules as rules;
 #[cfg(feature = "bench")]
 mod stats;
 

@@ -1,0 +1,182 @@
+//! The cluster as the differential test sees it: Services, their ports and endpoints. One
+//! [`ClusterSpec`] is rendered both ways — Service and EndpointSlice manifests for `kproxy agent
+//! --manifests`, and the endpoint lists kube-proxy's rules are generated from — so a backend
+//! change is the same change for every proxy.
+use std::net::Ipv4Addr;
+
+use serde_json::{Value, json};
+
+use crate::kube_proxy_rules::Svc;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    /// The Kubernetes spelling (`TCP`, `UDP`).
+    pub fn k8s(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSpec {
+    pub name: &'static str,
+    pub port: u16,
+    pub proto: Proto,
+    pub target_port: u16,
+}
+
+/// One endpoint of a Service's EndpointSlice, with its conditions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub pod: String,
+    pub ip: Ipv4Addr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl EndpointSpec {
+    pub fn ready(pod: &str, ip: Ipv4Addr) -> Self {
+        Self { pod: pod.to_owned(), ip, ready: true, serving: true, terminating: false }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub namespace: &'static str,
+    pub name: &'static str,
+    pub cluster_ip: Ipv4Addr,
+    pub ports: Vec<PortSpec>,
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+impl ServiceSpec {
+    /// The endpoints kube-proxy sends new connections to: the ready ones, or, when none is ready,
+    /// the serving and terminating ones (KEP-1669). kproxy's model makes the same choice.
+    pub fn used_endpoints(&self) -> Vec<&EndpointSpec> {
+        let ready: Vec<&EndpointSpec> = self.endpoints.iter().filter(|e| e.ready).collect();
+        if !ready.is_empty() {
+            return ready;
+        }
+        self.endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+    }
+
+    fn manifest(&self) -> Value {
+        let ports: Vec<Value> = self
+            .ports
+            .iter()
+            .map(|p| json!({"name": p.name, "port": p.port, "protocol": p.proto.k8s(), "targetPort": p.target_port}))
+            .collect();
+        let service = json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": {
+                "type": "ClusterIP",
+                "clusterIP": self.cluster_ip.to_string(),
+                "clusterIPs": [self.cluster_ip.to_string()],
+                "ports": ports,
+            },
+        });
+        let endpoints: Vec<Value> = self
+            .endpoints
+            .iter()
+            .map(|e| {
+                json!({
+                    "addresses": [e.ip.to_string()],
+                    "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
+                    "nodeName": "node-1",
+                    "targetRef": {"kind": "Pod", "name": e.pod, "namespace": self.namespace},
+                })
+            })
+            .collect();
+        let slice_ports: Vec<Value> = self
+            .ports
+            .iter()
+            .map(|p| json!({"name": p.name, "port": p.target_port, "protocol": p.proto.k8s()}))
+            .collect();
+        let slice = json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": format!("{}-diff", self.name),
+                "namespace": self.namespace,
+                "labels": {"kubernetes.io/service-name": self.name},
+            },
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": slice_ports,
+        });
+        json!({"apiVersion": "v1", "kind": "List", "items": [service, slice]})
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ClusterSpec {
+    pub services: Vec<ServiceSpec>,
+}
+
+impl ClusterSpec {
+    pub fn service(&self, name: &str) -> Option<&ServiceSpec> {
+        self.services.iter().find(|s| s.name == name)
+    }
+
+    pub fn service_mut(&mut self, name: &str) -> Option<&mut ServiceSpec> {
+        self.services.iter_mut().find(|s| s.name == name)
+    }
+
+    pub fn service_by_ip(&self, ip: Ipv4Addr) -> Option<&ServiceSpec> {
+        self.services.iter().find(|s| s.cluster_ip == ip)
+    }
+
+    /// One manifest file per Service (`<namespace>-<name>.json`: a List of the Service and its
+    /// EndpointSlice), for `kproxy agent --manifests DIR`.
+    pub fn manifest_files(&self) -> Vec<(String, String)> {
+        self.services
+            .iter()
+            .map(|s| (format!("{}-{}.json", s.namespace, s.name), s.manifest().to_string()))
+            .collect()
+    }
+
+    /// Every Service port with the endpoints kube-proxy would use, for the rule generators.
+    pub fn kube_proxy_svcs(&self) -> Vec<Svc> {
+        self.services
+            .iter()
+            .flat_map(|s| {
+                let endpoints: Vec<Ipv4Addr> = s.used_endpoints().iter().map(|e| e.ip).collect();
+                s.ports.iter().map(move |p| Svc {
+                    namespace: s.namespace.into(),
+                    name: s.name.into(),
+                    vip: s.cluster_ip,
+                    port: p.port,
+                    proto: p.proto.k8s(),
+                    port_name: p.name,
+                    target_port: p.target_port,
+                    endpoints: endpoints.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// `(cluster IP, port, serving endpoint addresses)` of every UDP Service port: what
+    /// kube-proxy's conntrack clean-up keeps entries for.
+    pub fn serving_udp(&self) -> Vec<(Ipv4Addr, u16, Vec<Ipv4Addr>)> {
+        self.services
+            .iter()
+            .flat_map(|s| {
+                let serving: Vec<Ipv4Addr> = s.endpoints.iter().filter(|e| e.serving).map(|e| e.ip).collect();
+                s.ports
+                    .iter()
+                    .filter(|p| p.proto == Proto::Udp)
+                    .map(move |p| (s.cluster_ip, p.port, serving.clone()))
+            })
+            .collect()
+    }
+}
