@@ -50,10 +50,14 @@ impl Quote {
     }
 }
 
-/// Reads an ICMP message (from its type byte on): a destination-unreachable or
-/// time-exceeded error quoting a TCP or UDP packet with an option-less header.
-/// Anything else is not ours to rewrite.
-pub fn quoted(icmp: &[u8; ICMP_ERROR_SPAN]) -> Option<Quote> {
+/// Reads an ICMP message (from its type byte on) of the datagram whose fixed
+/// header is `outer`: a destination-unreachable or time-exceeded error quoting
+/// a TCP or UDP packet with an option-less header, sent to that packet's
+/// source as every host and router sends its errors. An error addressed to
+/// anyone else is not about a flow the quote's source has (for a source-NATed
+/// flow: not addressed to the node address it was source-NATed to), whatever
+/// it quotes. Anything else is not ours to rewrite.
+pub fn quoted(outer: &[u8; 20], icmp: &[u8; ICMP_ERROR_SPAN]) -> Option<Quote> {
     if icmp[0] != ICMP_DEST_UNREACH && icmp[0] != ICMP_TIME_EXCEEDED {
         return None;
     }
@@ -62,9 +66,13 @@ pub fn quoted(icmp: &[u8; ICMP_ERROR_SPAN]) -> Option<Quote> {
     if icmp[ip] != 0x45 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
         return None;
     }
+    let saddr = [icmp[ip + 12], icmp[ip + 13], icmp[ip + 14], icmp[ip + 15]];
+    if saddr != [outer[16], outer[17], outer[18], outer[19]] {
+        return None;
+    }
     let l4 = ip + 20;
     Some(Quote {
-        saddr: [icmp[ip + 12], icmp[ip + 13], icmp[ip + 14], icmp[ip + 15]],
+        saddr,
         daddr: [icmp[ip + 16], icmp[ip + 17], icmp[ip + 18], icmp[ip + 19]],
         sport: [icmp[l4], icmp[l4 + 1]],
         dport: [icmp[l4 + 2], icmp[l4 + 3]],
@@ -94,9 +102,26 @@ mod tests {
         m
     }
 
+    /// The IPv4 header of an ICMP datagram from 10.244.0.21 to `dst`, `total_len` long.
+    fn outer_to(dst: [u8; 4], total_len: u16) -> [u8; 20] {
+        let mut h = [0u8; 20];
+        h[0] = 0x45;
+        h[2..4].copy_from_slice(&total_len.to_be_bytes());
+        h[8] = 64;
+        h[9] = IPPROTO_ICMP;
+        h[12..16].copy_from_slice(&[10, 244, 0, 21]);
+        h[16..20].copy_from_slice(&dst);
+        h
+    }
+
+    /// The outer header of the port unreachable, to the quoted packet's source.
+    fn outer() -> [u8; 20] {
+        outer_to([10, 244, 0, 2], (20 + ICMP_HLEN + 28) as u16)
+    }
+
     #[test]
     fn a_port_unreachable_quoting_udp_gives_the_reply_key() {
-        let quote = quoted(&port_unreachable()).unwrap();
+        let quote = quoted(&outer(), &port_unreachable()).unwrap();
         assert_eq!(quote.saddr, [10, 244, 0, 2]);
         assert_eq!(quote.dport, 53u16.to_be_bytes());
         let key = quote.reply_key();
@@ -108,16 +133,26 @@ mod tests {
     fn other_messages_and_quotes_are_not_ours() {
         let mut echo = port_unreachable();
         echo[0] = 8;
-        assert_eq!(quoted(&echo), None);
+        assert_eq!(quoted(&outer(), &echo), None);
         let mut options = port_unreachable();
         options[ICMP_HLEN] = 0x46;
-        assert_eq!(quoted(&options), None);
+        assert_eq!(quoted(&outer(), &options), None);
         let mut icmp_quote = port_unreachable();
         icmp_quote[ICMP_HLEN + 9] = IPPROTO_ICMP;
-        assert_eq!(quoted(&icmp_quote), None);
+        assert_eq!(quoted(&outer(), &icmp_quote), None);
         let mut ttl = port_unreachable();
         ttl[0] = ICMP_TIME_EXCEEDED;
-        assert!(quoted(&ttl).is_some());
+        assert!(quoted(&outer(), &ttl).is_some());
+    }
+
+    /// Errors go to the quoted packet's source: one addressed elsewhere (another host, the
+    /// quoted destination, a broadcast) is about no flow of the quote's source.
+    #[test]
+    fn an_error_not_addressed_to_the_quoted_source_is_not_ours() {
+        let total = (20 + ICMP_HLEN + 28) as u16;
+        for elsewhere in [[10, 244, 0, 3], [10, 244, 0, 21], [255, 255, 255, 255], [10, 244, 0, 1]] {
+            assert_eq!(quoted(&outer_to(elsewhere, total), &port_unreachable()), None, "to {elsewhere:?}");
+        }
     }
 
     /// Why the datapath leaves the ICMP checksum alone when it rewrites the quoted destination:

@@ -4,6 +4,8 @@
 //! Rewriting a quoted address together with the quote's header checksum leaves
 //! the ICMP checksum as it was; quoted ports are accounted for in it. The
 //! quote's own L4 checksum is left stale: receivers do not check a quote's.
+//!
+//! Only an error addressed to the quoted packet's source is rewritten.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     icmp::{
@@ -35,7 +37,7 @@ fn read(ctx: &TcContext) -> Result<Error, Verdict> {
     }
     let at = ETH_HLEN + ((usize::from(outer[0] & 0x0f) * 4) & 0x3c);
     let message: [u8; ICMP_ERROR_SPAN] = ctx.load(at).map_err(|_| not_ours())?;
-    let quote = quoted(&message).ok_or_else(not_ours)?;
+    let quote = quoted(&outer, &message).ok_or_else(not_ours)?;
     Ok(Error { outer, at, quote })
 }
 
@@ -112,9 +114,15 @@ fn outer_saddr(error: &Error) -> [u8; 4] {
     [error.outer[12], error.outer[13], error.outer[14], error.outer[15]]
 }
 
-/// On a pod's veth (egress): an error about a DNATed flow, from its backend or
-/// a router on the way. The quoted destination goes back to the Service, and
-/// so does the outer source when the backend itself sent the error.
+#[inline(always)]
+fn outer_daddr(error: &Error) -> [u8; 4] {
+    [error.outer[16], error.outer[17], error.outer[18], error.outer[19]]
+}
+
+/// On a pod's veth (egress): an error to the client about its DNATed flow,
+/// from the backend or a router on the way. The quoted destination goes back
+/// to the Service, and so does the outer source when the backend itself sent
+/// the error.
 /// Not inlined: a packet that is no ICMP error costs the caller one call.
 #[inline(never)]
 pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
@@ -130,19 +138,21 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     }
     quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, service)?;
     quoted_port(ctx, &error, QUOTE_OFF_DPORT, quote.dport, service_port)?;
-    if outer_saddr(&error) == quote.daddr {
-        outer_addr(ctx, IP_OFF_SADDR, quote.daddr, service)?;
+    let source = outer_saddr(&error);
+    if source == quote.daddr {
+        outer_addr(ctx, IP_OFF_SADDR, source, service)?;
     }
     stats::count(Stat::IcmpErrorUnnat);
     trace(&quote, entry, (quote.saddr, quote.sport), (service, service_port));
     Ok(Done::Next)
 }
 
-/// On an external interface (ingress): an error addressed to the node about a
-/// flow it source-NATed to a remote backend — "fragmentation needed" from a
-/// router on the way, above all, or the client's TCP never learns the path's
-/// MTU. The quote becomes client → frontend, the error goes to the client
-/// (from the frontend when the backend sent it) and leaves at once.
+/// On an external interface (ingress): an error addressed to the node address
+/// a flow was source-NATed to, about that flow to a remote backend —
+/// "fragmentation needed" from a router on the way, above all, or the client's
+/// TCP never learns the path's MTU. The quote becomes client → frontend, the
+/// error goes to the client (from the frontend when the backend sent it) and
+/// leaves at once.
 #[inline(never)]
 pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     let error = read(ctx)?;
@@ -164,7 +174,9 @@ pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
         outer_addr(ctx, IP_OFF_SADDR, source, frontend)?;
         source = frontend;
     }
-    outer_addr(ctx, IP_OFF_DADDR, quote.saddr, client.addr)?;
+    // The old value is the header's own: `quoted` took only errors addressed
+    // to the quote's source, the node address the flow was source-NATed to.
+    outer_addr(ctx, IP_OFF_DADDR, outer_daddr(&error), client.addr)?;
     stats::count(Stat::IcmpErrorUnnat);
     trace(&quote, entry, (client.addr, client.port), (frontend, frontend_port));
     let route = fib::route(ctx, crate::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;

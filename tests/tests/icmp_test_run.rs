@@ -1,0 +1,204 @@
+//! Byte-exact BPF_PROG_TEST_RUN tests of what the tc programs do with ICMP: errors about
+//! translated flows are un-NATed only when they are what they claim to be (addressed to the
+//! quoted packet's sender).
+//!
+//! The external program's route lookups need an interface, a route and neighbours: those tests
+//! run in a thread that moves itself into a new network namespace (`unshare(CLONE_NEWNET)`)
+//! holding a veth pair with static neighbours and no route out; it disappears with the thread.
+
+mod common;
+
+use std::{net::Ipv4Addr, process::Command};
+
+use aya::programs::SchedClassifier;
+use common::{
+    Packet,
+    harness::{CLIENT, Harness, PASS, WEB_VIP, test_run},
+    icmp_error,
+};
+use kproxy::{
+    datapath,
+    model::{BackendAddr, Frontend, FrontendKind, Protocol, ServiceName},
+    sync::Syncer,
+};
+use proxy_common::{checksum, maps::ExternalIfaceV4, packet::TCP_SYN, stats::Stat};
+
+/// TC_ACT_REDIRECT: sent out of an interface without the stack.
+const REDIRECT: u32 = 7;
+
+/// The outer IPv4 header and the ICMP message checksums of an ICMP frame, each over what the IP
+/// total length covers.
+fn icmp_checksums_valid(frame: &[u8]) -> bool {
+    let ip = &frame[14..];
+    let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    checksum::is_valid(checksum::add_words(0, &ip[..20]))
+        && checksum::is_valid(checksum::add_words(0, &ip[20..total]))
+}
+
+/// An error about a translated flow is sent to the packet's sender: one addressed to another pod
+/// is not about the client's flow at all (whatever its quote says) and is not rewritten.
+#[test]
+fn on_pod_egress_an_error_addressed_to_another_pod_is_left_untouched() {
+    let h = Harness::new();
+    let syn = Packet::tcp(CLIENT, 40002, WEB_VIP, 80, TCP_SYN);
+    let (_, dnat) = h.ingress(&syn.frame());
+    let router = [10, 244, 9, 1];
+    let unnat = h.stat(Stat::IcmpErrorUnnat);
+    let error = icmp_error(router, [10, 244, 0, 3], 3, 4, &dnat[14..14 + 28]);
+    assert_eq!(h.egress(&error), (PASS, error.clone()));
+    assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat);
+}
+
+// The north–south path: a NodePort on the node's external interface, its backend on another node
+// (so the flow is source-NATed to the node address).
+
+const NODE: [u8; 4] = [192, 168, 100, 10];
+const EXT_CLIENT: [u8; 4] = [192, 168, 100, 200];
+const OTHER_HOST: [u8; 4] = [192, 168, 100, 201];
+const ROUTER: [u8; 4] = [192, 168, 100, 11];
+const REMOTE_BACKEND: [u8; 4] = [10, 244, 1, 5];
+const LOCAL_POD: [u8; 4] = [10, 244, 0, 5];
+const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
+const EXT_CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xc8];
+const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn mac(m: [u8; 6]) -> String {
+    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// Runs `test` in a thread inside a fresh network namespace with `ext0` (the node's external
+/// interface, 192.168.100.10/24, the peer node and the client as permanent neighbours, the peer's
+/// pod CIDR routed via it) and `pod0` (a local pod's veth, 10.244.0.0/24 on it); `test` gets
+/// ext0's index.
+fn in_private_netns(test: impl FnOnce(u32) + Send + 'static) {
+    let result = std::thread::spawn(move || {
+        // SAFETY: unshare affects only this thread, which owns nothing shared yet.
+        let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+        assert_eq!(ret, 0, "unshare(CLONE_NEWNET) needs root: {}", std::io::Error::last_os_error());
+        sh(&["ip", "link", "add", "ext0", "address", &mac(NODE_MAC), "type", "veth", "peer", "name", "ext1"]);
+        sh(&["ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1"]);
+        for dev in ["lo", "ext0", "ext1", "pod0", "pod1"] {
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        sh(&["ip", "addr", "add", "192.168.100.10/24", "dev", "ext0"]);
+        sh(&["ip", "route", "add", "10.244.1.0/24", "via", "192.168.100.11"]);
+        sh(&["ip", "route", "add", "10.244.0.0/24", "dev", "pod0"]);
+        for (addr, m, dev) in [
+            ("192.168.100.11", PEER_MAC, "ext0"),
+            ("192.168.100.200", EXT_CLIENT_MAC, "ext0"),
+            ("192.168.100.201", [0x02, 0, 0, 0, 0, 0xc9], "ext0"),
+            ("10.244.0.5", [0x02, 0, 0, 0, 0, 0x05], "pod0"),
+        ] {
+            sh(&["ip", "neigh", "replace", addr, "lladdr", &mac(m), "dev", dev, "nud", "permanent"]);
+        }
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
+        let index = datapath::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
+        test(index);
+    })
+    .join();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// The datapath with a NodePort NODE:30080 → REMOTE_BACKEND:80 and ext0 as external interface.
+struct External {
+    ebpf: aya::Ebpf,
+    _syncer: Syncer,
+    stats: aya::maps::PerCpuArray<aya::maps::MapData, u64>,
+    ingress: u32,
+}
+
+impl External {
+    fn new(ingress: u32) -> Self {
+        let mut ebpf = datapath::load_unpinned().expect("loading the datapath needs root");
+        let mut maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+        maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
+        let mut web = Frontend::new(
+            ServiceName { namespace: "default".into(), name: "web".into() },
+            "http",
+            Ipv4Addr::from(NODE),
+            30080,
+            Protocol::Tcp,
+            vec![BackendAddr { addr: Ipv4Addr::from(REMOTE_BACKEND), port: 80 }],
+        );
+        web.kind = FrontendKind::NodePort;
+        let stats = maps.stats;
+        let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
+            .unwrap()
+            .with_vips(maps.vips)
+            .unwrap();
+        let report = syncer.apply(&kproxy::model::Desired::new(vec![web]));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        Self { ebpf, _syncer: syncer, stats, ingress }
+    }
+
+    fn stat(&self, stat: Stat) -> u64 {
+        self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
+    }
+
+    /// The external tc program on a frame arriving on ext0.
+    fn tc(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier =
+            self.ebpf.program("kproxy_external_ingress").unwrap().try_into().unwrap();
+        // struct __sk_buff up to ifindex (offset 40), which picks the device the packet is on.
+        let mut ctx = [0u8; 192];
+        ctx[40..44].copy_from_slice(&self.ingress.to_ne_bytes());
+        test_run(prog, frame, Some(&ctx))
+    }
+
+    /// The client's SYN to the NodePort, as it arrives, and as the datapath sent it on (source
+    /// NATed to the node address and a SNAT port, destination the remote backend).
+    fn snat_flow(&self, sport: u16) -> (Packet, Vec<u8>) {
+        let syn = Packet::tcp(EXT_CLIENT, sport, NODE, 30080, TCP_SYN).with_payload(b"hello");
+        let (action, out) = self.tc(&on_the_wire(syn.frame(), NODE_MAC, EXT_CLIENT_MAC));
+        assert_eq!(action, REDIRECT, "the SYN was not source-NATed: {out:02x?}");
+        assert_eq!(&out[14 + 12..14 + 20], &[NODE, REMOTE_BACKEND].concat());
+        (syn, out)
+    }
+}
+
+fn on_the_wire(mut frame: Vec<u8>, dst: [u8; 6], src: [u8; 6]) -> Vec<u8> {
+    frame[..6].copy_from_slice(&dst);
+    frame[6..12].copy_from_slice(&src);
+    frame
+}
+
+/// A router on the way to the remote backend sends "fragmentation needed" about the source-NATed
+/// SYN — but to another host, the client, or a pod, not to the node address the flow was
+/// source-NATed to (the quote's source). Such an error is not about the node's flow: it goes on
+/// untouched, where before it was un-NATed and redirected with an outer header checksum fixed up
+/// from the quote's source instead of its real destination (so wrong). The error the node does
+/// get is un-NATed with every checksum right.
+#[test]
+fn on_an_external_interface_only_errors_addressed_to_the_snat_address_are_un_nated() {
+    in_private_netns(|ingress| {
+        let x = External::new(ingress);
+        let (syn, sent) = x.snat_flow(40000);
+        let unnat = x.stat(Stat::IcmpErrorUnnat);
+        for elsewhere in [OTHER_HOST, EXT_CLIENT, LOCAL_POD] {
+            let error =
+                on_the_wire(icmp_error(ROUTER, elsewhere, 3, 4, &sent[14..14 + 28]), NODE_MAC, PEER_MAC);
+            let (action, out) = x.tc(&error);
+            assert_eq!((action, &out), (PASS, &error), "an error addressed to {elsewhere:?}");
+            assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat, "an error addressed to {elsewhere:?}");
+        }
+
+        let error = on_the_wire(icmp_error(ROUTER, NODE, 3, 4, &sent[14..14 + 28]), NODE_MAC, PEER_MAC);
+        let (action, out) = x.tc(&error);
+        assert_eq!(action, REDIRECT);
+        let want = on_the_wire(
+            icmp_error(ROUTER, EXT_CLIENT, 3, 4, &syn.frame()[14..14 + 28]),
+            EXT_CLIENT_MAC,
+            NODE_MAC,
+        );
+        assert_eq!(out, want);
+        assert!(icmp_checksums_valid(&out));
+        assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat + 1);
+    });
+}
