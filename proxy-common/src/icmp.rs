@@ -6,7 +6,10 @@
 //! un-NATed like the reply itself would have been (netfilter does this for
 //! "RELATED" packets in kube-proxy's iptables mode).
 
-use crate::maps::{CT_DIR_REPLY, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP};
+use crate::{
+    maps::{CT_DIR_REPLY, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP},
+    packet::{IP_MF, IP_OFFSET_MASK},
+};
 
 pub const IPPROTO_ICMP: u8 = 1;
 pub const ICMP_DEST_UNREACH: u8 = 3;
@@ -48,6 +51,25 @@ impl Quote {
             _pad: [0; 2],
         }
     }
+}
+
+/// Where the ICMP message starts in the IPv4 datagram whose fixed header is
+/// `outer` (its header length), when the datagram is a whole ICMP message
+/// long enough to hold what the datapath reads of an error. Bytes past the IP
+/// total length (Ethernet padding) are no part of the packet: a quote cut
+/// short of its ports is never completed from them, nor rewritten there.
+/// Fragmented errors do not happen in practice; their quote would be cut.
+pub fn error_message_offset(outer: &[u8; 20]) -> Option<usize> {
+    let frag = u16::from_be_bytes([outer[6], outer[7]]);
+    if outer[0] >> 4 != 4 || outer[9] != IPPROTO_ICMP || frag & (IP_MF | IP_OFFSET_MASK) != 0 {
+        return None;
+    }
+    let header_len = usize::from(outer[0] & 0x0f) * 4;
+    let total_len = usize::from(u16::from_be_bytes([outer[2], outer[3]]));
+    if header_len < 20 || total_len < header_len + ICMP_ERROR_SPAN {
+        return None;
+    }
+    Some(header_len)
 }
 
 /// Reads an ICMP message (from its type byte on) of the datagram whose fixed
@@ -153,6 +175,40 @@ mod tests {
         for elsewhere in [[10, 244, 0, 3], [10, 244, 0, 21], [255, 255, 255, 255], [10, 244, 0, 1]] {
             assert_eq!(quoted(&outer_to(elsewhere, total), &port_unreachable()), None, "to {elsewhere:?}");
         }
+    }
+
+    /// The span the datapath reads must lie inside the IP datagram: whatever follows its total
+    /// length is padding, not quote.
+    #[test]
+    fn the_error_span_must_fit_in_the_ip_total_length() {
+        let span = (20 + ICMP_ERROR_SPAN) as u16;
+        let to_client = |total| outer_to([10, 244, 0, 2], total);
+        assert_eq!(error_message_offset(&to_client(span)), Some(20));
+        assert_eq!(error_message_offset(&to_client(span + 400)), Some(20));
+        for short in [0, 19, 20, 28, 48, span - 1] {
+            assert_eq!(error_message_offset(&to_client(short)), None, "total length {short}");
+        }
+        let mut options = to_client(span + 4);
+        options[0] = 0x46;
+        assert_eq!(error_message_offset(&options), Some(24));
+        options[2..4].copy_from_slice(&(span + 3).to_be_bytes());
+        assert_eq!(error_message_offset(&options), None, "the options count against the total length");
+    }
+
+    #[test]
+    fn fragmented_malformed_and_other_datagrams_hold_no_error() {
+        let with = |at: usize, value: u8| {
+            let mut h = outer();
+            h[2..4].copy_from_slice(&((20 + ICMP_ERROR_SPAN) as u16).to_be_bytes());
+            h[at] = value;
+            h
+        };
+        assert_eq!(error_message_offset(&with(6, 0x40)), Some(20), "don't fragment is fine");
+        assert_eq!(error_message_offset(&with(6, 0x20)), None, "more fragments");
+        assert_eq!(error_message_offset(&with(7, 0x01)), None, "a later fragment");
+        assert_eq!(error_message_offset(&with(9, IPPROTO_UDP)), None, "not ICMP");
+        assert_eq!(error_message_offset(&with(0, 0x44)), None, "IHL below 5");
+        assert_eq!(error_message_offset(&with(0, 0x65)), None, "not version 4");
     }
 
     /// Why the datapath leaves the ICMP checksum alone when it rewrites the quoted destination:

@@ -28,8 +28,9 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-const IP_MF: u16 = 0x2000;
-const IP_OFFSET_MASK: u16 = 0x1fff;
+/// The fragment field's more-fragments flag and fragment offset.
+pub const IP_MF: u16 = 0x2000;
+pub const IP_OFFSET_MASK: u16 = 0x1fff;
 
 /// Why a packet is left alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

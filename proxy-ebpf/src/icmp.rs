@@ -5,12 +5,14 @@
 //! the ICMP checksum as it was; quoted ports are accounted for in it. The
 //! quote's own L4 checksum is left stale: receivers do not check a quote's.
 //!
-//! Only an error addressed to the quoted packet's source is rewritten.
+//! Only an error addressed to the quoted packet's source is rewritten, and
+//! only inside its IP datagram (`proxy_common::icmp::error_message_offset`):
+//! what follows the IP total length is padding, never read as the quote.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     icmp::{
-        ICMP_ERROR_SPAN, ICMP_OFF_CHECK, IPPROTO_ICMP, QUOTE_OFF_CHECK, QUOTE_OFF_DADDR, QUOTE_OFF_DPORT,
-        QUOTE_OFF_SADDR, QUOTE_OFF_SPORT, Quote, quoted,
+        ICMP_ERROR_SPAN, ICMP_OFF_CHECK, QUOTE_OFF_CHECK, QUOTE_OFF_DADDR, QUOTE_OFF_DPORT, QUOTE_OFF_SADDR,
+        QUOTE_OFF_SPORT, Quote, error_message_offset, quoted,
     },
     maps::{CT_FLAG_SNAT, CtEntryV4},
     packet::{ETH_HLEN, IP_OFF_CHECK, IP_OFF_DADDR, IP_OFF_SADDR},
@@ -27,15 +29,15 @@ struct Error {
     quote: Quote,
 }
 
+/// Every access to the message stays inside the IP datagram: the span read
+/// (and the fields rewritten in it) must fit in the IP total length.
 #[inline(always)]
 fn read(ctx: &TcContext) -> Result<Error, Verdict> {
     let not_ours = || Verdict::Pass(Stat::PassNotTcpUdp);
     let outer: [u8; 20] = ctx.load(ETH_HLEN).map_err(|_| not_ours())?;
-    // Fragmented errors do not happen in practice; their quote would be cut.
-    if outer[9] != IPPROTO_ICMP || outer[6] & 0x3f != 0 || outer[7] != 0 {
-        return Err(not_ours());
-    }
-    let at = ETH_HLEN + ((usize::from(outer[0] & 0x0f) * 4) & 0x3c);
+    let header_len = error_message_offset(&outer).ok_or_else(not_ours)?;
+    // Bounded for the verifier: IHL is at most 15 words.
+    let at = ETH_HLEN + (header_len & 0x3c);
     let message: [u8; ICMP_ERROR_SPAN] = ctx.load(at).map_err(|_| not_ours())?;
     let quote = quoted(&outer, &message).ok_or_else(not_ours)?;
     Ok(Error { outer, at, quote })

@@ -1,6 +1,6 @@
 //! Byte-exact BPF_PROG_TEST_RUN tests of what the tc programs do with ICMP: errors about
 //! translated flows are un-NATed only when they are what they claim to be (addressed to the
-//! quoted packet's sender).
+//! quoted packet's sender, the quote inside the IP datagram).
 //!
 //! The external program's route lookups need an interface, a route and neighbours: those tests
 //! run in a thread that moves itself into a new network namespace (`unshare(CLONE_NEWNET)`)
@@ -198,6 +198,90 @@ fn on_an_external_interface_only_errors_addressed_to_the_snat_address_are_un_nat
             NODE_MAC,
         );
         assert_eq!(out, want);
+        assert!(icmp_checksums_valid(&out));
+        assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat + 1);
+    });
+}
+
+// Quotes that run past the IP datagram.
+
+use proxy_common::icmp::{ICMP_ERROR_SPAN, ICMP_HLEN};
+
+/// `frame` (an ICMP error) as a sender that quoted only `quoted` bytes would have sent it: the IP
+/// total length and both checksums cover that much; the rest of the original quote stays in the
+/// frame as trailing bytes (Ethernet padding), outside the datagram.
+fn datagram_ends_after(frame: &[u8], quoted: usize) -> Vec<u8> {
+    let mut out = frame.to_vec();
+    let total = 20 + ICMP_HLEN + quoted;
+    out[14 + 2..14 + 4].copy_from_slice(&(total as u16).to_be_bytes());
+    out[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+    let check = checksum::checksum(&out[14..14 + 20]);
+    out[14 + 10..14 + 12].copy_from_slice(&check.to_be_bytes());
+    let icmp = 14 + 20;
+    out[icmp + 2..icmp + 4].copy_from_slice(&[0, 0]);
+    let check = checksum::checksum(&out[icmp..14 + total]);
+    out[icmp + 2..icmp + 4].copy_from_slice(&check.to_be_bytes());
+    out
+}
+
+/// How many quoted bytes the datapath needs to know an error's flow: the quoted IPv4 header and
+/// ports. An error that quotes less cannot be told apart from one about another flow.
+const QUOTE_NEEDED: usize = ICMP_ERROR_SPAN - ICMP_HLEN;
+
+/// A router between node and web backend needs smaller packets, but its error quotes less of the
+/// client's packet than the datapath reads (cut anywhere before the end of the quoted ports),
+/// with the rest of the quote sitting after the IP datagram. None of it is packet data: the
+/// error goes on untouched, where before the quoted port in the padding was "un-NATed" and the
+/// ICMP checksum (which does not cover it) adjusted for it, breaking it.
+#[test]
+fn on_pod_egress_an_error_whose_quote_runs_past_the_ip_datagram_is_left_untouched() {
+    let h = Harness::new();
+    let syn = Packet::tcp(CLIENT, 40001, WEB_VIP, 80, TCP_SYN);
+    let (_, dnat) = h.ingress(&syn.frame());
+    let router = [10, 244, 9, 1];
+    let whole = icmp_error(router, CLIENT, 3, 4, &dnat[14..14 + 28]);
+    let unnat = h.stat(Stat::IcmpErrorUnnat);
+    for quoted in 0..QUOTE_NEEDED {
+        let error = datagram_ends_after(&whole, quoted);
+        assert!(icmp_checksums_valid(&error));
+        assert_eq!(h.egress(&error), (PASS, error.clone()), "quote cut after {quoted} bytes");
+    }
+    assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat);
+
+    // The quote's header and ports inside the datagram, padding after them: un-NATed, the padding
+    // as it was.
+    let error = datagram_ends_after(&whole, QUOTE_NEEDED);
+    let mut quote = syn.frame()[14..14 + 20].to_vec();
+    quote.extend_from_slice(&dnat[14 + 20..14 + 22]);
+    quote.extend_from_slice(&80u16.to_be_bytes());
+    quote.extend_from_slice(&dnat[14 + 24..14 + 28]);
+    let want = datagram_ends_after(&icmp_error(router, CLIENT, 3, 4, &quote), QUOTE_NEEDED);
+    let mut want = want[..14 + 20 + ICMP_ERROR_SPAN].to_vec();
+    want.extend_from_slice(&error[want.len()..]);
+    let (ret, out) = h.egress(&error);
+    assert_eq!((ret, &out), (PASS, &want));
+    assert!(icmp_checksums_valid(&out));
+    assert_eq!(h.stat(Stat::IcmpErrorUnnat), unnat + 1);
+}
+
+/// The external path reads an error's quote within the IP datagram only, as the pod path does: an
+/// error to the node whose quoted ports lie past its IP total length is not un-NATed (nor
+/// redirected to the client with padding bytes rewritten).
+#[test]
+fn on_an_external_interface_an_error_whose_quote_runs_past_the_ip_datagram_is_left_untouched() {
+    in_private_netns(|ingress| {
+        let x = External::new(ingress);
+        let (_, sent) = x.snat_flow(40001);
+        let whole = on_the_wire(icmp_error(ROUTER, NODE, 3, 4, &sent[14..14 + 28]), NODE_MAC, PEER_MAC);
+        let unnat = x.stat(Stat::IcmpErrorUnnat);
+        for quoted in 0..QUOTE_NEEDED {
+            let error = datagram_ends_after(&whole, quoted);
+            let (action, out) = x.tc(&error);
+            assert_eq!((action, &out), (PASS, &error), "quote cut after {quoted} bytes");
+        }
+        assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat);
+        let (action, out) = x.tc(&datagram_ends_after(&whole, QUOTE_NEEDED));
+        assert_eq!(action, REDIRECT);
         assert!(icmp_checksums_valid(&out));
         assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat + 1);
     });
