@@ -15,6 +15,24 @@ pub const ICMP_UNREACHABLE_LEN: usize = 56;
 const IPTOS_PREC_INTERNETCONTROL: u8 = 0xc0;
 const TTL: u8 = 64;
 
+/// Whether a refusal may answer a packet from `source` sent to the link-layer
+/// address whose first octet is `dest_mac_first`. RFC 1122 never answers a
+/// packet whose source names no single host — 0.0.0.0/8 ("this network"),
+/// 127.0.0.0/8 (loopback), 224.0.0.0/4 (multicast), 240.0.0.0/4 (reserved,
+/// and the limited broadcast 255.255.255.255) — nor one sent to a link-layer
+/// group (3.2.2 for ICMP errors, 4.2.3.10 for TCP): an answer would go to a
+/// group, to nobody, or back to the node itself, and a forged source would
+/// turn each refusal into a broadcast. The kernel's `icmp_send` and TCP reset
+/// path refuse the same (and never forward a frame sent to a group, so
+/// kube-proxy's REJECT rules never see one). A subnet's directed broadcast
+/// cannot be told from a host by its address alone; the kernel does not
+/// answer it either, but it is not known here.
+pub fn may_refuse(dest_mac_first: u8, source: [u8; 4]) -> bool {
+    let link_layer_group = dest_mac_first & 0x01 != 0;
+    let one_host = !matches!(source[0], 0 | 127 | 224..=255);
+    one_host && !link_layer_group
+}
+
 fn ipv4_header(tos: u8, total_len: u16, df: bool, proto: u8, src: [u8; 4], dst: [u8; 4]) -> [u8; 20] {
     let len = total_len.to_be_bytes();
     let frag = if df { 0x40 } else { 0 };
@@ -164,6 +182,41 @@ mod tests {
         seg[13] = packet::TCP_FIN;
         let out = tcp_reset(&ip(IPPROTO_TCP, 20 + 20 + 10), &seg, 30);
         assert_eq!(u32::from_be_bytes([out[28], out[29], out[30], out[31]]), 0x0102_0304 + 10 + 1);
+    }
+
+    #[test]
+    fn refusals_answer_single_hosts_only() {
+        let unicast_mac = 0x02;
+        for source in [
+            [0, 0, 0, 0],
+            [0, 255, 255, 255],
+            [127, 0, 0, 1],
+            [127, 255, 255, 255],
+            [224, 0, 0, 1],
+            [239, 255, 255, 255],
+            [240, 0, 0, 0],
+            [254, 1, 2, 3],
+            [255, 255, 255, 255],
+        ] {
+            assert!(!may_refuse(unicast_mac, source), "{source:?}");
+        }
+        for source in
+            [[1, 0, 0, 0], [10, 244, 0, 2], [126, 255, 255, 255], [128, 0, 0, 0], [223, 255, 255, 255]]
+        {
+            assert!(may_refuse(unicast_mac, source), "{source:?}");
+        }
+    }
+
+    #[test]
+    fn refusals_never_answer_frames_sent_to_a_link_layer_group() {
+        let client = [10, 244, 0, 2];
+        // Broadcast, IPv4 and IPv6 multicast MACs have the group bit set; unicast ones do not.
+        for group in [0xff, 0x01, 0x33] {
+            assert!(!may_refuse(group, client), "{group:#04x}");
+        }
+        for unicast in [0x00, 0x02, 0x52, 0xfe] {
+            assert!(may_refuse(unicast, client), "{unicast:#04x}");
+        }
     }
 
     #[test]

@@ -18,16 +18,21 @@ fn resize(ctx: &TcContext, len: usize) -> Result<(), Verdict> {
     if ret != 0 { Err(Verdict::Drop(Stat::RewriteFailed)) } else { Ok(()) }
 }
 
-/// Answers `flow`'s packet with a refusal. Packets with IP options, and
-/// TCP resets (never answered), are dropped instead.
+/// Answers `flow`'s packet with a refusal. Packets from sources that name no
+/// single host or sent to a link-layer group (`reject::may_refuse`), packets
+/// with IP options, and TCP resets (never answered) are dropped instead.
 #[inline(always)]
 pub fn refuse(ctx: &TcContext, flow: &Flow) -> Result<Done, Verdict> {
+    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
+    let dest_mac_first: u8 = ctx.load(0).map_err(failed)?;
+    if !reject::may_refuse(dest_mac_first, flow.saddr) {
+        return Err(Verdict::Drop(Stat::RejectUnanswerable));
+    }
     let tcp = flow.proto == IPPROTO_TCP;
     let stat = if tcp { Stat::RejectTcp } else { Stat::RejectUdp };
     if flow.l4_offset != ETH_HLEN + IPV4_MIN_HLEN || (tcp && flow.tcp_flags & TCP_RST != 0) {
         return Err(Verdict::Drop(stat));
     }
-    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
     let ip: [u8; 20] = ctx.load(ETH_HLEN).map_err(failed)?;
     if tcp {
         let header: [u8; 20] = ctx.load(flow.l4_offset).map_err(failed)?;

@@ -1,6 +1,7 @@
 //! Byte-exact BPF_PROG_TEST_RUN tests of what the tc programs do with ICMP: errors about
 //! translated flows are un-NATed only when they are what they claim to be (addressed to the
-//! quoted packet's sender, the quote inside the IP datagram).
+//! quoted packet's sender, the quote inside the IP datagram), and refusals are never sent to
+//! sources that name no single host.
 //!
 //! The external program's route lookups need an interface, a route and neighbours: those tests
 //! run in a thread that moves itself into a new network namespace (`unshare(CLONE_NEWNET)`)
@@ -285,4 +286,71 @@ fn on_an_external_interface_an_error_whose_quote_runs_past_the_ip_datagram_is_le
         assert!(icmp_checksums_valid(&out));
         assert_eq!(x.stat(Stat::IcmpErrorUnnat), unnat + 1);
     });
+}
+
+// Refusals.
+
+use common::harness::{BOUNCE, DROP};
+use proxy_common::packet::TCP_ACK;
+
+const EMPTY_VIP: [u8; 4] = [10, 96, 0, 200];
+
+/// Sources that name no single host (RFC 1122 3.2.2, 4.2.3.10; the kernel's `icmp_send` and TCP
+/// reset path): a refusal to them would go to a group, to nobody, or to the node itself.
+const NO_SINGLE_HOST: [[u8; 4]; 10] = [
+    [255, 255, 255, 255],
+    [0, 0, 0, 0],
+    [0, 1, 2, 3],
+    [127, 0, 0, 1],
+    [127, 255, 0, 9],
+    [224, 0, 0, 1],
+    [239, 255, 255, 250],
+    [240, 0, 0, 1],
+    [250, 1, 2, 3],
+    [255, 255, 255, 254],
+];
+
+/// A SYN or a datagram to a Service without endpoints is refused (RST, ICMP port unreachable)
+/// only when its source is one host: from a broadcast, multicast, loopback, unspecified or
+/// reserved (240/4) source it is dropped without an answer and counted, as the kernel would.
+#[test]
+fn refusals_are_never_sent_to_sources_that_name_no_single_host() {
+    let h = Harness::new();
+    for (i, source) in NO_SINGLE_HOST.into_iter().enumerate() {
+        let syn = Packet::tcp(source, 4000 + i as u16, EMPTY_VIP, 80, TCP_SYN).frame();
+        assert_eq!(h.ingress(&syn).0, DROP, "SYN from {source:?}");
+        let ack = Packet::tcp(source, 4000 + i as u16, WEB_VIP, 443, TCP_ACK).frame();
+        assert_eq!(h.ingress(&ack).0, DROP, "ACK to a port the Service does not have, from {source:?}");
+        let dgram = Packet::udp(source, 5000 + i as u16, WEB_VIP, 9999, b"query").frame();
+        assert_eq!(h.ingress(&dgram).0, DROP, "UDP from {source:?}");
+    }
+    assert_eq!(h.stat(Stat::RejectUnanswerable), 3 * NO_SINGLE_HOST.len() as u64);
+    assert_eq!((h.stat(Stat::RejectTcp), h.stat(Stat::RejectUdp)), (0, 0));
+
+    // The edges of those ranges are single hosts, and are answered.
+    for source in [CLIENT, [1, 0, 0, 0], [126, 255, 255, 255], [128, 0, 0, 0], [223, 255, 255, 255]] {
+        let syn = Packet::tcp(source, 4100, EMPTY_VIP, 80, TCP_SYN).frame();
+        assert_eq!(h.ingress(&syn).0, BOUNCE, "SYN from {source:?}");
+        let dgram = Packet::udp(source, 5100, WEB_VIP, 9999, b"query").frame();
+        assert_eq!(h.ingress(&dgram).0, BOUNCE, "UDP from {source:?}");
+    }
+    assert_eq!((h.stat(Stat::RejectTcp), h.stat(Stat::RejectUdp)), (5, 5));
+    assert_eq!(h.stat(Stat::RejectUnanswerable), 3 * NO_SINGLE_HOST.len() as u64);
+}
+
+/// A frame sent to a link-layer group (broadcast or multicast MAC) is not answered either
+/// (RFC 1122 3.2.2): the kernel never forwards one, so netfilter's REJECT never sees it.
+#[test]
+fn refusals_are_never_sent_for_link_layer_broadcasts() {
+    let h = Harness::new();
+    for dmac in [[0xff; 6], [0x01, 0x00, 0x5e, 0, 0, 1], [0x33, 0x33, 0, 0, 0, 1]] {
+        let syn =
+            on_the_wire(Packet::tcp(CLIENT, 4200, EMPTY_VIP, 80, TCP_SYN).frame(), dmac, common::CLIENT_MAC);
+        assert_eq!(h.ingress(&syn).0, DROP, "SYN to {dmac:02x?}");
+        let dgram =
+            on_the_wire(Packet::udp(CLIENT, 5200, WEB_VIP, 9999, b"q").frame(), dmac, common::CLIENT_MAC);
+        assert_eq!(h.ingress(&dgram).0, DROP, "UDP to {dmac:02x?}");
+    }
+    assert_eq!(h.stat(Stat::RejectUnanswerable), 6);
+    assert_eq!((h.stat(Stat::RejectTcp), h.stat(Stat::RejectUdp)), (0, 0));
 }
