@@ -14,7 +14,7 @@ use proxy_common::{
         ICMP_ERROR_SPAN, ICMP_OFF_CHECK, QUOTE_OFF_CHECK, QUOTE_OFF_DADDR, QUOTE_OFF_DPORT, QUOTE_OFF_SADDR,
         QUOTE_OFF_SPORT, Quote, error_message_offset, quoted,
     },
-    maps::{CT_FLAG_SNAT, CtEntryV4},
+    maps::{CT_FLAG_DIRECT, CT_FLAG_REMAP, CT_FLAG_SNAT, CtEntryV4},
     packet::{ETH_HLEN, IP_OFF_CHECK, IP_OFF_DADDR, IP_OFF_SADDR},
     stats::Stat,
     trace::EV_ICMP_UNNAT,
@@ -133,12 +133,19 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     let entry = conntrack::lookup(&quote.reply_key()).ok_or(Verdict::Pass(Stat::PassNoService))?;
     // SAFETY: a map value valid for this program run; copied out at once.
     let (service, service_port, flags) = unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
-    if flags != 0 {
+    if flags & !(CT_FLAG_REMAP | CT_FLAG_DIRECT) != 0 {
         // Hairpin flows quote the hairpin address; source-NATed ones reach the
         // node, not a pod (see `unnat_snat_error`).
         return Err(Verdict::Pass(Stat::PassNoService));
     }
-    quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, service)?;
+    if flags & CT_FLAG_REMAP != 0 {
+        // The client's socket knows its own port, not the remapped one.
+        let client = snat::reverse(&quote.reply_key()).ok_or(Verdict::Pass(Stat::PassNoService))?;
+        quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
+    }
+    if service != quote.daddr {
+        quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, service)?;
+    }
     quoted_port(ctx, &error, QUOTE_OFF_DPORT, quote.dport, service_port)?;
     let source = outer_saddr(&error);
     if source == quote.daddr {

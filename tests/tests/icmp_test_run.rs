@@ -354,3 +354,28 @@ fn refusals_are_never_sent_for_link_layer_broadcasts() {
     assert_eq!(h.stat(Stat::RejectUnanswerable), 6);
     assert_eq!((h.stat(Stat::RejectTcp), h.stat(Stat::RejectUdp)), (0, 0));
 }
+
+/// An error about a flow whose source port was remapped (the client reused a port for the pod it
+/// had reached through the Service, while that flow was live) quotes the remapped port; the
+/// client's socket knows only its own, so the quote gets it back — byte for byte the error the
+/// pod would have sent about the packet the client sent.
+#[test]
+fn on_pod_egress_an_error_about_a_remapped_flow_quotes_the_clients_own_port() {
+    let h = Harness::new();
+    let (_, via_service) = h.ingress(&Packet::tcp(CLIENT, 40100, WEB_VIP, 80, TCP_SYN).frame());
+    let backend: [u8; 4] = via_service[30..34].try_into().unwrap();
+    let backend_port = u16::from_be_bytes([via_service[36], via_service[37]]);
+    let remapped_before = h.stat(Stat::PortRemapped);
+    let direct = Packet::tcp(CLIENT, 40100, backend, backend_port, TCP_SYN).frame();
+    let (ret, sent) = h.ingress(&direct);
+    assert_eq!(ret, PASS);
+    assert_eq!(h.stat(Stat::PortRemapped), remapped_before + 1, "the live flow's reply tuple is taken");
+    let remapped = u16::from_be_bytes([sent[34], sent[35]]);
+    assert_ne!(remapped, 40100);
+
+    let error = icmp_error(backend, CLIENT, 3, 3, &sent[14..14 + 28]);
+    let (ret, out) = h.egress(&error);
+    assert_eq!(ret, PASS);
+    assert_eq!(out, icmp_error(backend, CLIENT, 3, 3, &direct[14..14 + 28]));
+    assert!(icmp_checksums_valid(&out));
+}
