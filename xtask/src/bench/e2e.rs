@@ -79,6 +79,7 @@ fn web_svc(target_port: u16) -> Svc {
         proto: "TCP",
         port_name: "http",
         target_port,
+        node_port: None,
         endpoints: vec![WEB_IP],
     }
 }
@@ -92,6 +93,7 @@ fn dns_svc() -> Svc {
         proto: "UDP",
         port_name: "dns",
         target_port: 53,
+        node_port: None,
         endpoints: vec![DNS_IP],
     }
 }
@@ -319,7 +321,28 @@ impl Bench<'_> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             self.check_vip()?;
-            Ok(self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP))
+            if socket_lb.is_some() {
+                return Ok(self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP));
+            }
+            // Port reuse: the client's new connections to the backend pod's own address reuse
+            // the source ports of the ClusterIP connections just closed, whose conntrack entries
+            // are still there (closing, 10 s). Their replies must not be un-NATed; when they
+            // were, this ran at 6–8 connections per second.
+            let pod_url = format!("http://{WEB_IP}:{port}/");
+            let before = self.wrk(&pod_url, true);
+            let row = self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP);
+            let after = self.wrk(&pod_url, true);
+            let show = |r: &Result<f64>| {
+                r.as_ref().map_or_else(|e| format!("failed ({e:#})"), |v| format!("{v:.0}"))
+            };
+            self.notes.push(format!(
+                "Port reuse, N={services}: new connections to the backend pod's own address with kproxy attached, \
+                 {} conn/s before the ClusterIP load and {} conn/s right after it (its closing entries still in \
+                 conntrack).",
+                show(&before),
+                show(&after)
+            ));
+            Ok(row)
         })();
         let _ = agent.terminate(Duration::from_secs(5));
         result
