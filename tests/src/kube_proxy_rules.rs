@@ -13,8 +13,9 @@
 //!
 //! Both follow kube-proxy's proxiers (pkg/proxy/iptables and pkg/proxy/nftables, v1.31+, IPv4,
 //! `--masquerade-all=false`, a cluster CIDR for the local-traffic detector); only the chain-name
-//! hashes differ (any stable hash gives the same rule shapes). NodePorts, external IPs, load
-//! balancers and session affinity are not generated. UDP conntrack clean-up, which kube-proxy does
+//! hashes differ (any stable hash gives the same rule shapes). NodePorts are generated with
+//! `externalTrafficPolicy: Cluster` (masqueraded); external IPs, load balancers, traffic policy
+//! Local and session affinity are not. UDP conntrack clean-up, which kube-proxy does
 //! after each sync, is not a rule: see [`stale_udp_entries`].
 use std::{fmt::Write as _, net::Ipv4Addr};
 
@@ -37,6 +38,8 @@ pub struct Svc {
     pub proto: &'static str,
     pub port_name: &'static str,
     pub target_port: u16,
+    /// The port's NodePort (reached on every local address, masqueraded: policy Cluster).
+    pub node_port: Option<u16>,
     pub endpoints: Vec<Ipv4Addr>,
 }
 
@@ -62,6 +65,7 @@ pub fn filler(i: u32) -> Svc {
         proto: "TCP",
         port_name: "http",
         target_port: 8080,
+        node_port: None,
         endpoints: (0..3).map(|j| add(Ipv4Addr::new(10, 128, 0, 1), i * 3 + j)).collect(),
     }
 }
@@ -172,6 +176,19 @@ pub fn kube_proxy_ruleset(svcs: &[Svc], cluster_cidr: &str) -> String {
             "-A {svc_chain} ! -s {cluster_cidr} -d {}/32 -p {proto} -m comment --comment \"{spn} cluster IP\" -m {proto} --dport {} -j KUBE-MARK-MASQ",
             svc.vip, svc.port
         );
+        if let Some(node_port) = svc.node_port {
+            let ext_chain = format!("KUBE-EXT-{}", chain_hash(&format!("{spn}{}", svc.proto)));
+            let _ = writeln!(chains, ":{ext_chain} - [0:0]");
+            let _ = writeln!(
+                rules,
+                "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"{spn}\" -m {proto} --dport {node_port} -j {ext_chain}"
+            );
+            let _ = writeln!(
+                svc_rules,
+                "-A {ext_chain} -m comment --comment \"masquerade traffic for {spn} external destinations\" -j KUBE-MARK-MASQ"
+            );
+            let _ = writeln!(svc_rules, "-A {ext_chain} -j {svc_chain}");
+        }
         let k = svc.endpoints.len();
         for (i, ep) in svc.endpoints.iter().enumerate() {
             let sep_chain = format!("KUBE-SEP-{}", chain_hash(&format!("{spn}{}{ep}", svc.proto)));
@@ -254,6 +271,13 @@ pub fn kube_proxy_filter_ruleset(svcs: &[Svc]) -> String {
             svc.port_name_string(),
             svc.port
         );
+        if let Some(node_port) = svc.node_port {
+            let _ = writeln!(
+                out,
+                "-A KUBE-EXTERNAL-SERVICES -p {proto} -m comment --comment \"{} has no endpoints\" -m addrtype --dst-type LOCAL -m {proto} --dport {node_port} -j REJECT --reject-with icmp-port-unreachable",
+                svc.port_name_string()
+            );
+        }
     }
     let _ = writeln!(out, "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP");
     let _ = writeln!(
@@ -363,9 +387,17 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
                 .collect()
         )
     ));
-    line(
-        "map no-endpoint-nodeports { type inet_proto . inet_service : verdict; comment \"vmap to drop or reject packets to service nodeports with no endpoints\"; }",
-    );
+    line(&format!(
+        "map no-endpoint-nodeports {{ type inet_proto . inet_service : verdict; comment \"vmap to drop or reject packets to service nodeports with no endpoints\";{} }}",
+        elements(
+            svcs.iter()
+                .filter(|s| s.endpoints.is_empty())
+                .filter_map(|s| s
+                    .node_port
+                    .map(|n| format!("{} . {n} : goto reject-chain", s.proto.to_ascii_lowercase())))
+                .collect()
+        )
+    ));
     line(
         "map firewall-ips { type ipv4_addr . inet_proto . inet_service : verdict; comment \"destinations that are subject to LoadBalancerSourceRanges\"; }",
     );
@@ -384,7 +416,23 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
                 .collect()
         )
     ));
-    line("map service-nodeports { type inet_proto . inet_service : verdict; comment \"NodePort traffic\"; }");
+    line(&format!(
+        "map service-nodeports {{ type inet_proto . inet_service : verdict; comment \"NodePort traffic\";{} }}",
+        elements(
+            svcs.iter()
+                .filter(|s| !s.endpoints.is_empty())
+                .filter_map(|s| {
+                    s.node_port.map(|n| {
+                        format!(
+                            "{} . {n} : goto external-{}",
+                            s.proto.to_ascii_lowercase(),
+                            nft_chain_base(s)
+                        )
+                    })
+                })
+                .collect()
+        )
+    ));
     let regular: Vec<(&str, Vec<String>)> = vec![
         ("firewall-check", vec!["ip daddr . meta l4proto . th dport vmap @firewall-ips".into()]),
         ("service-endpoints-check", vec!["ip daddr . meta l4proto . th dport vmap @no-endpoint-services".into()]),
@@ -451,6 +499,12 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
                 format!("numgen random mod {} vmap {{ {} }}", svc.endpoints.len(), picks.join(", ")),
             ],
         );
+        if svc.node_port.is_some() {
+            chain(
+                &format!("external-{base}"),
+                &["jump mark-for-masquerade".into(), format!("goto service-{base}")],
+            );
+        }
         for ep in &svc.endpoints {
             chain(
                 &endpoint_chain(ep),
@@ -552,6 +606,20 @@ mod tests {
         )));
         assert!(text.contains("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP"));
         assert!(text.starts_with("*filter\n") && text.ends_with("COMMIT\n"));
+    }
+
+    #[test]
+    fn node_ports_are_masqueraded_and_rejected_without_endpoints() {
+        let svcs =
+            [Svc { node_port: Some(30080), ..filler(0) }, Svc { node_port: Some(30081), ..empty_svc() }];
+        let iptables = kube_proxy_iptables(&svcs, "10.244.0.0/16");
+        assert!(iptables.contains("-m tcp --dport 30080 -j KUBE-EXT-"), "{iptables}");
+        assert_eq!(iptables.matches("external destinations\" -j KUBE-MARK-MASQ").count(), 1, "{iptables}");
+        assert!(iptables.contains("--dst-type LOCAL -m tcp --dport 30081 -j REJECT"), "{iptables}");
+        let nft = kube_proxy_nftables(&svcs, "10.244.0.0/16", "10.96.0.0/12");
+        assert!(nft.contains("tcp . 30080 : goto external-"), "{nft}");
+        assert!(nft.contains("tcp . 30081 : goto reject-chain"), "{nft}");
+        assert!(nft.contains("jump mark-for-masquerade\n        goto service-"), "{nft}");
     }
 
     #[test]

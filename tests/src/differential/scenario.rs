@@ -35,6 +35,8 @@ pub enum Dst {
     ServerOf(usize),
     /// Pod `name`'s own address, `port`.
     Pod(&'static str, u16),
+    /// The node's address, `port` (a NodePort).
+    Node(u16),
     /// Any address.
     Addr(Ipv4Addr, u16),
 }
@@ -49,6 +51,11 @@ pub fn server_of(step: usize) -> Dst {
 
 pub fn pod(name: &'static str, port: u16) -> Dst {
     Dst::Pod(name, port)
+}
+
+/// NodePort `port` on the node's address.
+pub fn node_port(port: u16) -> Dst {
+    Dst::Node(port)
 }
 
 /// A pod named directly or as the answer of an earlier step.
@@ -194,12 +201,24 @@ pub enum Oracle {
     Both,
 }
 
+/// A part of an [`super::Observation`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Field {
+    Outcome,
+    Server,
+    Peer,
+    /// The client address the server saw.
+    Seen,
+    Bytes,
+}
+
 /// A difference from an oracle that is explained (kproxy is right, or the oracle's behaviour is
-/// an artefact of the sandbox); the reason is printed with it.
+/// an artefact of the sandbox): only `field` may differ at `step`; the reason is printed with it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Allowed {
     pub step: usize,
     pub oracle: Oracle,
+    pub field: Field,
     pub why: &'static str,
 }
 
@@ -293,15 +312,17 @@ impl Scenario {
         self
     }
 
-    /// Allows a difference from `oracle` at `step`, for the reason given.
-    pub fn allow(mut self, step: usize, oracle: Oracle, why: &'static str) -> Self {
+    /// Allows `field` of `step` to differ from `oracle`, for the reason given.
+    pub fn allow(mut self, step: usize, oracle: Oracle, field: Field, why: &'static str) -> Self {
         assert!(step < self.steps.len(), "{}: allow() for step {step}, which does not exist", self.name);
-        self.allowed.push(Allowed { step, oracle, why });
+        self.allowed.push(Allowed { step, oracle, field, why });
         self
     }
 
-    /// The explanation for a difference from `oracle` at `step`, if one was given.
-    pub fn allowance(&self, step: usize, oracle: Oracle) -> Option<&Allowed> {
-        self.allowed.iter().find(|a| a.step == step && (a.oracle == oracle || a.oracle == Oracle::Both))
+    /// The explanations given for differences from `oracle` at `step`.
+    pub fn allowances(&self, step: usize, oracle: Oracle) -> impl Iterator<Item = &Allowed> {
+        self.allowed
+            .iter()
+            .filter(move |a| a.step == step && (a.oracle == oracle || a.oracle == Oracle::Both))
     }
 }

@@ -30,6 +30,8 @@ pub struct PortSpec {
     pub port: u16,
     pub proto: Proto,
     pub target_port: u16,
+    /// Makes the Service `type: NodePort` (`externalTrafficPolicy: Cluster`).
+    pub node_port: Option<u16>,
 }
 
 /// One endpoint of a Service's EndpointSlice, with its conditions.
@@ -72,14 +74,21 @@ impl ServiceSpec {
         let ports: Vec<Value> = self
             .ports
             .iter()
-            .map(|p| json!({"name": p.name, "port": p.port, "protocol": p.proto.k8s(), "targetPort": p.target_port}))
+            .map(|p| {
+                let mut port = json!({"name": p.name, "port": p.port, "protocol": p.proto.k8s(), "targetPort": p.target_port});
+                if let Some(node_port) = p.node_port {
+                    port["nodePort"] = node_port.into();
+                }
+                port
+            })
             .collect();
+        let kind = if self.ports.iter().any(|p| p.node_port.is_some()) { "NodePort" } else { "ClusterIP" };
         let service = json!({
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {"name": self.name, "namespace": self.namespace},
             "spec": {
-                "type": "ClusterIP",
+                "type": kind,
                 "clusterIP": self.cluster_ip.to_string(),
                 "clusterIPs": [self.cluster_ip.to_string()],
                 "ports": ports,
@@ -159,6 +168,7 @@ impl ClusterSpec {
                     proto: p.proto.k8s(),
                     port_name: p.name,
                     target_port: p.target_port,
+                    node_port: p.node_port,
                     endpoints: endpoints.clone(),
                 })
             })

@@ -174,6 +174,7 @@ fn measured_service() -> rules::Svc {
         proto: "TCP",
         port_name: "http",
         target_port: BACKEND_PORT,
+        node_port: None,
         endpoints: BACKENDS.iter().map(|b| Ipv4Addr::from(*b)).collect(),
     }
 }
