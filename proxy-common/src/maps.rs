@@ -227,8 +227,19 @@ pub struct SnatEntryV4 {
     pub _pad: [u8; 2],
 }
 
-/// The key of the forward SNAT entry of a flow DNATed to `backend`.
-pub const fn snat_forward_key(forward: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) -> CtKeyV4 {
+/// The key of the forward SNAT entry of a flow: its own forward (pre-DNAT)
+/// tuple, as its conntrack entry's. Two flows from one client port to one
+/// backend through different frontends (two Services; a cluster IP and a
+/// NodePort) have different ones; keyed by the tuple after DNAT, the second
+/// overwrote the first's translation and both left with one port.
+pub const fn snat_forward_key(forward: &CtKeyV4) -> CtKeyV4 {
+    *forward
+}
+
+/// Where kproxy before the per-flow key kept a flow's forward SNAT entry
+/// (the tuple after DNAT): still read, so flows translated before an upgrade
+/// keep theirs.
+pub const fn legacy_snat_forward_key(forward: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) -> CtKeyV4 {
     CtKeyV4 {
         saddr: forward.saddr,
         daddr: backend,
@@ -628,9 +639,10 @@ mod tests {
             _pad: [0; 2],
         };
         let backend = [10, 244, 1, 5];
-        let fwd = snat_forward_key(&forward, backend, 80u16.to_be_bytes());
+        assert_eq!(snat_forward_key(&forward), forward, "one per flow, whatever its backend");
+        let legacy = legacy_snat_forward_key(&forward, backend, 80u16.to_be_bytes());
         assert_eq!(
-            (fwd.saddr, fwd.daddr, fwd.sport, fwd.dport),
+            (legacy.saddr, legacy.daddr, legacy.sport, legacy.dport),
             (forward.saddr, backend, forward.sport, 80u16.to_be_bytes())
         );
         let reply =

@@ -36,7 +36,7 @@ fn reply_key(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4])
         key.daddr = *hairpin_addr;
     }
     if reply_key_in_snat(forward.flags)
-        && let Some(to_node) = snat::forward(forward_key, forward.nat_addr, forward.nat_port)
+        && let Some(to_node) = snat::forward(forward_key, forward.nat_addr, forward.nat_port, forward.flags)
     {
         key =
             snat_reply_key(forward_key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);
@@ -66,7 +66,7 @@ pub fn expired(forward_key: &CtKeyV4, forward: &CtEntryV4, config: &Config, now:
 #[inline(always)]
 pub fn keep_reply(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u8; 4]) {
     if reply_key_in_snat(forward.flags)
-        && snat::forward(forward_key, forward.nat_addr, forward.nat_port).is_none()
+        && snat::forward(forward_key, forward.nat_addr, forward.nat_port, forward.flags).is_none()
     {
         return;
     }
@@ -91,7 +91,7 @@ pub fn remove_pair(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u
     let _ = CONNTRACK_V4.remove(reply_key(forward_key, forward, hairpin_addr));
     let _ = CONNTRACK_V4.remove(*forward_key);
     if reply_key_in_snat(forward.flags) {
-        snat::remove(forward_key, forward.nat_addr, forward.nat_port);
+        snat::remove(forward_key, forward.nat_addr, forward.nat_port, forward.flags);
     }
 }
 
@@ -112,8 +112,10 @@ pub fn claim(flow: &Flow, reply_key: &CtKeyV4, now: u64) -> Option<Clash> {
     let config = crate::config::get();
     // The flow the reply entry belongs to, if its forward entry is still
     // there and still that flow's (pointing back at the reply's source).
+    // A hairpin flow's client is its backend; its replies go to the hairpin address.
+    let client = if reply_flags & CT_FLAG_HAIRPIN != 0 { reply_key.saddr } else { reply_key.daddr };
     let mut forward_key = CtKeyV4 {
-        saddr: reply_key.daddr,
+        saddr: client,
         daddr: nat_addr,
         sport: reply_key.dport,
         dport: nat_port,
@@ -123,11 +125,11 @@ pub fn claim(flow: &Flow, reply_key: &CtKeyV4, now: u64) -> Option<Clash> {
     };
     let mut forward: *mut CtEntryV4 = core::ptr::null_mut();
     let remapped = reply_flags & CT_FLAG_REMAP != 0;
-    let client = if remapped { SNAT_V4.get_ptr(reply_key) } else { None };
-    if !remapped || client.is_some() {
-        if let Some(client) = client {
+    let original = if remapped { SNAT_V4.get_ptr(reply_key) } else { None };
+    if !remapped || original.is_some() {
+        if let Some(original) = original {
             // SAFETY: as above.
-            forward_key.sport = unsafe { (*client).port };
+            forward_key.sport = unsafe { (*original).port };
         }
         if let Some(ptr) = lookup(&forward_key)
             // SAFETY: as above.
@@ -258,6 +260,16 @@ impl ReplyTo {
         ReplyTo { port, flags, ..Self::CLIENT }
     }
 
+    /// The same translation with the client's port remapped too.
+    pub const fn with_port(self, port: [u8; 2]) -> Self {
+        ReplyTo { port, flags: self.flags | CT_FLAG_REMAP, ..self }
+    }
+
+    /// The address the client's replies are sent to: its own, or the hairpin one.
+    pub const fn client_addr(&self, client: [u8; 4]) -> [u8; 4] {
+        if self.is(CT_FLAG_HAIRPIN) { self.addr } else { client }
+    }
+
     pub const fn is(&self, flag: u8) -> bool {
         self.flags & flag != 0
     }
@@ -306,7 +318,8 @@ pub fn create(
             reply_to.addr,
             reply_to.port,
         );
-    } else if reply_to.is(CT_FLAG_REMAP) {
+    }
+    if reply_to.is(CT_FLAG_REMAP) {
         reply_key.dport = reply_to.port;
     }
     let flags = reply_to.flags;

@@ -244,9 +244,11 @@ fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
             };
             plan_new_flow::<EXTERNAL>(ctx, &flow, &found, &mut plan)?;
             let backend = &plan.choice.backend;
-            let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
-            if plan.reply_to.flags == 0 && conntrack::claim(&flow, &reply_key, found.now).is_some() {
-                plan.reply_to = ReplyTo::remap([0; 2], false);
+            let mut reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
+            reply_key.daddr = plan.reply_to.client_addr(reply_key.daddr);
+            // Source-NATed flows have ports of their own, taken free.
+            if !plan.reply_to.is(CT_FLAG_SNAT) && conntrack::claim(&flow, &reply_key, found.now).is_some() {
+                plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
             new_flow(ctx, &flow, &found, &plan)
         }
@@ -307,7 +309,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
             }
             return Step::Refuse;
         }
-        if !EXTERNAL && flow.has_l4_header() {
+        if flow.has_l4_header() {
             return Step::Direct;
         }
         return Step::Pass(Stat::PassNoService);
@@ -366,7 +368,7 @@ fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Ve
         slot: 0,
     };
     if let Err(e) = conntrack::create(flow, &key, &choice, 0, found.now, ReplyTo::remap(port, true)) {
-        snat::remove(&key, flow.daddr, flow.dport);
+        snat::remove(&key, flow.daddr, flow.dport, CT_FLAG_REMAP);
         return Err(e);
     }
     nat::rewrite_source_port(ctx, flow, port)?;
@@ -389,7 +391,7 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
     conntrack::keep_reply(key, &entry_copy, &hairpin_addr);
     let hairpin = entry_copy.flags & CT_FLAG_HAIRPIN != 0;
     let to_node = if reply_key_in_snat(entry_copy.flags) {
-        snat::forward(key, entry_copy.nat_addr, entry_copy.nat_port)
+        snat::forward(key, entry_copy.nat_addr, entry_copy.nat_port, entry_copy.flags)
     } else {
         None
     };
@@ -411,6 +413,10 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
         events::emit(event);
     }
     if hairpin {
+        if entry_copy.flags & CT_FLAG_REMAP != 0 {
+            let to = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
+            nat::rewrite_source_port(ctx, flow, to.port)?;
+        }
         nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         return Ok(Done::Bounce);
     }
@@ -495,12 +501,13 @@ fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPl
     if reply_to.is(CT_FLAG_REMAP) {
         // A live flow of this client already has the reply tuple (the same
         // backend through another Service, or directly from this port).
-        let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, flow.saddr, now)?;
-        reply_to = ReplyTo::remap(port, false);
+        let client = reply_to.client_addr(flow.saddr);
+        let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, client, now)?;
+        reply_to = reply_to.with_port(port);
     }
     if let Err(e) = conntrack::create(flow, key, choice, frontend.rev_nat_id, now, reply_to) {
         if reply_key_in_snat(reply_to.flags) {
-            snat::remove(key, choice.backend.addr, choice.backend.port);
+            snat::remove(key, choice.backend.addr, choice.backend.port, reply_to.flags);
         }
         return Err(e);
     }
@@ -536,14 +543,16 @@ fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPl
         event.rev_nat_id = frontend.rev_nat_id;
         events::emit(event);
     }
+    if reply_to.is(CT_FLAG_REMAP) {
+        nat::rewrite_source_port(ctx, flow, reply_to.port)?;
+        stats::count(Stat::PortRemapped);
+    }
     if hairpin {
         nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         stats::count(Stat::Hairpin);
         return Ok(Done::Bounce);
     }
     if reply_to.is(CT_FLAG_REMAP) {
-        nat::rewrite_source_port(ctx, flow, reply_to.port)?;
-        stats::count(Stat::PortRemapped);
         return Ok(Done::Next);
     }
     if reply_to.is(CT_FLAG_SNAT) {
@@ -616,16 +625,22 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
     let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
-    let (vip, vip_port) = unsafe {
+    let (vip, vip_port, flags) = unsafe {
         conntrack::touch(entry, flow, CT_DIR_REPLY, now);
-        ((*entry).nat_addr, (*entry).nat_port)
+        ((*entry).nat_addr, (*entry).nat_port, (*entry).flags)
+    };
+    let client_port = if flags & CT_FLAG_REMAP != 0 {
+        snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?.port
+    } else {
+        flow.dport
     };
     nat::rewrite_source(ctx, flow, vip, vip_port)?;
     nat::rewrite_destination_addr(ctx, flow, flow.daddr, flow.saddr)?;
+    nat::rewrite_destination_port(ctx, flow, client_port)?;
     stats::count(Stat::ReverseNat);
     if events::enabled() {
         // SAFETY: as in `ingress`.
-        events::emit_unnat(flow, unsafe { &*entry }, (vip, vip_port), (flow.saddr, flow.dport), now);
+        events::emit_unnat(flow, unsafe { &*entry }, (vip, vip_port), (flow.saddr, client_port), now);
     }
     Ok(Done::Bounce)
 }

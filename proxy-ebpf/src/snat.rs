@@ -5,7 +5,10 @@
 //! flows never share a translation.
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    maps::{CtKeyV4, SNAT_PORT_ATTEMPTS, SnatEntryV4, snat_forward_key, snat_port_candidate, snat_reply_key},
+    maps::{
+        CT_FLAG_REMAP, CtKeyV4, SNAT_PORT_ATTEMPTS, SnatEntryV4, legacy_snat_forward_key, snat_forward_key,
+        snat_port_candidate, snat_reply_key,
+    },
     stats::Stat,
 };
 
@@ -40,7 +43,7 @@ pub fn allocate(
         }
         if SNAT_V4.insert(reverse, to_client, u64::from(BPF_NOEXIST)).is_ok() {
             let to_node = SnatEntryV4 { created_ns: now, addr: node_addr, port, _pad: [0; 2] };
-            let forward = snat_forward_key(forward_key, backend, backend_port);
+            let forward = snat_forward_key(forward_key);
             if SNAT_V4.insert(forward, to_node, 0).is_err() {
                 let _ = SNAT_V4.remove(reverse);
                 return Err(Verdict::Drop(Stat::ConntrackInsertFailed));
@@ -52,10 +55,36 @@ pub fn allocate(
 }
 
 /// The node address and port a flow sent to `backend` was translated to.
+/// `flags` are the flow's: one source-NATed by a kproxy from before the
+/// per-flow key may still have its translation under the legacy key (never a
+/// remapped one, which did not exist then).
 #[inline(always)]
-pub fn forward(forward_key: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) -> Option<SnatEntryV4> {
-    // SAFETY: the value is copied out at once.
-    unsafe { SNAT_V4.get(snat_forward_key(forward_key, backend, backend_port)) }.copied()
+pub fn forward(
+    forward_key: &CtKeyV4,
+    backend: [u8; 4],
+    backend_port: [u8; 2],
+    flags: u8,
+) -> Option<SnatEntryV4> {
+    forward_entry(forward_key, backend, backend_port, flags).map(|(entry, _)| entry)
+}
+
+/// [`forward`], and whether it was found under the legacy key.
+#[inline(always)]
+fn forward_entry(
+    forward_key: &CtKeyV4,
+    backend: [u8; 4],
+    backend_port: [u8; 2],
+    flags: u8,
+) -> Option<(SnatEntryV4, bool)> {
+    // SAFETY: the values are copied out at once.
+    if let Some(entry) = unsafe { SNAT_V4.get(snat_forward_key(forward_key)) } {
+        return Some((*entry, false));
+    }
+    if flags & CT_FLAG_REMAP != 0 {
+        return None;
+    }
+    // SAFETY: as above.
+    unsafe { SNAT_V4.get(legacy_snat_forward_key(forward_key, backend, backend_port)) }.map(|e| (*e, true))
 }
 
 /// The client a reply (keyed by its own tuple) goes back to.
@@ -65,19 +94,19 @@ pub fn reverse(reply_key: &CtKeyV4) -> Option<SnatEntryV4> {
     unsafe { SNAT_V4.get(reply_key) }.copied()
 }
 
-/// Forgets both directions of a translation.
+/// Forgets both directions of a translation (`flags` as for [`forward`]).
+/// The legacy key is removed only when the translation was found under it:
+/// the same bytes may be another flow's own key.
 #[inline(always)]
-pub fn remove(forward_key: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2]) {
-    let forward = snat_forward_key(forward_key, backend, backend_port);
-    // SAFETY: as above.
-    if let Some(to_node) = unsafe { SNAT_V4.get(forward) }.copied() {
-        let _ = SNAT_V4.remove(snat_reply_key(
-            forward_key.proto,
-            backend,
-            backend_port,
-            to_node.addr,
-            to_node.port,
-        ));
+pub fn remove(forward_key: &CtKeyV4, backend: [u8; 4], backend_port: [u8; 2], flags: u8) {
+    let Some((to_node, legacy)) = forward_entry(forward_key, backend, backend_port, flags) else {
+        return;
+    };
+    let _ =
+        SNAT_V4.remove(snat_reply_key(forward_key.proto, backend, backend_port, to_node.addr, to_node.port));
+    if legacy {
+        let _ = SNAT_V4.remove(legacy_snat_forward_key(forward_key, backend, backend_port));
+    } else {
+        let _ = SNAT_V4.remove(snat_forward_key(forward_key));
     }
-    let _ = SNAT_V4.remove(forward);
 }

@@ -307,7 +307,8 @@ fn established(
     {
         return Err(Stat::PassNoService);
     }
-    let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port).ok_or(Stat::PassNoService)?;
+    let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port, entry_copy.flags)
+        .ok_or(Stat::PassNoService)?;
     let route = route_back_out(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow)?;
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
@@ -383,7 +384,7 @@ fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> 
     if conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::snat(node_addr, port))
         .is_err()
     {
-        snat::remove(&key, backend.addr, backend.port);
+        snat::remove(&key, backend.addr, backend.port, CT_FLAG_SNAT);
         return Err(Stat::ConntrackInsertFailed);
     }
     *out = Translation {

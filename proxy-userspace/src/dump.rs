@@ -223,11 +223,7 @@ pub fn conntrack_rows(
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
         let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
         if proxy_common::maps::reply_key_in_snat(fwd.flags)
-            && let Some(to_node) = snat.get(&crate::gc::key_ord(&proxy_common::maps::snat_forward_key(
-                key,
-                fwd.nat_addr,
-                fwd.nat_port,
-            )))
+            && let Some(to_node) = snat.get(&crate::gc::key_ord(&proxy_common::maps::snat_forward_key(key)))
         {
             source = (to_node.addr, to_node.port);
         }

@@ -60,7 +60,7 @@ pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], sn
         key.daddr = hairpin_addr;
     }
     if reply_key_in_snat(entry.flags)
-        && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward, entry.nat_addr, entry.nat_port)))
+        && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward)))
     {
         key = snat_reply_key(forward.proto, entry.nat_addr, entry.nat_port, to_node.addr, to_node.port);
     }
@@ -343,7 +343,7 @@ fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
 
 /// Deletes both SNAT_V4 entries of a source-NATed flow.
 fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) {
-    let key = snat_forward_key(forward_key, forward.nat_addr, forward.nat_port);
+    let key = snat_forward_key(forward_key);
     if let Ok(to_node) = maps.snat.get(&key, 0) {
         let reverse =
             snat_reply_key(key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);

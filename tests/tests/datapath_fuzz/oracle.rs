@@ -488,7 +488,8 @@ impl Oracle {
         let hairpin = side == Side::Pod && fields.dst == t.src;
         let snat = side == Side::External && fields.src == NODE;
         let shape_ok = if hairpin {
-            fields.src == HAIRPIN && sport == t.sport && verdict == Verdict::Redirect && bounce
+            // A remapped port too when another flow has the hairpin reply tuple.
+            fields.src == HAIRPIN && (sport == t.sport || in_snat_range(sport)) && verdict == Verdict::Redirect && bounce
         } else if snat {
             in_snat_range(sport) && verdict == Verdict::Redirect
         } else {
@@ -507,9 +508,10 @@ impl Oracle {
             );
         }
         let wire = Tuple::new(fields.src, sport, fields.dst, dport, t.proto);
-        let remapped = !snat && !hairpin && sport != t.sport;
+        let remapped = !snat && sport != t.sport;
         if remapped {
-            let natural = Tuple::new(fields.dst, dport, t.src, t.sport, t.proto);
+            let client = if hairpin { HAIRPIN } else { t.src };
+            let natural = Tuple::new(fields.dst, dport, client, t.sport, t.proto);
             if self.flow_owner(&natural).is_none() {
                 return fail(
                     "source port remapped without a clash",
