@@ -615,9 +615,12 @@ fn load_balancer_source_ranges_drop_other_clients_but_not_the_node_port() {
     cluster
         .whoami(&format!("http://{node0}:30082/whoami"), &["--interface", &OTHER_CLIENT.to_string()])
         .expect("the NodePort of a Service with source ranges is open");
-    // Pods inside the cluster reach the LB IP whatever its ranges say.
-    let page = cluster._pods[0].curl(&url).unwrap();
-    assert!(page.contains(&WEB_A.to_string()) || page.contains(&WEB_B.to_string()), "{page}");
+    // A pod outside the ranges is dropped too: kube-proxy filters every source before DNAT, so
+    // the allow-list cannot be bypassed from inside the cluster.
+    let before = cluster.stat(0, "drop_source_range");
+    let from_pod = cluster._pods[0].curl(&url);
+    assert!(from_pod.is_err(), "a pod outside loadBalancerSourceRanges got through: {from_pod:?}");
+    assert!(cluster.stat(0, "drop_source_range") > before);
 }
 
 #[test]
