@@ -13,9 +13,9 @@
 //!
 //! Both follow kube-proxy's proxiers (pkg/proxy/iptables and pkg/proxy/nftables, v1.31+, IPv4,
 //! `--masquerade-all=false`, a cluster CIDR for the local-traffic detector); only the chain-name
-//! hashes differ (any stable hash gives the same rule shapes). NodePorts are generated with
-//! `externalTrafficPolicy: Cluster` (masqueraded); external IPs, load balancers, traffic policy
-//! Local and session affinity are not. UDP conntrack clean-up, which kube-proxy does
+//! hashes differ (any stable hash gives the same rule shapes). NodePorts and load-balancer IPs
+//! (with `loadBalancerSourceRanges`) are generated with `externalTrafficPolicy: Cluster`
+//! (masqueraded); external IPs, traffic policy Local and session affinity are not. UDP conntrack clean-up, which kube-proxy does
 //! after each sync, is not a rule: see [`stale_udp_entries`].
 use std::{fmt::Write as _, net::Ipv4Addr};
 
@@ -40,6 +40,10 @@ pub struct Svc {
     pub target_port: u16,
     /// The port's NodePort (reached on every local address, masqueraded: policy Cluster).
     pub node_port: Option<u16>,
+    /// `status.loadBalancer.ingress` IPs (policy Cluster: masqueraded like NodePorts).
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges`: only these sources reach the load-balancer IPs.
+    pub source_ranges: Vec<String>,
     pub endpoints: Vec<Ipv4Addr>,
 }
 
@@ -66,6 +70,8 @@ pub fn filler(i: u32) -> Svc {
         port_name: "http",
         target_port: 8080,
         node_port: None,
+        load_balancer_ips: Vec::new(),
+        source_ranges: Vec::new(),
         endpoints: (0..3).map(|j| add(Ipv4Addr::new(10, 128, 0, 1), i * 3 + j)).collect(),
     }
 }
@@ -176,18 +182,40 @@ pub fn kube_proxy_ruleset(svcs: &[Svc], cluster_cidr: &str) -> String {
             "-A {svc_chain} ! -s {cluster_cidr} -d {}/32 -p {proto} -m comment --comment \"{spn} cluster IP\" -m {proto} --dport {} -j KUBE-MARK-MASQ",
             svc.vip, svc.port
         );
-        if let Some(node_port) = svc.node_port {
+        if svc.node_port.is_some() || !svc.load_balancer_ips.is_empty() {
             let ext_chain = format!("KUBE-EXT-{}", chain_hash(&format!("{spn}{}", svc.proto)));
             let _ = writeln!(chains, ":{ext_chain} - [0:0]");
-            let _ = writeln!(
-                rules,
-                "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"{spn}\" -m {proto} --dport {node_port} -j {ext_chain}"
-            );
             let _ = writeln!(
                 svc_rules,
                 "-A {ext_chain} -m comment --comment \"masquerade traffic for {spn} external destinations\" -j KUBE-MARK-MASQ"
             );
             let _ = writeln!(svc_rules, "-A {ext_chain} -j {svc_chain}");
+            if let Some(node_port) = svc.node_port {
+                let _ = writeln!(
+                    rules,
+                    "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"{spn}\" -m {proto} --dport {node_port} -j {ext_chain}"
+                );
+            }
+            // With source ranges, KUBE-FW-* sends only the allowed sources on; the rest stays
+            // addressed to the load-balancer IP and KUBE-PROXY-FIREWALL (filter) drops it.
+            let fw_chain = format!("KUBE-FW-{}", chain_hash(&format!("{spn}{}", svc.proto)));
+            if !svc.source_ranges.is_empty() {
+                let _ = writeln!(chains, ":{fw_chain} - [0:0]");
+                for range in &svc.source_ranges {
+                    let _ = writeln!(
+                        svc_rules,
+                        "-A {fw_chain} -s {range} -m comment --comment \"{spn} loadbalancer IP\" -j {ext_chain}"
+                    );
+                }
+            }
+            for lb in &svc.load_balancer_ips {
+                let target = if svc.source_ranges.is_empty() { &ext_chain } else { &fw_chain };
+                let _ = writeln!(
+                    rules,
+                    "-A KUBE-SERVICES -d {lb}/32 -p {proto} -m comment --comment \"{spn} loadbalancer IP\" -m {proto} --dport {} -j {target}",
+                    svc.port
+                );
+            }
         }
         let k = svc.endpoints.len();
         for (i, ep) in svc.endpoints.iter().enumerate() {
@@ -278,6 +306,26 @@ pub fn kube_proxy_filter_ruleset(svcs: &[Svc]) -> String {
                 svc.port_name_string()
             );
         }
+        for lb in &svc.load_balancer_ips {
+            let _ = writeln!(
+                out,
+                "-A KUBE-EXTERNAL-SERVICES -d {lb}/32 -p {proto} -m comment --comment \"{} has no endpoints\" -m {proto} --dport {} -j REJECT --reject-with icmp-port-unreachable",
+                svc.port_name_string(),
+                svc.port
+            );
+        }
+    }
+    for svc in svcs.iter().filter(|s| !s.source_ranges.is_empty()) {
+        let proto = svc.proto.to_ascii_lowercase();
+        let spn = svc.port_name_string();
+        let fw_chain = format!("KUBE-FW-{}", chain_hash(&format!("{spn}{}", svc.proto)));
+        for lb in &svc.load_balancer_ips {
+            let _ = writeln!(
+                out,
+                "-A KUBE-PROXY-FIREWALL -m comment --comment \"{spn} traffic not accepted by {fw_chain}\" -m {proto} -p {proto} -d {lb}/32 --dport {} -j DROP",
+                svc.port
+            );
+        }
     }
     let _ = writeln!(out, "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP");
     let _ = writeln!(
@@ -366,73 +414,68 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
         line("}");
     }
     let vips: std::collections::BTreeSet<Ipv4Addr> = svcs.iter().map(|s| s.vip).collect();
+    // The elements of each verdict map, Service port by Service port.
+    let (mut no_endpoint, mut no_endpoint_node_ports, mut service_ips, mut node_ports, mut firewall) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for svc in svcs {
+        let proto = svc.proto.to_ascii_lowercase();
+        let base = nft_chain_base(svc);
+        let port = svc.port;
+        let lbs = &svc.load_balancer_ips;
+        if svc.endpoints.is_empty() {
+            for ip in std::iter::once(&svc.vip).chain(lbs) {
+                no_endpoint.push(format!("{ip} . {proto} . {port} : goto reject-chain"));
+            }
+            if let Some(n) = svc.node_port {
+                no_endpoint_node_ports.push(format!("{proto} . {n} : goto reject-chain"));
+            }
+        } else {
+            service_ips.push(format!("{} . {proto} . {port} : goto service-{base}", svc.vip));
+            for lb in lbs {
+                service_ips.push(format!("{lb} . {proto} . {port} : goto external-{base}"));
+            }
+            if let Some(n) = svc.node_port {
+                node_ports.push(format!("{proto} . {n} : goto external-{base}"));
+            }
+        }
+        if !svc.source_ranges.is_empty() {
+            for lb in lbs {
+                firewall.push(format!("{lb} . {proto} . {port} : goto firewall-{base}"));
+            }
+        }
+    }
     let elements = |items: Vec<String>| {
         if items.is_empty() { String::new() } else { format!(" elements = {{ {} }};", items.join(", ")) }
     };
+    let map = |name: &str, key: &str, comment: &str, items: Vec<String>| {
+        format!("map {name} {{ type {key} : verdict; comment \"{comment}\";{} }}", elements(items))
+    };
+    let addr_key = "ipv4_addr . inet_proto . inet_service";
+    let port_key = "inet_proto . inet_service";
     line(&format!(
         "set cluster-ips {{ type ipv4_addr; comment \"Active ClusterIPs\";{} }}",
         elements(vips.iter().map(Ipv4Addr::to_string).collect())
     ));
-    line(&format!(
-        "map no-endpoint-services {{ type ipv4_addr . inet_proto . inet_service : verdict; comment \"vmap to drop or reject packets to services with no endpoints\";{} }}",
-        elements(
-            svcs.iter()
-                .filter(|s| s.endpoints.is_empty())
-                .map(|s| format!(
-                    "{} . {} . {} : goto reject-chain",
-                    s.vip,
-                    s.proto.to_ascii_lowercase(),
-                    s.port
-                ))
-                .collect()
-        )
+    line(&map(
+        "no-endpoint-services",
+        addr_key,
+        "vmap to drop or reject packets to services with no endpoints",
+        no_endpoint,
     ));
-    line(&format!(
-        "map no-endpoint-nodeports {{ type inet_proto . inet_service : verdict; comment \"vmap to drop or reject packets to service nodeports with no endpoints\";{} }}",
-        elements(
-            svcs.iter()
-                .filter(|s| s.endpoints.is_empty())
-                .filter_map(|s| s
-                    .node_port
-                    .map(|n| format!("{} . {n} : goto reject-chain", s.proto.to_ascii_lowercase())))
-                .collect()
-        )
+    line(&map(
+        "no-endpoint-nodeports",
+        port_key,
+        "vmap to drop or reject packets to service nodeports with no endpoints",
+        no_endpoint_node_ports,
     ));
-    line(
-        "map firewall-ips { type ipv4_addr . inet_proto . inet_service : verdict; comment \"destinations that are subject to LoadBalancerSourceRanges\"; }",
-    );
-    line(&format!(
-        "map service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\";{} }}",
-        elements(
-            svcs.iter()
-                .filter(|s| !s.endpoints.is_empty())
-                .map(|s| format!(
-                    "{} . {} . {} : goto service-{}",
-                    s.vip,
-                    s.proto.to_ascii_lowercase(),
-                    s.port,
-                    nft_chain_base(s)
-                ))
-                .collect()
-        )
+    line(&map(
+        "firewall-ips",
+        addr_key,
+        "destinations that are subject to LoadBalancerSourceRanges",
+        firewall,
     ));
-    line(&format!(
-        "map service-nodeports {{ type inet_proto . inet_service : verdict; comment \"NodePort traffic\";{} }}",
-        elements(
-            svcs.iter()
-                .filter(|s| !s.endpoints.is_empty())
-                .filter_map(|s| {
-                    s.node_port.map(|n| {
-                        format!(
-                            "{} . {n} : goto external-{}",
-                            s.proto.to_ascii_lowercase(),
-                            nft_chain_base(s)
-                        )
-                    })
-                })
-                .collect()
-        )
-    ));
+    line(&map("service-ips", addr_key, "ClusterIP, ExternalIP and LoadBalancer IP traffic", service_ips));
+    line(&map("service-nodeports", port_key, "NodePort traffic", node_ports));
     let regular: Vec<(&str, Vec<String>)> = vec![
         ("firewall-check", vec!["ip daddr . meta l4proto . th dport vmap @firewall-ips".into()]),
         ("service-endpoints-check", vec!["ip daddr . meta l4proto . th dport vmap @no-endpoint-services".into()]),
@@ -475,6 +518,10 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
     for (name, rules) in &regular {
         chain(name, rules);
     }
+    for svc in svcs.iter().filter(|s| !s.source_ranges.is_empty()) {
+        let ranges = svc.source_ranges.join(", ");
+        chain(&format!("firewall-{}", nft_chain_base(svc)), &[format!("ip saddr != {{ {ranges} }} drop")]);
+    }
     for svc in svcs.iter().filter(|s| !s.endpoints.is_empty()) {
         let proto = svc.proto.to_ascii_lowercase();
         let base = nft_chain_base(svc);
@@ -499,7 +546,7 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
                 format!("numgen random mod {} vmap {{ {} }}", svc.endpoints.len(), picks.join(", ")),
             ],
         );
-        if svc.node_port.is_some() {
+        if svc.node_port.is_some() || !svc.load_balancer_ips.is_empty() {
             chain(
                 &format!("external-{base}"),
                 &["jump mark-for-masquerade".into(), format!("goto service-{base}")],
@@ -620,6 +667,32 @@ mod tests {
         assert!(nft.contains("tcp . 30080 : goto external-"), "{nft}");
         assert!(nft.contains("tcp . 30081 : goto reject-chain"), "{nft}");
         assert!(nft.contains("jump mark-for-masquerade\n        goto service-"), "{nft}");
+    }
+
+    #[test]
+    fn load_balancer_ips_with_source_ranges_pass_only_those_sources() {
+        let lb = Ipv4Addr::new(192, 0, 2, 10);
+        let svc =
+            Svc { load_balancer_ips: vec![lb], source_ranges: vec!["10.244.0.12/32".into()], ..filler(0) };
+        let iptables = kube_proxy_iptables(std::slice::from_ref(&svc), "10.244.0.0/16");
+        let spn = "bench/svc-000000:http";
+        assert!(
+            iptables.contains(&format!(
+                "-A KUBE-SERVICES -d 192.0.2.10/32 -p tcp -m comment --comment \"{spn} loadbalancer IP\" -m tcp --dport 80 -j KUBE-FW-"
+            )),
+            "{iptables}"
+        );
+        assert!(
+            iptables.contains(&format!(
+                "-s 10.244.0.12/32 -m comment --comment \"{spn} loadbalancer IP\" -j KUBE-EXT-"
+            )),
+            "{iptables}"
+        );
+        assert!(iptables.contains("-d 192.0.2.10/32 --dport 80 -j DROP"), "{iptables}");
+        let nft = kube_proxy_nftables(&[svc], "10.244.0.0/16", "10.96.0.0/12");
+        assert!(nft.contains("192.0.2.10 . tcp . 80 : goto external-"), "{nft}");
+        assert!(nft.contains("192.0.2.10 . tcp . 80 : goto firewall-"), "{nft}");
+        assert!(nft.contains("ip saddr != { 10.244.0.12/32 } drop"), "{nft}");
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use sandbox::differential::{
     Change, Dst, Field, Mode, NODE_PORT, Oracle, Place, PodRef, Port, Scenario, StepResult, TERMINATING,
-    UNALLOCATED_IP, UNREADY, World, node_port, pod, server_of, svc,
+    UNALLOCATED_IP, UNREADY, World, lb, node_port, pod, server_of, svc,
 };
 
 const P0: Port = Port::Nth(0);
@@ -35,8 +35,9 @@ const IPTABLES_LEAKS_UNKNOWN_PORTS: &str = "kube-proxy's iptables mode has no ru
     route, as in a cluster to the default gateway) and the client times out; the nftables mode \
     (cluster-ips-check) and kproxy refuse it at once, which is what the Service API asks for";
 
-/// Why kproxy's NodePort backends see the pod's own address where kube-proxy's see the node's.
-const NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED: &str = "kube-proxy masquerades all NodePort traffic \
+/// Why kproxy's NodePort and load-balancer backends see the pod's own address where kube-proxy's
+/// see the node's.
+const LOCAL_BACKEND_NOT_MASQUERADED: &str = "kube-proxy masquerades all NodePort and load-balancer traffic \
     (externalTrafficPolicy: Cluster) so that a remote backend's replies come back through this node; \
     kproxy source-NATs only flows whose backend is elsewhere (docs/architecture.md: local backends \
     are not SNATed, as Cilium does) — the replies of a local backend pass the node anyway, so the \
@@ -350,8 +351,8 @@ fn scenarios() -> Vec<Scenario> {
             .udp("u", P1)
             .echo("u", node_port(NODE_PORT), 100)
             .client_close("a")
-            .allow(1, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED)
-            .allow(3, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED),
+            .allow(1, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
+            .allow(3, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
         Scenario::new(
             "nodeport-reuse-after-server-close",
             "a NodePort connection from port P lands on B, the server closes first, then P connects straight to B",
@@ -362,7 +363,7 @@ fn scenarios() -> Vec<Scenario> {
         .tcp("b", server_of(1), P0)
         .hello("b")
         .server_close("b")
-        .allow(1, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED),
+        .allow(1, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
         Scenario::new(
             "nodeport-udp-live-collision",
             "one UDP socket alternating between a NodePort and its backend's pod IP",
@@ -371,8 +372,8 @@ fn scenarios() -> Vec<Scenario> {
         .echo("u", node_port(NODE_PORT), 100)
         .echo("u", server_of(1), 100)
         .echo("u", node_port(NODE_PORT), 100)
-        .allow(1, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED)
-        .allow(3, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED),
+        .allow(1, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
+        .allow(3, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
         Scenario::new(
             "nodeport-tcp-live-collision",
             "a live NodePort connection from P and, at the same time, a second socket on P straight to its backend",
@@ -384,8 +385,32 @@ fn scenarios() -> Vec<Scenario> {
         .hello("a")
         .client_close("a")
         .client_close("b")
-        .allow(1, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED)
-        .allow(4, Oracle::Both, Field::Seen, NODEPORT_LOCAL_BACKEND_NOT_MASQUERADED),
+        .allow(1, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
+        .allow(4, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
+        Scenario::new("loadbalancer-from-pod", "a pod reaches a LoadBalancer Service's IP, TCP and UDP")
+            .tcp("a", lb("lb", 80), P0)
+            .hello("a")
+            .udp("u", P1)
+            .echo("u", lb("lb", 80), 100)
+            .client_close("a")
+            .allow(1, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
+            .allow(3, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
+        Scenario::new(
+            "loadbalancer-source-ranges",
+            "loadBalancerSourceRanges hold for pods and the node: only web-2 reaches the load-balancer IP; its NodePort stays open",
+        )
+        .tcp("a", lb("lb-ranged", 80), P0)
+        .udp("u", P1)
+        .echo("u", lb("lb-ranged", 80), 100)
+        .tcp_from(Place::Pod("web-2"), "b", lb("lb-ranged", 80), P2)
+        .hello("b")
+        .tcp_from(Place::Node, "n", lb("lb-ranged", 80), Port::Nth(3))
+        .tcp("c", node_port(30083), Port::Nth(4))
+        .hello("c")
+        .client_close("b")
+        .client_close("c")
+        .allow(4, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
+        .allow(7, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
         Scenario::new("nodeport-from-node", "a process of the node reaches a NodePort on the node's own address")
             .tcp_from(Place::Node, "a", node_port(NODE_PORT), P0)
             .hello("a")

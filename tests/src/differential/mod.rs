@@ -42,7 +42,7 @@
 //! The raw observation is kept for the report.
 //!
 //! Timeouts are short: 3 s for a TCP connect (one SYN retransmission: a SYN may meet a server's
-//! TIME_WAIT and be answered only by its retransmission), 1.5 s for an answer.
+//! TIME_WAIT and be answered only by its retransmission), 2 s for an answer.
 pub mod scenario;
 pub mod spec;
 
@@ -83,6 +83,12 @@ pub const SERVICE_CIDR: &str = "10.96.0.0/12";
 pub const WEB_PORT: u16 = 8080;
 /// The `np` Service's NodePort (TCP and UDP), on the node's address.
 pub const NODE_PORT: u16 = 30081;
+/// Load-balancer IPs (TEST-NET-1, routed to the node's dead end like the ServiceCIDR): `lb`'s,
+/// open to every source, and `lb-ranged`'s, open only to [`LB_ALLOWED_SOURCE`] (`web-2`).
+pub const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+pub const LB_RANGED_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 11);
+pub const LB_ALLOWED_SOURCE: &str = "10.244.0.12/32";
+const LB_CIDR: &str = "192.0.2.0/24";
 /// A port nothing listens on in the backends (the `deaf` Service's target port).
 pub const DEAF_PORT: u16 = 9999;
 /// An address in the ServiceCIDR that no Service has.
@@ -104,7 +110,7 @@ const DEAD_END_MAC: &str = "02:00:00:00:00:fe";
 const PORT_BASE: u16 = 20000;
 const PORTS_PER_SCENARIO: u16 = 40;
 const CONNECT_TIMEOUT: f64 = 3.0;
-const REPLY_TIMEOUT: f64 = 1.5;
+const REPLY_TIMEOUT: f64 = 2.0;
 /// On top of a step's own timeout, for the client to report.
 const CLIENT_SLACK: Duration = Duration::from_secs(10);
 const PROGRAMMED_TIMEOUT: Duration = Duration::from_secs(30);
@@ -132,6 +138,11 @@ pub fn baseline() -> ClusterSpec {
         cluster_ip: Ipv4Addr::from(ip),
         ports,
         endpoints,
+        load_balancer_ip: None,
+        source_ranges: Vec::new(),
+    };
+    let with_node_port = |node_port| {
+        web_ports(WEB_PORT).into_iter().map(|p| PortSpec { node_port: Some(node_port), ..p }).collect()
     };
     ClusterSpec {
         services: vec![
@@ -147,16 +158,22 @@ pub fn baseline() -> ClusterSpec {
             service("default", "one-again", [10, 96, 0, 102], web_ports(WEB_PORT), endpoints(&WEB_PODS[..1])),
             service("default", "empty", [10, 96, 0, 103], web_ports(WEB_PORT), Vec::new()),
             service("default", "deaf", [10, 96, 0, 104], web_ports(DEAF_PORT), endpoints(&WEB_PODS[2..])),
-            service(
-                "default",
-                "np",
-                [10, 96, 0, 105],
-                web_ports(WEB_PORT)
-                    .into_iter()
-                    .map(|p| PortSpec { node_port: Some(NODE_PORT), ..p })
-                    .collect(),
-                endpoints(&WEB_PODS[..1]),
-            ),
+            service("default", "np", [10, 96, 0, 105], with_node_port(NODE_PORT), endpoints(&WEB_PODS[..1])),
+            ServiceSpec {
+                load_balancer_ip: Some(LB_IP),
+                ..service("default", "lb", [10, 96, 0, 106], with_node_port(30082), endpoints(&WEB_PODS[..1]))
+            },
+            ServiceSpec {
+                load_balancer_ip: Some(LB_RANGED_IP),
+                source_ranges: vec![LB_ALLOWED_SOURCE],
+                ..service(
+                    "default",
+                    "lb-ranged",
+                    [10, 96, 0, 107],
+                    with_node_port(30083),
+                    endpoints(&WEB_PODS[..1]),
+                )
+            },
         ],
     }
 }
@@ -378,6 +395,9 @@ impl Labels {
         if let Some(service) = baseline().service_by_ip(ip) {
             return format!("{}:{port}", service.name);
         }
+        if let Some(service) = baseline().service_by_load_balancer_ip(ip) {
+            return format!("{}-lb:{port}", service.name);
+        }
         if let Some(name) = pod_name(ip) {
             return format!("{}:{port}", self.pod(name));
         }
@@ -440,18 +460,20 @@ impl World {
             "nud",
             "permanent",
         ])?;
-        crate::sandbox::ip(&[
-            "-n",
-            &node,
-            "route",
-            "add",
-            SERVICE_CIDR,
-            "via",
-            &hop,
-            "dev",
-            NODE_DEVICE,
-            "onlink",
-        ])?;
+        for cidr in [SERVICE_CIDR, LB_CIDR] {
+            crate::sandbox::ip(&[
+                "-n",
+                &node,
+                "route",
+                "add",
+                cidr,
+                "via",
+                &hop,
+                "dev",
+                NODE_DEVICE,
+                "onlink",
+            ])?;
+        }
 
         let mut pods = BTreeMap::new();
         pods.insert("client", sandbox.add_pod("client", CLIENT_IP)?);
@@ -648,11 +670,12 @@ impl World {
         })
     }
 
-    /// Whether the maps hold `spec`, and if not what differs. `kproxy dump diff` compares the
-    /// cluster-IP frontends; it builds its model without the node's addresses, so it reports
-    /// every NodePort frontend as not wanted (and the node address as missing from VIPS_V4):
-    /// those are checked here against the spec instead (present on the node address with the
-    /// expected number of backends, and no others).
+    /// Whether the maps hold `spec`, and if not what differs, by `kproxy dump diff` and two
+    /// corrections to it: it builds its model without the node's addresses, so it reports every
+    /// NodePort frontend as not wanted — those are checked here against the spec instead
+    /// (present on the node address with the expected number of backends, and no others) — and
+    /// it expects VIPS_V4 entries for node and load-balancer addresses, which VIPS_V4 (cluster
+    /// IPs only, by design) never holds.
     fn kproxy_programmed(&self, spec: &ClusterSpec) -> Result<(bool, String)> {
         let kproxy = self.kproxy.as_ref().context("kproxy mode")?;
         let manifests = kproxy.manifests.display().to_string();
@@ -664,9 +687,11 @@ impl World {
             let frontend = row["frontend"].as_str().unwrap_or_default();
             if row["kind"] == "extra-frontend" && frontend.starts_with(&node_prefix) {
                 node_ports.push(frontend.to_owned());
-            } else if row["kind"] == "vip" && frontend == NODE_IP.to_string() {
-                // The same blind spot: it counts the NodePort frontends as cluster-IP ones, which
-                // VIPS_V4 (rightly) does not hold.
+            } else if row["kind"] == "vip"
+                && frontend.parse::<Ipv4Addr>().is_ok_and(|ip| spec.service_by_ip(ip).is_none())
+            {
+                // Its VIPS_V4 check counts the frontends of every address, but VIPS_V4 holds
+                // cluster IPs only (node and load-balancer addresses carry other traffic).
             } else {
                 others.push(row.to_string());
             }
@@ -801,6 +826,13 @@ impl World {
                 (pod_ip(name).with_context(|| format!("no pod {name}"))?, port, format!("{name}:{port}"))
             }
             Dst::Node(port) => (NODE_IP, port, format!("node:{port}")),
+            Dst::LoadBalancer(name, port) => {
+                let service = self.spec.service(name).cloned().or_else(|| baseline().service(name).cloned());
+                let ip = service
+                    .and_then(|s| s.load_balancer_ip)
+                    .with_context(|| format!("no load balancer {name}"))?;
+                (ip, port, format!("{name} load balancer:{port}"))
+            }
             Dst::Addr(ip, port) => (ip, port, format!("{ip}:{port}")),
         }))
     }

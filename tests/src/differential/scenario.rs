@@ -37,6 +37,8 @@ pub enum Dst {
     Pod(&'static str, u16),
     /// The node's address, `port` (a NodePort).
     Node(u16),
+    /// The load-balancer IP of Service `name`, `port`.
+    LoadBalancer(&'static str, u16),
     /// Any address.
     Addr(Ipv4Addr, u16),
 }
@@ -56,6 +58,11 @@ pub fn pod(name: &'static str, port: u16) -> Dst {
 /// NodePort `port` on the node's address.
 pub fn node_port(port: u16) -> Dst {
     Dst::Node(port)
+}
+
+/// The load-balancer IP of Service `name`.
+pub fn lb(name: &'static str, port: u16) -> Dst {
+    Dst::LoadBalancer(name, port)
 }
 
 /// A pod named directly or as the answer of an earlier step.

@@ -57,6 +57,10 @@ pub struct ServiceSpec {
     pub cluster_ip: Ipv4Addr,
     pub ports: Vec<PortSpec>,
     pub endpoints: Vec<EndpointSpec>,
+    /// Makes the Service `type: LoadBalancer` with this `status.loadBalancer.ingress` IP.
+    pub load_balancer_ip: Option<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges`.
+    pub source_ranges: Vec<&'static str>,
 }
 
 impl ServiceSpec {
@@ -82,8 +86,14 @@ impl ServiceSpec {
                 port
             })
             .collect();
-        let kind = if self.ports.iter().any(|p| p.node_port.is_some()) { "NodePort" } else { "ClusterIP" };
-        let service = json!({
+        let kind = if self.load_balancer_ip.is_some() {
+            "LoadBalancer"
+        } else if self.ports.iter().any(|p| p.node_port.is_some()) {
+            "NodePort"
+        } else {
+            "ClusterIP"
+        };
+        let mut service = json!({
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {"name": self.name, "namespace": self.namespace},
@@ -94,6 +104,10 @@ impl ServiceSpec {
                 "ports": ports,
             },
         });
+        if let Some(ip) = self.load_balancer_ip {
+            service["spec"]["loadBalancerSourceRanges"] = json!(self.source_ranges);
+            service["status"] = json!({"loadBalancer": {"ingress": [{"ip": ip.to_string()}]}});
+        }
         let endpoints: Vec<Value> = self
             .endpoints
             .iter()
@@ -145,6 +159,10 @@ impl ClusterSpec {
         self.services.iter().find(|s| s.cluster_ip == ip)
     }
 
+    pub fn service_by_load_balancer_ip(&self, ip: Ipv4Addr) -> Option<&ServiceSpec> {
+        self.services.iter().find(|s| s.load_balancer_ip == Some(ip))
+    }
+
     /// One manifest file per Service (`<namespace>-<name>.json`: a List of the Service and its
     /// EndpointSlice), for `kproxy agent --manifests DIR`.
     pub fn manifest_files(&self) -> Vec<(String, String)> {
@@ -169,6 +187,8 @@ impl ClusterSpec {
                     port_name: p.name,
                     target_port: p.target_port,
                     node_port: p.node_port,
+                    load_balancer_ips: s.load_balancer_ip.into_iter().collect(),
+                    source_ranges: s.source_ranges.iter().map(|r| (*r).to_owned()).collect(),
                     endpoints: endpoints.clone(),
                 })
             })
