@@ -80,6 +80,8 @@ fn web_svc(target_port: u16) -> Svc {
         port_name: "http",
         target_port,
         node_port: None,
+        load_balancer_ips: Vec::new(),
+        source_ranges: Vec::new(),
         endpoints: vec![WEB_IP],
     }
 }
@@ -94,6 +96,8 @@ fn dns_svc() -> Svc {
         port_name: "dns",
         target_port: 53,
         node_port: None,
+        load_balancer_ips: Vec::new(),
+        source_ranges: Vec::new(),
         endpoints: vec![DNS_IP],
     }
 }
