@@ -15,7 +15,8 @@
 //! `--masquerade-all=false`, a cluster CIDR for the local-traffic detector); only the chain-name
 //! hashes differ (any stable hash gives the same rule shapes). NodePorts and load-balancer IPs
 //! (with `loadBalancerSourceRanges`) are generated with `externalTrafficPolicy: Cluster`
-//! (masqueraded); external IPs, traffic policy Local and session affinity are not. UDP conntrack clean-up, which kube-proxy does
+//! (masqueraded), and `sessionAffinity: ClientIP` (`-m recent` lists; nftables affinity sets);
+//! external IPs and traffic policy Local are not. UDP conntrack clean-up, which kube-proxy does
 //! after each sync, is not a rule: see [`stale_udp_entries`].
 use std::{fmt::Write as _, net::Ipv4Addr};
 
@@ -44,7 +45,30 @@ pub struct Svc {
     pub load_balancer_ips: Vec<Ipv4Addr>,
     /// `spec.loadBalancerSourceRanges`: only these sources reach the load-balancer IPs.
     pub source_ranges: Vec<String>,
+    /// `sessionAffinity: ClientIP` with this timeout (seconds).
+    pub affinity_timeout: Option<u32>,
     pub endpoints: Vec<Ipv4Addr>,
+}
+
+/// A ClusterIP port of `bench/unnamed` at 0.0.0.0:0 with no endpoints and nothing else; set the
+/// fields that matter with struct update syntax.
+impl Default for Svc {
+    fn default() -> Self {
+        Svc {
+            namespace: NAMESPACE.into(),
+            name: "unnamed".into(),
+            vip: Ipv4Addr::UNSPECIFIED,
+            port: 0,
+            proto: "TCP",
+            port_name: "",
+            target_port: 0,
+            node_port: None,
+            load_balancer_ips: Vec::new(),
+            source_ranges: Vec::new(),
+            affinity_timeout: None,
+            endpoints: Vec::new(),
+        }
+    }
 }
 
 impl Svc {
@@ -69,10 +93,8 @@ pub fn filler(i: u32) -> Svc {
         proto: "TCP",
         port_name: "http",
         target_port: 8080,
-        node_port: None,
-        load_balancer_ips: Vec::new(),
-        source_ranges: Vec::new(),
         endpoints: (0..3).map(|j| add(Ipv4Addr::new(10, 128, 0, 1), i * 3 + j)).collect(),
+        ..Svc::default()
     }
 }
 
@@ -217,9 +239,25 @@ pub fn kube_proxy_ruleset(svcs: &[Svc], cluster_cidr: &str) -> String {
                 );
             }
         }
+        let sep_chain_of =
+            |ep: &Ipv4Addr| format!("KUBE-SEP-{}", chain_hash(&format!("{spn}{}{ep}", svc.proto)));
+        // Session affinity: a source seen within the timeout goes back to its endpoint, before
+        // any random pick; the endpoint's chain records the source.
+        let mut recent_set = String::new();
+        if let Some(timeout) = svc.affinity_timeout {
+            for ep in &svc.endpoints {
+                let sep_chain = sep_chain_of(ep);
+                let _ = writeln!(
+                    svc_rules,
+                    "-A {svc_chain} -m comment --comment \"{spn} -> {ep}:{}\" -m recent --name {sep_chain} --mask 255.255.255.255 --rsource --rcheck --seconds {timeout} --reap -j {sep_chain}",
+                    svc.target_port
+                );
+            }
+            recent_set = "-m recent --set --name {} --mask 255.255.255.255 --rsource ".into();
+        }
         let k = svc.endpoints.len();
         for (i, ep) in svc.endpoints.iter().enumerate() {
-            let sep_chain = format!("KUBE-SEP-{}", chain_hash(&format!("{spn}{}{ep}", svc.proto)));
+            let sep_chain = sep_chain_of(ep);
             let _ = writeln!(chains, ":{sep_chain} - [0:0]");
             let target = format!("{ep}:{}", svc.target_port);
             if i + 1 < k {
@@ -238,9 +276,10 @@ pub fn kube_proxy_ruleset(svcs: &[Svc], cluster_cidr: &str) -> String {
                 svc_rules,
                 "-A {sep_chain} -s {ep}/32 -m comment --comment \"{spn}\" -j KUBE-MARK-MASQ"
             );
+            let recent = recent_set.replace("{}", &sep_chain);
             let _ = writeln!(
                 svc_rules,
-                "-A {sep_chain} -p {proto} -m comment --comment \"{spn}\" -m {proto} -j DNAT --to-destination {target}"
+                "-A {sep_chain} -p {proto} -m comment --comment \"{spn}\" {recent}-m {proto} -j DNAT --to-destination {target}"
             );
         }
     }
@@ -353,6 +392,14 @@ pub const EMPTY_NAT: &str = "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]
 fn nft_chain_base(svc: &Svc) -> String {
     let name = format!("{}/{}/{}/{}", svc.namespace, svc.name, svc.proto.to_ascii_lowercase(), svc.port_name);
     format!("{}-{name}", &chain_hash(&name)[..8])
+}
+
+/// kube-proxy's nftables name of an endpoint's chain or affinity set (`prefix` `endpoint` or
+/// `affinity`): `prefix-HASH-namespace/name/proto/port__ip/port`.
+fn nft_endpoint_name(prefix: &str, svc: &Svc, ep: &Ipv4Addr) -> String {
+    let proto = svc.proto.to_ascii_lowercase();
+    let name = format!("{}/{}/{proto}/{}__{ep}/{}", svc.namespace, svc.name, svc.port_name, svc.target_port);
+    format!("{prefix}-{}-{name}", &chain_hash(&name)[..8])
 }
 
 /// kube-proxy's nftables-mode table for `svcs` (`table ip kube-proxy`), as an `nft -f` script that
@@ -476,6 +523,16 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
     ));
     line(&map("service-ips", addr_key, "ClusterIP, ExternalIP and LoadBalancer IP traffic", service_ips));
     line(&map("service-nodeports", port_key, "NodePort traffic", node_ports));
+    for svc in svcs.iter().filter(|s| !s.endpoints.is_empty()) {
+        if let Some(timeout) = svc.affinity_timeout {
+            for ep in &svc.endpoints {
+                line(&format!(
+                    "set {} {{ type ipv4_addr; flags dynamic,timeout; timeout {timeout}s; }}",
+                    nft_endpoint_name("affinity", svc, ep)
+                ));
+            }
+        }
+    }
     let regular: Vec<(&str, Vec<String>)> = vec![
         ("firewall-check", vec!["ip daddr . meta l4proto . th dport vmap @firewall-ips".into()]),
         ("service-endpoints-check", vec!["ip daddr . meta l4proto . th dport vmap @no-endpoint-services".into()]),
@@ -525,27 +582,25 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
     for svc in svcs.iter().filter(|s| !s.endpoints.is_empty()) {
         let proto = svc.proto.to_ascii_lowercase();
         let base = nft_chain_base(svc);
-        let endpoint_chain = |ep: &Ipv4Addr| {
-            let name =
-                format!("{}/{}/{proto}/{}__{ep}/{}", svc.namespace, svc.name, svc.port_name, svc.target_port);
-            format!("endpoint-{}-{name}", &chain_hash(&name)[..8])
-        };
+        let endpoint_chain = |ep: &Ipv4Addr| nft_endpoint_name("endpoint", svc, ep);
+        let affinity_set = |ep: &Ipv4Addr| nft_endpoint_name("affinity", svc, ep);
         let picks: Vec<String> = svc
             .endpoints
             .iter()
             .enumerate()
             .map(|(i, ep)| format!("{i} : goto {}", endpoint_chain(ep)))
             .collect();
-        chain(
-            &format!("service-{base}"),
-            &[
-                format!(
-                    "ip daddr {} {proto} dport {} ip saddr != {cluster_cidr} jump mark-for-masquerade",
-                    svc.vip, svc.port
-                ),
-                format!("numgen random mod {} vmap {{ {} }}", svc.endpoints.len(), picks.join(", ")),
-            ],
-        );
+        let mut rules = vec![format!(
+            "ip daddr {} {proto} dport {} ip saddr != {cluster_cidr} jump mark-for-masquerade",
+            svc.vip, svc.port
+        )];
+        if svc.affinity_timeout.is_some() {
+            for ep in &svc.endpoints {
+                rules.push(format!("ip saddr @{} goto {}", affinity_set(ep), endpoint_chain(ep)));
+            }
+        }
+        rules.push(format!("numgen random mod {} vmap {{ {} }}", svc.endpoints.len(), picks.join(", ")));
+        chain(&format!("service-{base}"), &rules);
         if svc.node_port.is_some() || !svc.load_balancer_ips.is_empty() {
             chain(
                 &format!("external-{base}"),
@@ -553,13 +608,12 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
             );
         }
         for ep in &svc.endpoints {
-            chain(
-                &endpoint_chain(ep),
-                &[
-                    format!("ip saddr {ep} jump mark-for-masquerade"),
-                    format!("meta l4proto {proto} dnat to {ep}:{}", svc.target_port),
-                ],
-            );
+            let mut rules = vec![format!("ip saddr {ep} jump mark-for-masquerade")];
+            if svc.affinity_timeout.is_some() {
+                rules.push(format!("update @{} {{ ip saddr }}", affinity_set(ep)));
+            }
+            rules.push(format!("meta l4proto {proto} dnat to {ep}:{}", svc.target_port));
+            chain(&endpoint_chain(ep), &rules);
         }
     }
     format!("add table ip kube-proxy\ndelete table ip kube-proxy\ntable ip kube-proxy {{\n{t}}}\n")
@@ -693,6 +747,20 @@ mod tests {
         assert!(nft.contains("192.0.2.10 . tcp . 80 : goto external-"), "{nft}");
         assert!(nft.contains("192.0.2.10 . tcp . 80 : goto firewall-"), "{nft}");
         assert!(nft.contains("ip saddr != { 10.244.0.12/32 } drop"), "{nft}");
+    }
+
+    #[test]
+    fn session_affinity_checks_and_records_the_source() {
+        let svc = Svc { affinity_timeout: Some(10800), ..filler(0) };
+        let iptables = kube_proxy_ruleset(std::slice::from_ref(&svc), "10.244.0.0/16");
+        assert_eq!(iptables.matches("--rcheck --seconds 10800 --reap -j KUBE-SEP-").count(), 3, "{iptables}");
+        assert_eq!(iptables.matches("-m recent --set --name KUBE-SEP-").count(), 3, "{iptables}");
+        let check = iptables.find("--rcheck").unwrap();
+        assert!(check < iptables.find("--probability").unwrap(), "checks come before the random pick");
+        let nft = kube_proxy_nftables(&[svc], "10.244.0.0/16", "10.96.0.0/12");
+        assert_eq!(nft.matches("flags dynamic,timeout; timeout 10800s;").count(), 3, "{nft}");
+        assert_eq!(nft.matches("ip saddr @affinity-").count(), 3, "{nft}");
+        assert_eq!(nft.matches("update @affinity-").count(), 3, "{nft}");
     }
 
     #[test]

@@ -476,6 +476,44 @@ fn scenarios() -> Vec<Scenario> {
     }
     list.push(rounds);
 
+    let mut sticky_tcp = Scenario::new(
+        "session-affinity-tcp",
+        "sessionAffinity: ClientIP — five connections from five ports all reach the same backend",
+    );
+    let mut sticky_udp = Scenario::new(
+        "session-affinity-udp",
+        "sessionAffinity: ClientIP — datagrams from four ports all reach the same backend",
+    );
+    let mut sticky_node =
+        Scenario::new("session-affinity-node", "sessionAffinity: ClientIP for the node's own connections");
+    let sockets = ["s0", "s1", "s2", "s3", "s4"];
+    for (n, sock) in sockets.iter().enumerate() {
+        let port = Port::Nth(n as u16);
+        sticky_tcp = sticky_tcp.tcp(sock, svc("sticky", 80), port).hello(sock).client_close(sock);
+        sticky_node =
+            sticky_node.tcp_from(Place::Node, sock, svc("sticky", 80), port).hello(sock).client_close(sock);
+        if n < 4 {
+            sticky_udp = sticky_udp.udp(sock, port).echo(sock, svc("sticky", 80), 100);
+        }
+    }
+    list.extend([sticky_tcp, sticky_udp, sticky_node]);
+    list.push(
+        Scenario::new(
+            "session-affinity-backend-removed",
+            "sessionAffinity: ClientIP — the sticky backend leaves the Service: the next connection goes elsewhere",
+        )
+        .tcp("a", svc("sticky", 80), P0)
+        .hello("a")
+        .client_close("a")
+        .change(remove("sticky", 1))
+        .tcp("b", svc("sticky", 80), P1)
+        .hello("b")
+        .tcp("c", svc("sticky", 80), P2)
+        .hello("c")
+        .client_close("b")
+        .client_close("c"),
+    );
+
     let mut concurrent = Scenario::new("concurrent-connections", "eight connections at once to a ClusterIP");
     let names = ["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"];
     for (n, name) in names.iter().enumerate() {

@@ -10,7 +10,9 @@
 //! DNS pods `coredns-1..2` running dnsmasq. The Services are [`baseline`]: `web` (three
 //! backends), `kube-dns`, `one` and `one-again` (both only `web-1`: two Services sharing one
 //! backend, and deterministic hairpin), `empty` (no endpoints), `deaf` (a target port nothing
-//! listens on) and `np` (a NodePort on the node's address, only `web-1`). The node namespace also routes the ServiceCIDR to a dead end — a permanent
+//! listens on), `np` (a NodePort on the node's address, only `web-1`), `lb` and `lb-ranged`
+//! (LoadBalancer IPs, the second with `loadBalancerSourceRanges` admitting only `web-2`) and
+//! `sticky` (`sessionAffinity: ClientIP` over the three backends). The node namespace also routes the ServiceCIDR to a dead end — a permanent
 //! neighbour on the port-less node bridge, so packets routed there are dropped without any ICMP —
 //! as a real node's default route would carry traffic to a ClusterIP that nothing translated
 //! (without it, the node's own sockets could not even connect to a ClusterIP, and untranslated
@@ -140,6 +142,7 @@ pub fn baseline() -> ClusterSpec {
         endpoints,
         load_balancer_ip: None,
         source_ranges: Vec::new(),
+        affinity_timeout: None,
     };
     let with_node_port = |node_port| {
         web_ports(WEB_PORT).into_iter().map(|p| PortSpec { node_port: Some(node_port), ..p }).collect()
@@ -159,6 +162,10 @@ pub fn baseline() -> ClusterSpec {
             service("default", "empty", [10, 96, 0, 103], web_ports(WEB_PORT), Vec::new()),
             service("default", "deaf", [10, 96, 0, 104], web_ports(DEAF_PORT), endpoints(&WEB_PODS[2..])),
             service("default", "np", [10, 96, 0, 105], with_node_port(NODE_PORT), endpoints(&WEB_PODS[..1])),
+            ServiceSpec {
+                affinity_timeout: Some(10800),
+                ..service("default", "sticky", [10, 96, 0, 108], web_ports(WEB_PORT), endpoints(&WEB_PODS))
+            },
             ServiceSpec {
                 load_balancer_ip: Some(LB_IP),
                 ..service("default", "lb", [10, 96, 0, 106], with_node_port(30082), endpoints(&WEB_PODS[..1]))

@@ -61,6 +61,8 @@ pub struct ServiceSpec {
     pub load_balancer_ip: Option<Ipv4Addr>,
     /// `spec.loadBalancerSourceRanges`.
     pub source_ranges: Vec<&'static str>,
+    /// `sessionAffinity: ClientIP` with this timeout (seconds).
+    pub affinity_timeout: Option<u32>,
 }
 
 impl ServiceSpec {
@@ -104,6 +106,10 @@ impl ServiceSpec {
                 "ports": ports,
             },
         });
+        if let Some(timeout) = self.affinity_timeout {
+            service["spec"]["sessionAffinity"] = "ClientIP".into();
+            service["spec"]["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": timeout}});
+        }
         if let Some(ip) = self.load_balancer_ip {
             service["spec"]["loadBalancerSourceRanges"] = json!(self.source_ranges);
             service["status"] = json!({"loadBalancer": {"ingress": [{"ip": ip.to_string()}]}});
@@ -189,6 +195,7 @@ impl ClusterSpec {
                     node_port: p.node_port,
                     load_balancer_ips: s.load_balancer_ip.into_iter().collect(),
                     source_ranges: s.source_ranges.iter().map(|r| (*r).to_owned()).collect(),
+                    affinity_timeout: s.affinity_timeout,
                     endpoints: endpoints.clone(),
                 })
             })

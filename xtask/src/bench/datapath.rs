@@ -174,10 +174,8 @@ fn measured_service() -> rules::Svc {
         proto: "TCP",
         port_name: "http",
         target_port: BACKEND_PORT,
-        node_port: None,
-        load_balancer_ips: Vec::new(),
-        source_ranges: Vec::new(),
         endpoints: BACKENDS.iter().map(|b| Ipv4Addr::from(*b)).collect(),
+        ..rules::Svc::default()
     }
 }
 

@@ -79,10 +79,8 @@ fn web_svc(target_port: u16) -> Svc {
         proto: "TCP",
         port_name: "http",
         target_port,
-        node_port: None,
-        load_balancer_ips: Vec::new(),
-        source_ranges: Vec::new(),
         endpoints: vec![WEB_IP],
+        ..Svc::default()
     }
 }
 
@@ -95,10 +93,8 @@ fn dns_svc() -> Svc {
         proto: "UDP",
         port_name: "dns",
         target_port: 53,
-        node_port: None,
-        load_balancer_ips: Vec::new(),
-        source_ranges: Vec::new(),
         endpoints: vec![DNS_IP],
+        ..Svc::default()
     }
 }
 
