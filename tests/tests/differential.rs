@@ -573,6 +573,7 @@ fn kproxy_observes_what_kube_proxy_clients_observe() {
     });
     let [kproxy, iptables, nftables] = &runs[..] else { unreachable!("three modes") };
 
+    let show_raw = std::env::var_os("DIFFERENTIAL_RAW").is_some();
     let mut report = String::new();
     let mut defects = Vec::new();
     let mut allowed = 0;
@@ -581,7 +582,9 @@ fn kproxy_observes_what_kube_proxy_clients_observe() {
         for (i, k) in kproxy[s].iter().enumerate() {
             let (ipt, nft) = (&iptables[s][i], &nftables[s][i]);
             report.push_str(&format!("  [{i}] {}\n", k.what));
-            let mut lines = vec![format!("kproxy   {}", k.observation)];
+            // DIFFERENTIAL_RAW=1 adds each client's own report (ports, addresses) to the log.
+            let raw = |r: &StepResult| if show_raw { format!("    raw {}", r.raw) } else { String::new() };
+            let mut lines = vec![format!("kproxy   {}{}", k.observation, raw(k))];
             let mut step_defects = Vec::new();
             for (oracle, name, result) in
                 [(Oracle::Iptables, "iptables", ipt), (Oracle::Nftables, "nftables", nft)]
@@ -598,7 +601,7 @@ fn kproxy_observes_what_kube_proxy_clients_observe() {
                     step_defects.push(format!("{name}: {}", result.observation));
                     "  <-- DIFFERS"
                 };
-                lines.push(format!("{name:<8} {}{mark}", result.observation));
+                lines.push(format!("{name:<8} {}{mark}{}", result.observation, raw(result)));
             }
             for line in &lines {
                 report.push_str(&format!("        {line}\n"));
