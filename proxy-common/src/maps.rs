@@ -445,7 +445,9 @@ pub struct AffinityValueV4 {
     /// When a new connection last used this entry.
     pub last_used_ns: u64,
     pub backend_id: u32,
-    pub _pad: u32,
+    /// The frontend slot the backend had when the entry was written: where the
+    /// datapath checks first that the backend is still the frontend's.
+    pub slot: u32,
 }
 
 /// `vip` → number of frontends on it: a packet to a known VIP on a port the

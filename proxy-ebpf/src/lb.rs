@@ -81,6 +81,36 @@ pub fn keeps_backend(entry: &CtEntryV4, proto: u8) -> bool {
     proto == IPPROTO_TCP || entry.flags & CT_FLAG_DIRECT != 0 || backend_is_current(entry)
 }
 
+/// Slots searched for a sticky backend that is no longer in its hint's.
+const AFFINITY_SLOT_SCAN: u16 = 64;
+
+/// The active slot of `frontend` (1..=count) that holds `backend_id`, trying
+/// `hint` first: a sticky backend must still be the frontend's own — the
+/// same backend id may serve other Services after it left this one (kube-proxy
+/// forgets affinity with the endpoint's chain). Frontends with more active
+/// backends than the scan covers keep a sticky backend found past it.
+#[inline(always)]
+fn slot_of(flow: &Flow, found: &Frontend, backend_id: u32, hint: u32) -> Option<u16> {
+    let count = found.value.count;
+    let holds = |slot: u16| {
+        let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, found.scope, slot);
+        // SAFETY: as in `lookup_frontend`.
+        unsafe { SERVICES_V4.get(key) }.is_some_and(|v| v.backend_id == backend_id)
+    };
+    if hint >= 1 && hint <= u32::from(count) && holds(hint as u16) {
+        return Some(hint as u16);
+    }
+    for slot in 1..=AFFINITY_SLOT_SCAN {
+        if slot > count {
+            return None;
+        }
+        if holds(slot) {
+            return Some(slot);
+        }
+    }
+    (count > AFFINITY_SLOT_SCAN).then_some(0)
+}
+
 pub struct Choice {
     pub backend_id: u32,
     pub backend: BackendV4,
@@ -124,13 +154,16 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
         // SAFETY: as in `lookup_frontend`; the value is ours to update.
         unsafe {
             let timeout_ns = u64::from(frontend.affinity_timeout_s) * 1_000_000_000;
+            let backend_id = (*sticky).backend_id;
             if now.saturating_sub((*sticky).last_used_ns) <= timeout_ns
-                && let Some(backend) = BACKENDS_V4.get((*sticky).backend_id)
+                && let Some(slot) = slot_of(flow, found, backend_id, (*sticky).slot)
+                && let Some(backend) = BACKENDS_V4.get(backend_id)
                 && backend.flags & BACKEND_FLAG_TERMINATING == 0
             {
                 (*sticky).last_used_ns = now;
+                (*sticky).slot = u32::from(slot);
                 stats::count(Stat::AffinityHit);
-                return Ok(Choice { backend_id: (*sticky).backend_id, backend: *backend, slot: 0 });
+                return Ok(Choice { backend_id, backend: *backend, slot: 0 });
             }
         }
     }
@@ -150,7 +183,7 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
     // SAFETY: as above; the value is copied out.
     let backend = unsafe { BACKENDS_V4.get(backend_id) }.copied().ok_or(Verdict::Pass(Stat::SlotMiss))?;
     if affinity {
-        let value = AffinityValueV4 { last_used_ns: now, backend_id, _pad: 0 };
+        let value = AffinityValueV4 { last_used_ns: now, backend_id, slot: u32::from(slot) };
         // A full LRU evicts an old client; a failure only costs stickiness.
         let _ = AFFINITY_V4.insert(affinity_key, value, 0);
     }

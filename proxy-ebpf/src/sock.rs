@@ -1,8 +1,13 @@
 //! Socket-level load balancing: a connect() (TCP, connected UDP) or a
 //! sendmsg() (unconnected UDP) to a Service is sent to a backend before any
 //! packet exists, so the flow needs no per-packet NAT at all; recvmsg() and
-//! getpeername() show the Service address again. Services with session
-//! affinity are left to the tc path, which knows the client address.
+//! getpeername() show the Service address again. For pods' sockets, Services
+//! with session affinity or source ranges are left to the tc path, which
+//! knows the client address; the node's own sockets (one client: the node)
+//! are translated with affinity, and never short-circuit a source-ranged
+//! load-balancer IP (their connections go to the load balancer, which enforces
+//! its ranges, as kube-proxy enforces them for the node unless a range holds
+//! a node address).
 use aya_ebpf::{
     helpers::{
         bpf_get_prandom_u32,
@@ -13,8 +18,8 @@ use aya_ebpf::{
 use proxy_common::{
     maglev::flow_hash,
     maps::{
-        IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY, SockRevNatKeyV4,
-        SockRevNatV4,
+        IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY,
+        SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
     },
     packet::Fragment,
     stats::Stat,
@@ -31,24 +36,59 @@ const ECONNREFUSED: i32 = 111;
 /// What a cgroup sock_addr program returns to let the call go on.
 const PROCEED: i32 = 1;
 
+/// Which sockets the hooks translate.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// Not translated.
+    None,
+    /// A process in the node's own network namespace.
+    Node,
+    /// A pod's (`--socket-lb on`).
+    Pod,
+}
+
+#[inline(always)]
+fn owner(ctx: &SockAddrContext) -> Owner {
+    let Some(config) = SOCKET_LB_CONFIG.get(0) else { return Owner::None };
+    if config.mode != SOCKET_LB_ALL && config.mode != SOCKET_LB_HOST_ONLY {
+        return Owner::None;
+    }
+    // SAFETY: a helper reading the context's socket.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
+    match (netns == config.host_netns_cookie, config.mode) {
+        (true, _) => Owner::Node,
+        (false, SOCKET_LB_ALL) => Owner::Pod,
+        _ => Owner::None,
+    }
+}
+
 #[inline(always)]
 fn enabled(ctx: &SockAddrContext) -> bool {
-    let Some(config) = SOCKET_LB_CONFIG.get(0) else { return false };
-    match config.mode {
-        SOCKET_LB_ALL => true,
-        SOCKET_LB_HOST_ONLY => {
-            // SAFETY: a helper reading the context's socket.
-            let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
-            netns == config.host_netns_cookie
-        }
-        _ => false,
+    owner(ctx) != Owner::None
+}
+
+/// A UDP socket that reached a backend through a Service now talks to that
+/// backend's own address: its answers must show the backend again, not the
+/// Service (netfilter would remap the direct exchange's port; a socket has
+/// one). The last exchange wins: a Service answer still on its way then shows
+/// the backend's address.
+#[inline(always)]
+fn forget_service_of(ctx: &SockAddrContext, ip: u32, port: u32) {
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    let key =
+        SockRevNatKeyV4 { cookie, addr: ip.to_ne_bytes(), port: (port as u16).to_ne_bytes(), _pad: [0; 2] };
+    // SAFETY: only tested for presence.
+    if unsafe { SOCK_REVNAT_V4.get(key) }.is_some() {
+        let _ = SOCK_REVNAT_V4.remove(key);
     }
 }
 
 /// connect4 and sendmsg4: the destination becomes a backend.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext) -> i32 {
-    if !enabled(ctx) {
+    let owner = owner(ctx);
+    if owner == Owner::None {
         return PROCEED;
     }
     let sa = ctx.sock_addr;
@@ -70,23 +110,35 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         ip_total_len: 0,
         fragment: Fragment::Whole,
     };
-    let Some(found) = lb::lookup_frontend(&flow) else { return PROCEED };
+    let Some(found) = lb::lookup_frontend(&flow) else {
+        if lb::is_vip(&flow.daddr) {
+            // A port the Service does not have: refused, as on the tc path.
+            return refuse();
+        }
+        if proto == IPPROTO_UDP {
+            forget_service_of(ctx, ip, port);
+        }
+        return PROCEED;
+    };
     let frontend = found.value;
-    if frontend.flags & SVC_FLAG_AFFINITY != 0 {
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+        return PROCEED;
+    }
+    let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
+    if affinity && owner == Owner::Pod {
         return PROCEED;
     }
     if frontend.count == 0 {
-        stats::count(Stat::SockRefused);
-        // SAFETY: a helper setting this program's return value to the caller.
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
-        return 0;
+        return refuse();
     }
     // Only now, for connections to a Service: every connect() on the node runs
     // this hook. The socket stands in for the client address and port, which
     // do not exist yet: Maglev spreads sockets, not one constant "0.0.0.0:0".
     // SAFETY: a helper reading the context's socket.
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    flow.saddr = (cookie as u32).to_ne_bytes();
+    // With session affinity the client is the node (all its sockets stick
+    // together, as the node's address would through kube-proxy).
+    flow.saddr = if affinity { [0; 4] } else { (cookie as u32).to_ne_bytes() };
     flow.sport = ((cookie >> 32) as u16).to_ne_bytes();
     // A UDP socket keeps its backend from one sendmsg to the next (as long as the
     // backends stay), like a conntrack entry would keep its flow's; TCP
@@ -114,6 +166,14 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     }
     stats::count(Stat::SockTranslated);
     PROCEED
+}
+
+#[inline(always)]
+fn refuse() -> i32 {
+    stats::count(Stat::SockRefused);
+    // SAFETY: a helper setting this program's return value to the caller.
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    0
 }
 
 /// recvmsg4 and getpeername4: a backend's address becomes the Service's.

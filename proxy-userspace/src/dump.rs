@@ -591,7 +591,7 @@ mod tests {
             _pad: [0; 2],
         };
         let value =
-            |ago: u64, backend_id: u32| AffinityValueV4 { last_used_ns: now - ago * S, backend_id, _pad: 0 };
+            |ago: u64, backend_id: u32| AffinityValueV4 { last_used_ns: now - ago * S, backend_id, slot: 0 };
         let ctx = AffinityContext {
             names: [(1, "default/web:http".to_owned())].into(),
             frontends: [(

@@ -667,7 +667,7 @@ mod tests {
         let entry = |client: u8, rev_nat_id: u16, used_ago: u64| {
             (
                 AffinityKeyV4 { client: [10, 244, 0, client], rev_nat_id, _pad: [0; 2] },
-                AffinityValueV4 { last_used_ns: now - used_ago, backend_id: 1, _pad: 0 },
+                AffinityValueV4 { last_used_ns: now - used_ago, backend_id: 1, slot: 0 },
             )
         };
         let frontends: BTreeMap<u16, (u16, u32)> =

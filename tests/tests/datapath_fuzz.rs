@@ -457,7 +457,7 @@ fn replay(
             Action::Configure(v) => {
                 let config = Config::variant(*v);
                 world.configure(&config);
-                oracle.config = config;
+                oracle.reconfigure(config);
                 log.push(Vec::new());
             }
             Action::Packet(p) => {
@@ -701,7 +701,7 @@ fn generated_packets_keep_the_datapath_invariants() {
                 Action::Configure(v) => {
                     config = Config::variant(*v);
                     world.configure(&config);
-                    oracle.config = config.clone();
+                    oracle.reconfigure(config.clone());
                     Ok(())
                 }
                 Action::Packet(p) => {

@@ -115,6 +115,10 @@ pub struct Flow {
     /// The flow was over and a packet it cannot be told apart from came by: the datapath may
     /// have dropped its translation or kept it.
     pub maybe_yielded: bool,
+    /// A UDP flow whose backend left its Service at some point since it started: the datapath
+    /// moves it (as kube-proxy's clean-up of stale UDP entries does), even if the backend came
+    /// back (under another backend id).
+    pub backend_lost: bool,
     pub alive: bool,
     pub started_at: u64,
 }
@@ -185,6 +189,19 @@ pub struct Oracle {
 }
 
 impl Oracle {
+    /// The Services change: UDP flows whose backend left remember it.
+    pub fn reconfigure(&mut self, config: Config) {
+        self.config = config;
+        for flow in &mut self.flows {
+            if flow.orig.proto == UDP
+                && flow.service.is_some()
+                && !self.config.backend_current(flow.wire.dst, flow.wire.dport, UDP)
+            {
+                flow.backend_lost = true;
+            }
+        }
+    }
+
     pub fn new(config: Config) -> Self {
         Self {
             config,
@@ -251,6 +268,7 @@ impl Oracle {
             fin_reply: false,
             rst: false,
             maybe_yielded: false,
+            backend_lost: false,
             alive: true,
             started_at: self.event,
         }
@@ -394,7 +412,7 @@ impl Oracle {
         }
         let udp_backend_gone = t.proto == UDP
             && f.service.is_some()
-            && !self.config.backend_current(f.wire.dst, f.wire.dport, UDP);
+            && (f.backend_lost || !self.config.backend_current(f.wire.dst, f.wire.dport, UDP));
         let restart =
             (t.proto == TCP && starts_flow(TCP, flags) && f.over()) || f.maybe_yielded || udp_backend_gone;
         if restart {
@@ -489,7 +507,10 @@ impl Oracle {
         let snat = side == Side::External && fields.src == NODE;
         let shape_ok = if hairpin {
             // A remapped port too when another flow has the hairpin reply tuple.
-            fields.src == HAIRPIN && (sport == t.sport || in_snat_range(sport)) && verdict == Verdict::Redirect && bounce
+            fields.src == HAIRPIN
+                && (sport == t.sport || in_snat_range(sport))
+                && verdict == Verdict::Redirect
+                && bounce
         } else if snat {
             in_snat_range(sport) && verdict == Verdict::Redirect
         } else {
@@ -795,7 +816,8 @@ impl Oracle {
                     expect = Some((addrs(&flow.wire), verdict, flow.hairpin, f));
                     let udp_backend_gone = proto == UDP
                         && flow.service.is_some()
-                        && !self.config.backend_current(flow.wire.dst, flow.wire.dport, UDP);
+                        && (flow.backend_lost
+                            || !self.config.backend_current(flow.wire.dst, flow.wire.dport, UDP));
                     if udp_backend_gone || flow.maybe_yielded {
                         may_pass = true;
                     }
