@@ -9,7 +9,12 @@
 
 mod common;
 
-use std::{net::Ipv4Addr, process::Command};
+use common::external_node::{
+    EXT_CLIENT, EXT_CLIENT_MAC, LOCAL_POD, NODE, NODE_MAC, OTHER_HOST, PEER as ROUTER, PEER_MAC,
+    REMOTE_BACKEND, in_private_netns,
+};
+
+use std::net::Ipv4Addr;
 
 use aya::programs::SchedClassifier;
 use common::{
@@ -52,60 +57,6 @@ fn on_pod_egress_an_error_addressed_to_another_pod_is_left_untouched() {
 
 // The north–south path: a NodePort on the node's external interface, its backend on another node
 // (so the flow is source-NATed to the node address).
-
-const NODE: [u8; 4] = [192, 168, 100, 10];
-const EXT_CLIENT: [u8; 4] = [192, 168, 100, 200];
-const OTHER_HOST: [u8; 4] = [192, 168, 100, 201];
-const ROUTER: [u8; 4] = [192, 168, 100, 11];
-const REMOTE_BACKEND: [u8; 4] = [10, 244, 1, 5];
-const LOCAL_POD: [u8; 4] = [10, 244, 0, 5];
-const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
-const EXT_CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xc8];
-const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
-
-fn sh(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn mac(m: [u8; 6]) -> String {
-    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
-}
-
-/// Runs `test` in a thread inside a fresh network namespace with `ext0` (the node's external
-/// interface, 192.168.100.10/24, the peer node and the client as permanent neighbours, the peer's
-/// pod CIDR routed via it) and `pod0` (a local pod's veth, 10.244.0.0/24 on it); `test` gets
-/// ext0's index.
-fn in_private_netns(test: impl FnOnce(u32) + Send + 'static) {
-    let result = std::thread::spawn(move || {
-        // SAFETY: unshare affects only this thread, which owns nothing shared yet.
-        let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-        assert_eq!(ret, 0, "unshare(CLONE_NEWNET) needs root: {}", std::io::Error::last_os_error());
-        sh(&["ip", "link", "add", "ext0", "address", &mac(NODE_MAC), "type", "veth", "peer", "name", "ext1"]);
-        sh(&["ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1"]);
-        for dev in ["lo", "ext0", "ext1", "pod0", "pod1"] {
-            sh(&["ip", "link", "set", dev, "up"]);
-        }
-        sh(&["ip", "addr", "add", "192.168.100.10/24", "dev", "ext0"]);
-        sh(&["ip", "route", "add", "10.244.1.0/24", "via", "192.168.100.11"]);
-        sh(&["ip", "route", "add", "10.244.0.0/24", "dev", "pod0"]);
-        for (addr, m, dev) in [
-            ("192.168.100.11", PEER_MAC, "ext0"),
-            ("192.168.100.200", EXT_CLIENT_MAC, "ext0"),
-            ("192.168.100.201", [0x02, 0, 0, 0, 0, 0xc9], "ext0"),
-            ("10.244.0.5", [0x02, 0, 0, 0, 0, 0x05], "pod0"),
-        ] {
-            sh(&["ip", "neigh", "replace", addr, "lladdr", &mac(m), "dev", dev, "nud", "permanent"]);
-        }
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
-        let index = datapath::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
-        test(index);
-    })
-    .join();
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
-    }
-}
 
 /// The datapath with a NodePort NODE:30080 → REMOTE_BACKEND:80 and ext0 as external interface.
 struct External {

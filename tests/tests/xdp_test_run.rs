@@ -7,7 +7,7 @@
 //! one veth pair with static neighbours and no route out. The namespace disappears with the
 //! thread.
 
-use std::{net::Ipv4Addr, process::Command};
+use std::net::Ipv4Addr;
 
 use aya::programs::Xdp;
 use kproxy::{
@@ -22,6 +22,11 @@ use proxy_common::{
 };
 
 mod common;
+
+use common::external_node::{
+    EXT_CLIENT as CLIENT, EXT_CLIENT_MAC as CLIENT_MAC, LOCAL_POD as LOCAL_BACKEND, NODE, NODE_MAC,
+    OTHER_HOST as OTHER_CLIENT, PEER_MAC, REMOTE_BACKEND, in_private_netns,
+};
 use common::{
     Packet, checksums_valid,
     harness::{ct_key, test_run},
@@ -32,57 +37,6 @@ const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_REDIRECT: u32 = 4;
 const TC_ACT_REDIRECT: u32 = 7;
-
-const NODE: [u8; 4] = [192, 168, 100, 10];
-const CLIENT: [u8; 4] = [192, 168, 100, 200];
-const OTHER_CLIENT: [u8; 4] = [192, 168, 100, 201];
-const REMOTE_BACKEND: [u8; 4] = [10, 244, 1, 5];
-const LOCAL_BACKEND: [u8; 4] = [10, 244, 0, 5];
-const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
-const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xc8];
-const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
-
-fn sh(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-fn mac(m: [u8; 6]) -> String {
-    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
-}
-
-/// Runs `test` in a thread inside a fresh network namespace with `ext0` (the node's external
-/// interface, 192.168.100.10/24, peer node and client as permanent neighbours, the peer's pod CIDR
-/// routed via it) and `pod0` (a local pod's veth, 10.244.0.0/24 on it).
-fn in_private_netns(test: impl FnOnce(u32) + Send + 'static) {
-    let result = std::thread::spawn(move || {
-        // SAFETY: unshare affects only this thread, which owns nothing shared yet.
-        let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-        assert_eq!(ret, 0, "unshare(CLONE_NEWNET) needs root: {}", std::io::Error::last_os_error());
-        sh(&["ip", "link", "add", "ext0", "address", &mac(NODE_MAC), "type", "veth", "peer", "name", "ext1"]);
-        sh(&["ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1"]);
-        for dev in ["lo", "ext0", "ext1", "pod0", "pod1"] {
-            sh(&["ip", "link", "set", dev, "up"]);
-        }
-        sh(&["ip", "addr", "add", "192.168.100.10/24", "dev", "ext0"]);
-        sh(&["ip", "route", "add", "10.244.1.0/24", "via", "192.168.100.11"]);
-        sh(&["ip", "route", "add", "10.244.0.0/24", "dev", "pod0"]);
-        for (addr, m, dev) in [
-            ("192.168.100.11", PEER_MAC, "ext0"),
-            ("192.168.100.200", CLIENT_MAC, "ext0"),
-            ("10.244.0.5", [0x02, 0, 0, 0, 0, 0x05], "pod0"),
-        ] {
-            sh(&["ip", "neigh", "replace", addr, "lladdr", &mac(m), "dev", dev, "nud", "permanent"]);
-        }
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
-        let index = datapath::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
-        test(index);
-    })
-    .join();
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
-    }
-}
 
 fn web(kind: FrontendKind, vip: [u8; 4], port: u16, backends: &[[u8; 4]]) -> Frontend {
     let mut fe = Frontend::new(

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod external_node;
 pub mod harness;
 
 use proxy_common::{
