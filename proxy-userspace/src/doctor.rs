@@ -187,6 +187,18 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
             files.effective("net.ipv4.conf.default.rp_filter"),
         ),
     ]));
+    let snat_range = if root.is_none() {
+        crate::datapath::Maps::from_pins(pins).ok().and_then(|maps| maps.nodeport_config.get(&0, 0).ok())
+    } else {
+        None
+    }
+    .unwrap_or_default()
+    .port_range();
+    checks.push(snat_ports_check(
+        runtime_sysctl(root, "net.ipv4.ip_local_port_range"),
+        runtime_sysctl(root, "net.ipv4.ip_local_reserved_ports"),
+        snat_range,
+    ));
     if root.is_none() {
         checks.push(kube_proxy_check());
     } else {
@@ -583,6 +595,66 @@ pub fn socket_lb_check(links: &std::collections::BTreeSet<String>, mode: Option<
         ),
         _ => Check::ok("socket-lb", format!("{hooks} cgroup hooks pinned (mode unknown)")),
     }
+}
+
+// ---------------------------------------------------------------- SNAT ports
+
+/// The node's ephemeral ports against the SNAT range: kproxy takes SNAT and
+/// remapped ports from it without knowing the node's own sockets, so a node
+/// process that picks one of them as its ephemeral port to the same backend
+/// would share a reply tuple with a translated flow.
+pub fn snat_ports_check(local: Runtime, reserved: Runtime, snat: (u16, u16)) -> Check {
+    let name = "snat-ports";
+    let Runtime::Value(local) = local else {
+        return Check::ok(name, format!("SNAT ports {}-{} (ephemeral range not readable)", snat.0, snat.1));
+    };
+    let mut bounds = local.split_whitespace().filter_map(|v| v.parse::<u32>().ok());
+    let (Some(low), Some(high)) = (bounds.next(), bounds.next()) else {
+        return Check::ok(
+            name,
+            format!("SNAT ports {}-{} (ephemeral range {local:?} not understood)", snat.0, snat.1),
+        );
+    };
+    let (snat_low, snat_high) = (u32::from(snat.0), u32::from(snat.1));
+    let overlap_low = low.max(snat_low);
+    let overlap_high = high.min(snat_high);
+    if overlap_low > overlap_high {
+        return Check::ok(
+            name,
+            format!("ephemeral ports {low}-{high} stay clear of the SNAT range {snat_low}-{snat_high}"),
+        );
+    }
+    let reserved = match &reserved {
+        Runtime::Value(v) => v.clone(),
+        Runtime::Unknown(_) => String::new(),
+    };
+    let covered = reserved.split(',').any(|part| {
+        let mut ends = part.trim().split('-').filter_map(|v| v.parse::<u32>().ok());
+        match (ends.next(), ends.next()) {
+            (Some(a), Some(b)) => a <= overlap_low && b >= overlap_high,
+            (Some(a), None) => a == overlap_low && a == overlap_high,
+            _ => false,
+        }
+    });
+    if covered {
+        return Check::ok(
+            name,
+            format!(
+                "ephemeral ports {low}-{high} overlap the SNAT range, but ip_local_reserved_ports excludes it"
+            ),
+        );
+    }
+    Check::warn(
+        name,
+        format!(
+            "ephemeral ports {low}-{high} overlap the SNAT range {snat_low}-{snat_high} \
+             ({overlap_low}-{overlap_high}): a node process may pick a port a translated flow holds"
+        ),
+        format!(
+            "sysctl net.ipv4.ip_local_reserved_ports={overlap_low}-{overlap_high}, or move --snat-port-range \
+             outside net.ipv4.ip_local_port_range"
+        ),
+    )
 }
 
 // ---------------------------------------------------------------- agent
@@ -1103,6 +1175,24 @@ fn kube_proxy_check() -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ephemeral_ports_inside_the_snat_range_are_reported_unless_reserved() {
+        let value = |v: &str| Runtime::Value(v.to_owned());
+        let snat = (61000, 65535);
+        let clear = snat_ports_check(value("32768\t60999"), value(""), snat);
+        assert_eq!(clear.status, Status::Ok, "{clear:?}");
+        let overlap = snat_ports_check(value("1024 65535"), value(""), snat);
+        assert_eq!(overlap.status, Status::Warn, "{overlap:?}");
+        assert!(overlap.finding.contains("61000-65535"), "{overlap:?}");
+        assert!(overlap.fix.as_deref().unwrap().contains("ip_local_reserved_ports=61000-65535"));
+        let reserved = snat_ports_check(value("1024 65535"), value("30000-32767,61000-65535"), snat);
+        assert_eq!(reserved.status, Status::Ok, "{reserved:?}");
+        let partly = snat_ports_check(value("32768 62000"), value("61000-61500"), snat);
+        assert_eq!(partly.status, Status::Warn, "{partly:?}");
+        let unreadable = snat_ports_check(Runtime::Unknown("no".into()), value(""), snat);
+        assert_eq!(unreadable.status, Status::Ok);
+    }
 
     #[test]
     fn kernel_versions() {

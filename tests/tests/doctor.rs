@@ -258,3 +258,27 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
     assert!(health["finding"].as_str().unwrap().contains("no agent is running"), "{health:#}");
     assert_eq!(check(&report, "datapath")["status"], "OK");
 }
+
+/// kproxy takes SNAT and remapped ports (61000-65535 by default) without seeing the node's own
+/// sockets: an ephemeral range that reaches into it is named, with the sysctl that fixes it.
+#[test]
+fn an_ephemeral_port_range_reaching_into_the_snat_ports_is_named() {
+    let overlapping = fake_root(&[("proc/sys/net/ipv4/ip_local_port_range", "1024\t65535\n")]);
+    let (code, out) = doctor_root(&overlapping.0, true);
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(code, 0, "WARN is not a failure: {report:#}");
+    let ports = check(&report, "snat-ports");
+    assert_eq!(ports["status"], "WARN", "{ports:#}");
+    assert!(
+        ports["fix"].as_str().unwrap().contains("net.ipv4.ip_local_reserved_ports=61000-65535"),
+        "{ports:#}"
+    );
+
+    let reserved = fake_root(&[
+        ("proc/sys/net/ipv4/ip_local_port_range", "1024\t65535\n"),
+        ("proc/sys/net/ipv4/ip_local_reserved_ports", "61000-65535\n"),
+    ]);
+    let (_, out) = doctor_root(&reserved.0, true);
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(check(&report, "snat-ports")["status"], "OK", "{report:#}");
+}
