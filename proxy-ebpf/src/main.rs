@@ -194,7 +194,7 @@ enum Step {
     Established,
     /// The first packet of a flow to [`Found::frontend`].
     NewFlow,
-    /// A packet to no Service, from a pod.
+    /// A packet to no Service (a pod, most often).
     Direct,
 }
 
@@ -352,7 +352,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     Step::NewFlow
 }
 
-/// A pod's packet to an address that is no Service's (another pod, most
+/// A packet to an address that is no Service's (another pod, most
 /// often). Untouched — unless a translated flow of the same client already
 /// has its reply tuple: the client reused a source port for a pod it had
 /// reached through a Service. Then the translated flow yields the tuple if it
