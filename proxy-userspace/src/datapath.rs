@@ -132,6 +132,74 @@ impl PinDir {
         self.root.join("links")
     }
 
+    /// The directories kproxy creates, reads and deletes pins in.
+    fn tree(&self) -> [PathBuf; 4] {
+        [self.root.clone(), self.root.join("links"), self.root.join("maps"), self.root.join("progs")]
+    }
+
+    /// Refuses a pin directory that could be turned against the host: bpffs at
+    /// /sys/fs/bpf is world-writable (mode 1777 unless mounted with `mode=`), so
+    /// a user could create it first, with `links` a symlink to a root-only
+    /// directory whose files the agent would then delete. Each directory of the
+    /// tree must be a real directory (not a symlink), owned by this user,
+    /// writable by nobody else, on a bpf filesystem; the path is named
+    /// otherwise. Once verified, nobody else can change the tree: its
+    /// directories are ours and closed to others, and /sys/fs/bpf is sticky.
+    pub fn verify(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt as _;
+        // SAFETY: a syscall without arguments.
+        let euid = unsafe { libc::geteuid() };
+        for dir in self.tree() {
+            let meta = match fs::symlink_metadata(&dir) {
+                Ok(meta) => meta,
+                Err(e) if e.kind() == ErrorKind::NotFound => continue,
+                Err(e) => {
+                    return Err(e).with_context(|| format!("checking the pin directory {}", dir.display()));
+                }
+            };
+            if meta.file_type().is_symlink() {
+                bail!("refusing the pin directory {}: it is a symbolic link", dir.display());
+            }
+            if !meta.is_dir() {
+                bail!("refusing the pin directory {}: it is not a directory", dir.display());
+            }
+            if meta.uid() != euid {
+                bail!(
+                    "refusing the pin directory {}: it belongs to uid {}, not to this process (uid {euid}); \
+                     remove it and let kproxy create it",
+                    dir.display(),
+                    meta.uid()
+                );
+            }
+            if meta.mode() & 0o022 != 0 {
+                bail!(
+                    "refusing the pin directory {}: others may write to it (mode {:o}); remove it and let kproxy \
+                     create it",
+                    dir.display(),
+                    meta.mode() & 0o7777
+                );
+            }
+            if !on_bpffs(&dir)? {
+                bail!("refusing the pin directory {}: it is not on a bpf filesystem", dir.display());
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the tree (mode 0700) where it is missing, then [`PinDir::verify`]s it.
+    pub fn prepare(&self) -> Result<()> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        self.verify()?;
+        for dir in self.tree() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)
+                .with_context(|| format!("creating {}", dir.display()))?;
+        }
+        self.verify()
+    }
+
     pub fn xdp_link(&self, iface: &Interface) -> PathBuf {
         let name = iface.name.replace('.', "%2E");
         self.links_dir().join(format!("{name}@{}-{XDP_SUFFIX}", iface.index))
@@ -250,6 +318,20 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
     Ok(ebpf)
 }
 
+/// Whether `path` is on a bpf filesystem (statfs magic BPF_FS_MAGIC).
+fn on_bpffs(path: &Path) -> Result<bool> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("{}: not a valid path", path.display()))?;
+    // SAFETY: zeroed plain data for the kernel to fill in.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a statfs buffer that outlive the call.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {}", path.display()));
+    }
+    Ok(stat.f_type as i64 == BPF_FS_MAGIC)
+}
+
 /// Mounts bpffs at /sys/fs/bpf when the pin directory lives there and nothing
 /// is mounted yet (DESIGN: `kproxy load` needs nobody to prepare the node).
 pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
@@ -318,11 +400,8 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
 /// [`load`] with map sizes (used for maps created now; reused maps keep theirs).
 pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
     ensure_bpffs(pins)?;
+    pins.prepare()?;
     let fresh = !pins.program(PROG_INGRESS).exists();
-    for dir in ["maps", "progs", "links"] {
-        fs::create_dir_all(pins.root().join(dir))
-            .with_context(|| format!("creating {}", pins.root().join(dir).display()))?;
-    }
     for name in ALL_MAPS {
         let path = pins.map(name);
         let (Some((key, value)), true) = (expected_layout(name), path.exists()) else { continue };
@@ -527,6 +606,8 @@ pub fn unload(pins: &PinDir) -> Result<Unloaded> {
     if !pins.root().exists() {
         return Ok(report);
     }
+    // Only pins, on bpffs, in a tree nobody else controls, are deleted.
+    pins.verify()?;
     if let Ok(entries) = fs::read_dir(pins.links_dir()) {
         for entry in entries {
             let path = entry?.path();
