@@ -47,6 +47,20 @@ fn remove(service: &'static str, step: usize) -> Change {
     Change::RemoveEndpoint { service, pod: PodRef::ServerOf(step) }
 }
 
+/// An established connection through `web` meets `change` to its backend: it goes on, and a new
+/// connection works.
+fn backend_change_mid_stream(name: &'static str, about: &'static str, change: Change) -> Scenario {
+    Scenario::new(name, about)
+        .tcp("a", svc("web", 80), P0)
+        .hello("a")
+        .change(change)
+        .hello("a")
+        .tcp("b", svc("web", 80), P1)
+        .hello("b")
+        .any_backend()
+        .client_close("a")
+}
+
 fn scenarios() -> Vec<Scenario> {
     let mut list = vec![
         Scenario::new("clusterip-tcp", "a TCP connection to a ClusterIP reaches a backend")
@@ -208,42 +222,21 @@ fn scenarios() -> Vec<Scenario> {
         .any_backend()
         .dns("u", pod("coredns-1", 53)),
         // Backend changes.
-        Scenario::new(
+        backend_change_mid_stream(
             "tcp-endpoint-removed-mid-stream",
             "the backend of an established connection leaves the EndpointSlice while its pod still serves",
-        )
-        .tcp("a", svc("web", 80), P0)
-        .hello("a")
-        .change(remove("web", 1))
-        .hello("a")
-        .tcp("b", svc("web", 80), P1)
-        .hello("b")
-        .any_backend()
-        .client_close("a"),
-        Scenario::new(
+            remove("web", 1),
+        ),
+        backend_change_mid_stream(
             "tcp-endpoint-unready-mid-stream",
             "the backend of an established connection becomes unready (readiness flap)",
-        )
-        .tcp("a", svc("web", 80), P0)
-        .hello("a")
-        .change(Change::Conditions { service: "web", pod: PodRef::ServerOf(1), conditions: UNREADY })
-        .hello("a")
-        .tcp("b", svc("web", 80), P1)
-        .hello("b")
-        .any_backend()
-        .client_close("a"),
-        Scenario::new(
+            Change::Conditions { service: "web", pod: PodRef::ServerOf(1), conditions: UNREADY },
+        ),
+        backend_change_mid_stream(
             "tcp-endpoint-terminating-mid-stream",
             "the backend of an established connection starts terminating (still serving)",
-        )
-        .tcp("a", svc("web", 80), P0)
-        .hello("a")
-        .change(Change::Conditions { service: "web", pod: PodRef::ServerOf(1), conditions: TERMINATING })
-        .hello("a")
-        .tcp("b", svc("web", 80), P1)
-        .hello("b")
-        .any_backend()
-        .client_close("a"),
+            Change::Conditions { service: "web", pod: PodRef::ServerOf(1), conditions: TERMINATING },
+        ),
         Scenario::new(
             "tcp-last-endpoint-removed-mid-stream",
             "a Service loses its only endpoint: the established connection goes on, new ones are refused",

@@ -15,16 +15,11 @@ use std::{
 
 use sandbox::{Pod, Sandbox, Spawned, apiserver::ApiServer, cgroup::ChildCgroup};
 
-pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 2);
+/// The same pods as the differential test's sandbox: one layout for both.
+pub use sandbox::differential::{CLIENT_IP, DNS_PODS, WEB_PODS};
+
 pub const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
 pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-pub const WEB_PODS: [(&str, Ipv4Addr); 3] = [
-    ("web-1", Ipv4Addr::new(10, 244, 0, 11)),
-    ("web-2", Ipv4Addr::new(10, 244, 0, 12)),
-    ("web-3", Ipv4Addr::new(10, 244, 0, 13)),
-];
-pub const DNS_PODS: [(&str, Ipv4Addr); 2] =
-    [("coredns-1", Ipv4Addr::new(10, 244, 0, 21)), ("coredns-2", Ipv4Addr::new(10, 244, 0, 22))];
 
 pub use sandbox::kproxy_bin;
 
