@@ -261,7 +261,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
 
     match &config.source {
         Source::Files(path) => {
-            tokio::spawn(source::watch_files(path.clone(), config.poll, Arc::clone(&changes)));
+            tokio::spawn(crate::manifest_watch::watch_files(path.clone(), config.poll, Arc::clone(&changes)));
         }
         Source::Cluster(options) => {
             let client = source::client(options).await?;

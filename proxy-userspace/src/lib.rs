@@ -9,6 +9,7 @@ pub mod dump;
 pub mod gc;
 pub mod health;
 pub mod manifest;
+pub mod manifest_watch;
 pub mod metrics;
 pub mod model;
 pub mod model_cache;

@@ -4,7 +4,7 @@
 
 use std::{
     collections::BTreeMap,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
@@ -18,7 +18,7 @@ use kube::{
 };
 use tokio::sync::Notify;
 
-use crate::manifest::{self, ManifestError, Sourced};
+use crate::manifest::{ManifestError, Sourced};
 
 /// kube-proxy's label selector: Services (and their slices) that name another
 /// proxy, or are headless, are not ours and are not even listed.
@@ -363,53 +363,6 @@ impl Kinded {
                 snapshot.slices.insert(k, Arc::new(Sourced { origin, object: *object }));
             }
         }
-    }
-}
-
-/// Identifies the state of manifest files: any write, rename, addition or
-/// removal changes it.
-fn fingerprint(path: &Path) -> Vec<(PathBuf, Option<SystemTime>, u64)> {
-    let mut out = Vec::new();
-    let mut stack = vec![path.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        match std::fs::metadata(&p) {
-            Ok(meta) if meta.is_dir() => {
-                if let Ok(entries) = std::fs::read_dir(&p) {
-                    stack.extend(entries.filter_map(|e| e.ok().map(|e| e.path())));
-                }
-            }
-            Ok(meta) => out.push((p, meta.modified().ok(), meta.len())),
-            Err(_) => out.push((p, None, 0)),
-        }
-    }
-    out.sort();
-    out
-}
-
-/// Re-reads the manifests whenever a file changes (checked every `poll`).
-pub async fn watch_files(path: PathBuf, poll: Duration, changes: Arc<Changes>) -> Result<()> {
-    let mut last = None;
-    loop {
-        let current = fingerprint(&path);
-        if last.as_ref() != Some(&current) {
-            let objects = manifest::load_path(&path);
-            let mut snapshot = Snapshot { errors: objects.errors, ..Default::default() };
-            for (i, s) in objects.services.into_iter().enumerate() {
-                let (ns, name) = (s.object.metadata.namespace.clone(), s.object.metadata.name.clone());
-                snapshot
-                    .services
-                    .insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), Arc::new(s));
-            }
-            for (i, s) in objects.slices.into_iter().enumerate() {
-                let (ns, name) = (s.object.metadata.namespace.clone(), s.object.metadata.name.clone());
-                snapshot
-                    .slices
-                    .insert((ns.unwrap_or_default(), name.unwrap_or_default(), i as u32), Arc::new(s));
-            }
-            changes.replace_all(snapshot);
-            last = Some(current);
-        }
-        tokio::time::sleep(poll).await;
     }
 }
 
