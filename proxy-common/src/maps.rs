@@ -112,6 +112,11 @@ pub const SVC_FLAG_EXTERNAL_ADDR: u16 = 32;
 /// table `backend_id - 1` of MAGLEV_V4 (slot 0's `backend_id` is otherwise
 /// unused), so every node picks the same backend for the same flow.
 pub const SVC_FLAG_MAGLEV: u16 = 64;
+/// A local-only frontend (internal or external traffic policy Local) without a
+/// local backend, whose Service has endpoints on other nodes: new connections
+/// are dropped, not refused (kube-proxy's "has no local endpoints" rule), so
+/// clients time out and a load balancer's health check steers them away.
+pub const SVC_FLAG_NO_LOCAL_ENDPOINTS: u16 = 128;
 
 pub const BACKEND_FLAG_ACTIVE: u8 = 0;
 pub const BACKEND_FLAG_TERMINATING: u8 = 1;

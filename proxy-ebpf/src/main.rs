@@ -32,7 +32,7 @@ use proxy_common::{
     conntrack::{Clash, starts_tcp_flow},
     maps::{
         BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP,
-        CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_EXTERNAL_LOCAL,
+        CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_NO_LOCAL_ENDPOINTS,
         SVC_FLAG_SOURCE_RANGES, reply_key_in_snat,
     },
     stats::Stat,
@@ -335,9 +335,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
         return Step::Drop(Stat::DropInvalidTcp);
     }
     if value.count == 0 {
-        if EXTERNAL && frontend.scope == SCOPE_EXTERNAL && value.flags & SVC_FLAG_EXTERNAL_LOCAL != 0 {
-            // As kube-proxy: a node without a local endpoint drops, so that a
-            // load balancer's health check (not a refusal) steers clients away.
+        if value.flags & SVC_FLAG_NO_LOCAL_ENDPOINTS != 0 {
             return Step::Drop(Stat::DropNoLocalEndpoint);
         }
         debug!(ctx, "frontend {} has no endpoints: refusing", value.rev_nat_id);

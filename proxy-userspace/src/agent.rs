@@ -590,6 +590,14 @@ async fn gc_loop(pins: PinDir, options: ConntrackOptions, metrics: Metrics) {
 }
 
 /// Go-style durations as kube-proxy's flags take them: `250ms`, `1s`, `1m30s`.
+/// The node name kube-proxy falls back to without `--hostname-override`: the host name, trimmed and
+/// lowercased (`nodeutil.GetHostname`).
+pub fn host_name() -> Option<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let name = name.trim().to_lowercase();
+    (!name.is_empty()).then_some(name)
+}
+
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let mut total = Duration::ZERO;
     let mut rest = text.trim();

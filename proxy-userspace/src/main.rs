@@ -100,9 +100,14 @@ struct AgentArgs {
     /// API server URL; overrides the kubeconfig's.
     #[arg(long)]
     master: Option<String>,
-    /// This node's name, for internalTrafficPolicy: Local.
+    /// This node's name, for traffic policies Local and node hints; as kube-proxy, the host name
+    /// (lowercased) when neither this nor NODE_NAME is set.
     #[arg(long, env = "NODE_NAME")]
     hostname_override: Option<String>,
+    /// This node's zone, for zone hints (trafficDistribution PreferClose/PreferSameZone). From the API
+    /// server it is read from the Node's topology.kubernetes.io/zone label, which this overrides.
+    #[arg(long)]
+    node_zone: Option<String>,
     /// Program only Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long)]
     service_proxy_name: Option<String>,
@@ -319,8 +324,9 @@ fn run(cli: Cli) -> Result<()> {
                 healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
                 metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
                 model: ModelOptions {
-                    node_name: args.hostname_override,
+                    node_name: args.hostname_override.or_else(kproxy::agent::host_name),
                     service_proxy_name: args.service_proxy_name,
+                    zone: args.node_zone,
                     ..Default::default()
                 },
                 conntrack,

@@ -5,15 +5,26 @@
 //! port × protocol × scope, each with the backends new connections may use), the health checks to serve,
 //! plus the problems it found.
 //!
-//! Endpoint selection follows kube-proxy (`pkg/proxy/topology.go`, KEP-1669 and KEP-2086):
+//! Endpoint selection follows kube-proxy (`pkg/proxy/endpointslicecache.go`, `pkg/proxy/topology.go`
+//! `CategorizeEndpoints`, KEP-1669, KEP-2086, KEP-2433 and KEP-4444):
 //! 1. the endpoints of a Service port are those of all its EndpointSlices, merged by address and target port
 //!    (when one appears more than once, the "best" copy wins: ready, then serving and terminating, then
-//!    serving, then on this node);
-//! 2. `ready` is `conditions.ready != false`; `serving` defaults to `ready`; `terminating` is
-//!    `conditions.terminating == true`; `publishNotReadyAddresses: true` makes every endpoint ready;
+//!    serving, then on this node); an endpoint is its `addresses[0]` (the API gives the others no
+//!    meaning, and kube-proxy ignores them);
+//! 2. `ready` is `conditions.ready != false`, `serving` is `conditions.serving != false`, `terminating`
+//!    is `conditions.terminating == true` — nil means true for the first two, as kube-proxy reads them;
+//!    `publishNotReadyAddresses` is not read here: the EndpointSlice controller already writes such
+//!    endpoints as ready, and kube-proxy trusts the slice;
 //! 3. `internalTrafficPolicy: Local` keeps only endpoints whose `nodeName` is this node's;
-//! 4. the ready ones are used; when there are none, the serving-and-terminating ones are
-//!    (the "terminating fallback").
+//! 4. topology (cluster-wide selections only, never Local ones): when every ready endpoint carries a
+//!    `hints.forNodes` and one is hinted for this node, only the endpoints hinted for this node are used
+//!    ("PreferSameNode"); otherwise when every ready endpoint carries `hints.forZones` and one is hinted
+//!    for this node's zone ([`ModelOptions::zone`]), only those ("PreferSameZone"); otherwise all;
+//! 5. the ready ones are used; when there are none, the serving-and-terminating ones are
+//!    (the "terminating fallback", which ignores topology);
+//! 6. a Local selection left empty while the Service has usable endpoints elsewhere drops new connections
+//!    ([`Frontend::no_local_endpoints`]) instead of refusing them: the client times out, as with
+//!    kube-proxy's "has no local endpoints" DROP rule; with no usable endpoint anywhere, they are refused.
 //!
 //! North–south frontends (node ports on [`ModelOptions::node_addresses`], `spec.externalIPs`, and the
 //! `status.loadBalancer.ingress` IPs of LoadBalancer Services) follow kube-proxy too:
@@ -223,6 +234,33 @@ pub struct Frontend {
     pub external_local: bool,
     /// `spec.loadBalancerSourceRanges` (LoadBalancer kind only); empty means every source.
     pub source_ranges: Vec<Cidr4>,
+    /// A `local_only` entry without backends whose Service has usable endpoints on other nodes: new
+    /// connections are dropped rather than refused (kube-proxy's "has no local endpoints" rule).
+    pub no_local_endpoints: bool,
+    /// Which topology rule narrowed `backends` (step 4 of the module doc).
+    pub topology: Topology,
+}
+
+/// Which endpoints topology left to a cluster-wide selection, after kube-proxy's `topologyModeFromHints`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Topology {
+    /// Every endpoint (no hints, or hints that do not all agree, or none for this node or zone).
+    #[default]
+    All,
+    /// Those hinted (`hints.forZones`) for this node's zone.
+    SameZone,
+    /// Those hinted (`hints.forNodes`) for this node.
+    SameNode,
+}
+
+impl fmt::Display for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Topology::All => "all",
+            Topology::SameZone => "PreferSameZone",
+            Topology::SameNode => "PreferSameNode",
+        })
+    }
 }
 
 impl Frontend {
@@ -250,6 +288,8 @@ impl Frontend {
             scope: Scope::Internal,
             external_local: false,
             source_ranges: Vec::new(),
+            no_local_endpoints: false,
+            topology: Topology::All,
         }
     }
 }
@@ -267,6 +307,9 @@ pub struct ModelOptions {
     /// This node's addresses that answer NodePorts (`--nodeport-addresses` applied); none: no NodePort
     /// frontends.
     pub node_addresses: Vec<Ipv4Addr>,
+    /// This node's zone (its `topology.kubernetes.io/zone` label, or `--node-zone`), for zone hints.
+    /// `None` (or empty): zone hints are never followed.
+    pub zone: Option<String>,
 }
 
 /// Counts about one build, for logs and metrics.
@@ -287,8 +330,14 @@ pub struct ModelStats {
     pub frontends_without_backends: usize,
     /// Frontends whose backends come from the terminating fallback.
     pub frontends_terminating_fallback: usize,
+    /// Frontends whose backends topology hints narrowed to this node's zone...
+    pub frontends_topology_same_zone: usize,
+    /// ...or to this node.
+    pub frontends_topology_same_node: usize,
+    /// Local frontends that drop new connections: no endpoint here, some elsewhere.
+    pub frontends_no_local_endpoints: usize,
     /// Distinct endpoint addresses of the Services kproxy programs, by state (each counted once per
-    /// Service, in its best state across slices): ready (publishNotReadyAddresses included)...
+    /// Service, in its best state across slices): ready...
     pub endpoints_ready: usize,
     /// ...not ready and terminating...
     pub endpoints_terminating: usize,
@@ -506,6 +555,9 @@ impl Merge {
                 self.stats.frontends += 1;
                 self.stats.frontends_without_backends += usize::from(entry.backends.is_empty());
                 self.stats.frontends_terminating_fallback += usize::from(entry.terminating_fallback);
+                self.stats.frontends_topology_same_zone += usize::from(entry.topology == Topology::SameZone);
+                self.stats.frontends_topology_same_node += usize::from(entry.topology == Topology::SameNode);
+                self.stats.frontends_no_local_endpoints += usize::from(entry.no_local_endpoints);
             }
             programmed = true;
             source.keep(&mut self.frontends);
@@ -557,6 +609,9 @@ impl ModelStats {
         self.frontends += other.frontends;
         self.frontends_without_backends += other.frontends_without_backends;
         self.frontends_terminating_fallback += other.frontends_terminating_fallback;
+        self.frontends_topology_same_zone += other.frontends_topology_same_zone;
+        self.frontends_topology_same_node += other.frontends_topology_same_node;
+        self.frontends_no_local_endpoints += other.frontends_no_local_endpoints;
         self.endpoints_ready += other.endpoints_ready;
         self.endpoints_terminating += other.endpoints_terminating;
         self.endpoints_not_ready += other.endpoints_not_ready;
@@ -574,6 +629,7 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
     let filter = Filter {
         node_name: options.node_name.as_deref().filter(|n| !n.is_empty()),
         proxy_name: options.service_proxy_name.as_deref().filter(|n| !n.is_empty()),
+        zone: options.zone.as_deref().filter(|z| !z.is_empty()),
     };
     // A repeated address would only make a Service collide with itself.
     let mut node_addresses = options.node_addresses.clone();
@@ -602,14 +658,14 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
     let mut claims = Vec::with_capacity(plans.len());
     for plan in plans {
         let slices = by_service.get(&plan.name).map(Vec::as_slice).unwrap_or_default();
-        count_endpoints(&plan, slices, &mut stats);
+        count_endpoints(slices, &mut stats);
         let trigger_time = slices
             .iter()
             .filter_map(|s| s.trigger_time.as_ref())
             .max_by(|a, b| a.cmp(b))
             .map(|(_, text)| text);
         let health_check = plan.health_check_port.map(|port| {
-            let (local_ready, local_terminating) = local_endpoint_counts(&plan, slices);
+            let (local_ready, local_terminating) = local_endpoint_counts(slices);
             HealthCheck { service: plan.name.clone(), port, local_ready, local_terminating }
         });
         let first = claims.len();
@@ -650,6 +706,8 @@ fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Add
                 } else {
                     Vec::new()
                 },
+                no_local_endpoints: selected.no_local_endpoints,
+                topology: selected.topology,
             };
 
         let internal = select(&endpoints, plan.local_only);
@@ -694,6 +752,7 @@ fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Add
 struct Filter<'a> {
     node_name: Option<&'a str>,
     proxy_name: Option<&'a str>,
+    zone: Option<&'a str>,
 }
 
 impl Filter<'_> {
@@ -734,17 +793,6 @@ struct ServicePlan<'a> {
     external_local: bool,
     /// A valid `healthCheckNodePort`, kept only with `externalTrafficPolicy: Local`.
     health_check_port: Option<u16>,
-    publish_not_ready: bool,
-}
-
-impl ServicePlan<'_> {
-    /// An endpoint's state as this Service sees it.
-    fn adjust(&self, mut state: EndpointState) -> EndpointState {
-        if self.publish_not_ready {
-            state.ready = true;
-        }
-        state
-    }
 }
 
 struct PortPlan {
@@ -765,6 +813,32 @@ struct EndpointState {
     terminating: bool,
     /// `nodeName` is this node's.
     local: bool,
+    /// Its `hints.forNodes`, as this node reads them.
+    node_hint: Hint,
+    /// Its `hints.forZones`, as this node (in its zone) reads them.
+    zone_hint: Hint,
+}
+
+/// One kind of topology hint of an endpoint, relative to this node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Hint {
+    /// No hint of this kind.
+    #[default]
+    Absent,
+    /// Hinted, but not for this node (or its zone).
+    Elsewhere,
+    /// Hinted for this node (or its zone).
+    Here,
+}
+
+impl Hint {
+    fn of<'a>(hinted: Option<impl Iterator<Item = &'a str>>, here: Option<&str>) -> Hint {
+        let Some(mut names) = hinted.map(Iterator::peekable) else { return Hint::Absent };
+        if names.peek().is_none() {
+            return Hint::Absent;
+        }
+        if here.is_some_and(|here| names.any(|name| name == here)) { Hint::Here } else { Hint::Elsewhere }
+    }
 }
 
 impl EndpointState {
@@ -1088,7 +1162,6 @@ fn plan_service<'a>(
         _ => None,
     };
 
-    let publish_not_ready = spec.publish_not_ready_addresses == Some(true);
     Some(ServicePlan {
         origin,
         name,
@@ -1101,7 +1174,6 @@ fn plan_service<'a>(
         local_only,
         external_local,
         health_check_port,
-        publish_not_ready,
     })
 }
 
@@ -1180,7 +1252,16 @@ fn use_slice<'a>(
     let slice_name = meta.name.clone().unwrap_or_default();
     let object = format!("EndpointSlice {namespace}/{slice_name}");
     let Some(service) = label(meta, LABEL_SERVICE_NAME).filter(|service| !service.is_empty()) else {
-        debug!(slice = %object, "ignoring an EndpointSlice without the {LABEL_SERVICE_NAME} label");
+        // kube-proxy logs this as an error (endpointSliceCacheKeys): a hand-written slice that forgot the
+        // label would otherwise leave its Service without endpoints and nobody the wiser.
+        let message = format!(
+            "the EndpointSlice has no {LABEL_SERVICE_NAME} label, so it belongs to no Service; it is ignored"
+        );
+        errors.push(
+            ManifestError::new(origin, message)
+                .with_object(object)
+                .with_field(format!("metadata.labels[{LABEL_SERVICE_NAME}]")),
+        );
         return None;
     };
     let service = ServiceName { namespace: namespace.clone(), name: service.to_string() };
@@ -1233,14 +1314,26 @@ fn use_slice<'a>(
     let mut endpoints = Vec::new();
     for (i, endpoint) in slice.object.endpoints.iter().enumerate() {
         let conditions = endpoint.conditions.as_ref();
-        let ready = conditions.and_then(|c| c.ready) != Some(false);
+        let hints = endpoint.hints.as_ref();
         let state = EndpointState {
-            ready,
-            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            ready: conditions.and_then(|c| c.ready) != Some(false),
+            serving: conditions.and_then(|c| c.serving) != Some(false),
             terminating: conditions.and_then(|c| c.terminating) == Some(true),
             local: filter.node_name.is_some() && endpoint.node_name.as_deref() == filter.node_name,
+            node_hint: Hint::of(
+                hints.and_then(|h| h.for_nodes.as_ref()).map(|nodes| nodes.iter().map(|n| n.name.as_str())),
+                filter.node_name,
+            ),
+            zone_hint: Hint::of(
+                hints.and_then(|h| h.for_zones.as_ref()).map(|zones| zones.iter().map(|z| z.name.as_str())),
+                filter.zone,
+            ),
         };
-        for (j, text) in endpoint.addresses.iter().enumerate() {
+        if endpoint.addresses.len() > 1 {
+            debug!(slice = %object, endpoint = i, "only addresses[0] of an endpoint is used, as kube-proxy does");
+        }
+        if let Some(text) = endpoint.addresses.first() {
+            let j = 0;
             let field = || format!("endpoints[{i}].addresses[{j}]");
             match text.parse::<Ipv4Addr>() {
                 Ok(addr) => match unusable(addr) {
@@ -1291,7 +1384,7 @@ fn endpoints_for(
                 continue;
             }
             for &(addr, state) in &slice.endpoints {
-                merge(&mut merged, BackendAddr { addr, port: *target }, plan.adjust(state));
+                merge(&mut merged, BackendAddr { addr, port: *target }, state);
             }
         }
     }
@@ -1305,39 +1398,82 @@ struct Selection {
     terminating_backends: Vec<BackendAddr>,
     /// Only this node's endpoints were eligible.
     local_only: bool,
+    topology: Topology,
+    /// See [`Frontend::no_local_endpoints`].
+    no_local_endpoints: bool,
 }
 
-/// The backends among `endpoints` (sorted by address): the ready ones, or the serving-and-terminating ones
-/// when none is ready; and the serving-and-terminating ones left out of them (they keep their flows).
+/// The backends among `endpoints` (sorted by address): the ready ones (narrowed by topology for a
+/// cluster-wide selection), or the serving-and-terminating ones when none is ready; and the
+/// serving-and-terminating ones left out of them (they keep their flows).
 fn select(endpoints: &[(BackendAddr, EndpointState)], local_only: bool) -> Selection {
-    let pick = |keep: fn(EndpointState) -> bool| -> Vec<BackendAddr> {
+    let pick = |keep: &dyn Fn(EndpointState) -> bool| -> Vec<BackendAddr> {
         endpoints
             .iter()
             .filter(|(_, state)| (!local_only || state.local) && keep(*state))
             .map(|(backend, _)| *backend)
             .collect()
     };
-    let ready = pick(|state| state.ready);
-    let fallback = pick(|state| !state.ready && state.fallback());
+    let topology = if local_only { Topology::All } else { topology_of(endpoints) };
+    let ready = pick(&|state| state.ready && topology.admits(state));
+    let fallback = pick(&|state| !state.ready && state.fallback());
     if !ready.is_empty() {
         return Selection {
             backends: ready,
             terminating_fallback: false,
             terminating_backends: fallback,
             local_only,
+            topology,
+            no_local_endpoints: false,
         };
     }
     let used = !fallback.is_empty();
-    Selection { backends: fallback, terminating_fallback: used, terminating_backends: Vec::new(), local_only }
+    let usable_anywhere = endpoints.iter().any(|(_, state)| state.ready || state.fallback());
+    Selection {
+        backends: fallback,
+        terminating_fallback: used,
+        terminating_backends: Vec::new(),
+        local_only,
+        // Topology is only chosen when a ready endpoint matches it, so an empty ready list means none did.
+        topology: Topology::All,
+        no_local_endpoints: local_only && !used && usable_anywhere,
+    }
+}
+
+/// kube-proxy's `topologyModeFromHints`: node hints win when every ready endpoint has one and one is for
+/// this node; then zone hints, likewise; else every endpoint. Endpoints that are not ready do not count.
+fn topology_of(endpoints: &[(BackendAddr, EndpointState)]) -> Topology {
+    let ready: Vec<EndpointState> = endpoints.iter().map(|(_, state)| *state).filter(|s| s.ready).collect();
+    let follows = |hint: fn(&EndpointState) -> Hint| {
+        !ready.is_empty()
+            && ready.iter().all(|s| hint(s) != Hint::Absent)
+            && ready.iter().any(|s| hint(s) == Hint::Here)
+    };
+    if follows(|s| s.node_hint) {
+        Topology::SameNode
+    } else if follows(|s| s.zone_hint) {
+        Topology::SameZone
+    } else {
+        Topology::All
+    }
+}
+
+impl Topology {
+    fn admits(self, state: EndpointState) -> bool {
+        match self {
+            Topology::All => true,
+            Topology::SameZone => state.zone_hint == Hint::Here,
+            Topology::SameNode => state.node_hint == Hint::Here,
+        }
+    }
 }
 
 /// The distinct addresses of a Service's endpoints on this node (all slices and ports) that are ready,
 /// and those that are serving and terminating but not ready, for its health check.
-fn local_endpoint_counts(plan: &ServicePlan, slices: &[SliceUse]) -> (usize, usize) {
+fn local_endpoint_counts(slices: &[SliceUse]) -> (usize, usize) {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
-        let state = plan.adjust(state);
         if !state.local {
             continue;
         }
@@ -1351,10 +1487,10 @@ fn local_endpoint_counts(plan: &ServicePlan, slices: &[SliceUse]) -> (usize, usi
 }
 
 /// Adds a programmed Service's distinct endpoint addresses to the stats, each in its best state.
-fn count_endpoints(plan: &ServicePlan, slices: &[SliceUse], stats: &mut ModelStats) {
+fn count_endpoints(slices: &[SliceUse], stats: &mut ModelStats) {
     let mut merged = BTreeMap::new();
     for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
-        merge(&mut merged, addr, plan.adjust(state));
+        merge(&mut merged, addr, state);
     }
     for state in merged.values() {
         if state.ready {
@@ -1798,8 +1934,14 @@ spec:
         let unlabelled = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-manual\n  namespace: shop\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.1]\nports:\n- port: 8080\n";
         let other_ns = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-x1\n  namespace: staging\n  labels:\n    kubernetes.io/service-name: web\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\nports:\n- port: 8080\n";
         let linked = web_slice("web-x2", "endpoints:\n- addresses: [10.244.1.3]\nports:\n- port: 8080\n");
-        let desired = build_ok(&[&svc, unlabelled, other_ns, &linked]);
+        let (desired, errors) = build_from(&[&svc, unlabelled, other_ns, &linked]);
         assert_eq!(desired.frontends[0].backends, backends(&[("10.244.1.3", 8080)]));
+        // As kube-proxy, the slice that belongs to no Service is named in an error, not dropped in silence.
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert_eq!(
+            errors[0].to_string(),
+            "test-1.yaml: EndpointSlice shop/web-manual: metadata.labels[kubernetes.io/service-name]: the EndpointSlice has no kubernetes.io/service-name label, so it belongs to no Service; it is ignored"
+        );
 
         // A slice without a namespace belongs to `default`.
         let svc = "apiVersion: v1\nkind: Service\nmetadata:\n  name: api\nspec:\n  clusterIP: 10.96.0.20\n  ports:\n  - port: 443\n";
@@ -1900,12 +2042,11 @@ spec:
             "endpoints:\n- addresses: [10.244.1.1]\n- addresses: [\"10.244.1.300\", 10.244.1.2, \"fd00::1\"]\n- addresses: [127.0.0.1]\n  conditions: {ready: false}\nports:\n- port: 8080\n",
         );
         let (desired, errors) = build_from(&[&svc, &slice]);
-        assert_eq!(desired.frontends[0].backends, backends(&[("10.244.1.1", 8080), ("10.244.1.2", 8080)]));
+        // An endpoint is its addresses[0] (kube-proxy's addEndpoints): endpoint 1's other addresses are not
+        // read at all, so its unusable first address leaves it out.
+        assert_eq!(desired.frontends[0].backends, backends(&[("10.244.1.1", 8080)]));
         let fields: Vec<_> = errors.iter().map(|e| e.field.as_deref().unwrap()).collect();
-        assert_eq!(
-            fields,
-            ["endpoints[1].addresses[0]", "endpoints[1].addresses[2]", "endpoints[2].addresses[0]"]
-        );
+        assert_eq!(fields, ["endpoints[1].addresses[0]", "endpoints[2].addresses[0]"]);
         assert_eq!(
             errors[0].to_string(),
             "test-1.yaml: EndpointSlice shop/web-x1: endpoints[1].addresses[0]: \"10.244.1.300\" is not an IPv4 address; the address is skipped"
@@ -2042,11 +2183,12 @@ ports:
             desired,
             Desired { stats: ModelStats { services_seen: 2, ..Default::default() }, ..Default::default() }
         );
-        assert_eq!(errors.len(), 1);
+        assert_eq!(errors.len(), 2, "{errors:#?}");
         assert_eq!(
             errors[0].to_string(),
             "a: Service: metadata.name: the Service has no name; it is skipped"
         );
+        assert_eq!(errors[1].field.as_deref(), Some("metadata.labels[kubernetes.io/service-name]"));
         let none: [Sourced<Service>; 0] = [];
         let no_slices: [Sourced<EndpointSlice>; 0] = [];
         assert_eq!(build(&none, &no_slices), (Desired::default(), Vec::new()));
@@ -2211,8 +2353,9 @@ ports:
             (TERMINATING, true, true),
             ("{ready: false, serving: true, terminating: true}", true, true),
             (TERMINATING_NOT_SERVING, false, false),
-            // serving defaults to ready, so a not-ready terminating endpoint without serving is not used.
-            ("{ready: false, terminating: true}", false, false),
+            // serving is true when absent (kube-proxy: `Serving == nil || *Serving`), so a not-ready
+            // terminating endpoint that does not say otherwise is the fallback.
+            ("{ready: false, terminating: true}", true, true),
             ("{ready: false}", false, false),
             (NOT_READY, false, false),
             // Serving but not terminating (a pod whose readiness flips): not ready, not a fallback.
@@ -2299,7 +2442,7 @@ ports:
     }
 
     #[test]
-    fn terminating_backends_follow_conditions_policy_and_publish_not_ready() {
+    fn terminating_backends_follow_conditions_and_policy() {
         let endpoints = [
             pod("10.244.1.17", "kind-worker", READY),
             pod("10.244.1.20", "kind-worker", TERMINATING),
@@ -2321,15 +2464,6 @@ ports:
         let fe = checkout_frontend(&desired);
         assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
         assert_eq!(fe.terminating_backends, at_8080(&["10.244.1.20"]));
-
-        // publishNotReadyAddresses makes every endpoint ready: nothing is left terminating.
-        let publish = checkout(
-            "  internalTrafficPolicy: Cluster\n  publishNotReadyAddresses: true\n  sessionAffinity: None\n",
-        );
-        let desired = build_ok(&[&publish, &slice]);
-        let fe = checkout_frontend(&desired);
-        assert_eq!(fe.backends.len(), 5);
-        assert!(fe.terminating_backends.is_empty());
     }
 
     #[test]
@@ -2363,7 +2497,7 @@ ports:
     }
 
     #[test]
-    fn publish_not_ready_addresses_makes_every_endpoint_ready() {
+    fn publish_not_ready_addresses_is_left_to_the_endpoint_slice_controller() {
         let slice = checkout_slice(
             "checkout-7wq2d",
             None,
@@ -2373,16 +2507,17 @@ ports:
                 pod("10.244.2.9", "kind-worker2", "{ready: false}"),
             ],
         );
-        let svc = checkout("  publishNotReadyAddresses: true\n  sessionAffinity: None\n");
-        let desired = build_ok(&[&svc, &slice]);
-        let fe = checkout_frontend(&desired);
-        assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.8", "10.244.2.9"]));
-        assert!(!fe.terminating_fallback);
-        assert_eq!(desired.stats.endpoints_ready, 3);
-
-        // `false` is the same as absent.
-        let svc = checkout("  publishNotReadyAddresses: false\n");
-        assert!(checkout_frontend(&build_ok(&[&svc, &slice])).backends.is_empty());
+        // The controller writes a publishNotReadyAddresses Service's endpoints as ready; a slice that says
+        // `ready: false` anyway is believed, as kube-proxy believes it (it never reads the flag).
+        for svc in [
+            checkout("  publishNotReadyAddresses: true\n  sessionAffinity: None\n"),
+            checkout("  publishNotReadyAddresses: false\n"),
+        ] {
+            let desired = build_ok(&[&svc, &slice]);
+            let fe = checkout_frontend(&desired);
+            assert!(fe.backends.is_empty(), "{svc}");
+            assert_eq!(desired.stats.endpoints_ready, 0);
+        }
     }
 
     #[test]
@@ -2423,6 +2558,131 @@ ports:
         assert_eq!(fe.backends, at_8080(&["10.244.1.17", "10.244.2.8", "10.244.3.4"]));
         let absent = checkout("  sessionAffinity: None\n");
         assert_eq!(checkout_frontend(&build_ok(&[&absent, &slice])).backends.len(), 3);
+    }
+
+    /// An endpoint with topology hints (`for_nodes`, `for_zones`: empty for none).
+    fn hinted(addr: &str, node: &str, conditions: &str, for_nodes: &[&str], for_zones: &[&str]) -> String {
+        let list =
+            |names: &[&str]| names.iter().map(|n| format!("{{name: {n}}}")).collect::<Vec<_>>().join(", ");
+        let mut hints = String::new();
+        if !for_nodes.is_empty() || !for_zones.is_empty() {
+            hints.push_str("  hints:\n");
+            if !for_nodes.is_empty() {
+                hints.push_str(&format!("    forNodes: [{}]\n", list(for_nodes)));
+            }
+            if !for_zones.is_empty() {
+                hints.push_str(&format!("    forZones: [{}]\n", list(for_zones)));
+            }
+        }
+        format!("{}{hints}", pod(addr, node, conditions))
+    }
+
+    fn on_node_in_zone(node: &str, zone: &str) -> ModelOptions {
+        ModelOptions { node_name: Some(node.into()), zone: Some(zone.into()), ..Default::default() }
+    }
+
+    #[test]
+    fn topology_hints_as_kube_proxy_follows_them() {
+        // Three pods on three nodes in two zones, hinted as the EndpointSlice controller would for
+        // trafficDistribution: PreferSameNode (node and zone hints on every endpoint).
+        let endpoints = [
+            hinted("10.244.1.17", "kind-worker", READY, &["kind-worker"], &["zone-a"]),
+            hinted("10.244.2.8", "kind-worker2", READY, &["kind-worker2"], &["zone-a"]),
+            hinted("10.244.3.4", "kind-worker3", READY, &["kind-worker3"], &["zone-b"]),
+        ];
+        let slice = checkout_slice("checkout-7wq2d", None, &endpoints);
+        let svc = checkout("");
+        let options = on_node_in_zone("kind-worker", "zone-a");
+        let fe = checkout_frontend(&build_opts(&[&svc, &slice], &options)).clone();
+        assert_eq!(fe.backends, at_8080(&["10.244.1.17"]));
+        assert_eq!(fe.topology, Topology::SameNode);
+
+        // A node no endpoint is hinted for falls back to its zone's, and a zone none is hinted for to all.
+        let fe =
+            checkout_frontend(&build_opts(&[&svc, &slice], &on_node_in_zone("kind-cp", "zone-b"))).clone();
+        assert_eq!((fe.backends, fe.topology), (at_8080(&["10.244.3.4"]), Topology::SameZone));
+        let fe =
+            checkout_frontend(&build_opts(&[&svc, &slice], &on_node_in_zone("kind-cp", "zone-c"))).clone();
+        assert_eq!((fe.backends.len(), fe.topology), (3, Topology::All));
+        // No zone known (no label, no flag): zone hints are not followed.
+        let fe = checkout_frontend(&build_opts(&[&svc, &slice], &on_node("kind-cp"))).clone();
+        assert_eq!((fe.backends.len(), fe.topology), (3, Topology::All));
+
+        // Zone hints alone (PreferClose / PreferSameZone, or the topology-aware-hints annotation).
+        let zoned = [
+            hinted("10.244.1.17", "kind-worker", READY, &[], &["zone-a"]),
+            hinted("10.244.2.8", "kind-worker2", READY, &[], &["zone-a"]),
+            hinted("10.244.3.4", "kind-worker3", READY, &[], &["zone-b"]),
+        ];
+        let zoned_slice = checkout_slice("checkout-7wq2d", None, &zoned);
+        let fe = checkout_frontend(&build_opts(&[&svc, &zoned_slice], &options)).clone();
+        assert_eq!((fe.backends, fe.topology), (at_8080(&["10.244.1.17", "10.244.2.8"]), Topology::SameZone));
+
+        // One ready endpoint without a hint: every endpoint is used. A not-ready one without does not count.
+        let mut partly = zoned.to_vec();
+        partly.push(pod("10.244.3.9", "kind-worker3", READY));
+        let fe =
+            checkout_frontend(&build_opts(&[&svc, &checkout_slice("s", None, &partly)], &options)).clone();
+        assert_eq!((fe.backends.len(), fe.topology), (4, Topology::All));
+        let mut not_ready = zoned.to_vec();
+        not_ready.push(pod("10.244.3.9", "kind-worker3", NOT_READY));
+        let fe =
+            checkout_frontend(&build_opts(&[&svc, &checkout_slice("s", None, &not_ready)], &options)).clone();
+        assert_eq!(fe.topology, Topology::SameZone);
+
+        // Local policy ignores hints; north-south Cluster entries follow them (kube-proxy's clusterEndpoints).
+        let local = checkout("  internalTrafficPolicy: Local\n  sessionAffinity: None\n");
+        let fe = checkout_frontend(&build_opts(&[&local, &zoned_slice], &options)).clone();
+        assert_eq!((fe.backends, fe.topology), (at_8080(&["10.244.1.17"]), Topology::All));
+
+        // The terminating fallback ignores topology: no ready endpoint at all.
+        let draining = [
+            hinted("10.244.2.8", "kind-worker2", TERMINATING, &[], &["zone-a"]),
+            hinted("10.244.3.4", "kind-worker3", TERMINATING, &[], &["zone-b"]),
+        ];
+        let fe =
+            checkout_frontend(&build_opts(&[&svc, &checkout_slice("s", None, &draining)], &options)).clone();
+        assert_eq!((fe.backends.len(), fe.terminating_fallback, fe.topology), (2, true, Topology::All));
+
+        let desired = build_opts(&[&svc, &slice], &options);
+        assert_eq!(desired.stats.frontends_topology_same_node, 1);
+        assert_eq!(desired.stats.frontends_topology_same_zone, 0);
+    }
+
+    #[test]
+    fn local_policy_without_local_endpoints_drops_when_the_service_has_endpoints_elsewhere() {
+        let local = checkout("  internalTrafficPolicy: Local\n  sessionAffinity: None\n");
+        let elsewhere = checkout_slice("checkout-7wq2d", None, &[pod("10.244.2.8", "kind-worker2", READY)]);
+        let desired = build_opts(&[&local, &elsewhere], &on_node("kind-worker"));
+        let fe = checkout_frontend(&desired);
+        assert!(fe.backends.is_empty());
+        assert!(fe.no_local_endpoints, "kube-proxy drops: \"has no local endpoints\"");
+        assert_eq!(desired.stats.frontends_no_local_endpoints, 1);
+
+        // A terminating endpoint elsewhere is usable elsewhere too (hasAnyEndpoints).
+        let terminating =
+            checkout_slice("checkout-7wq2d", None, &[pod("10.244.2.8", "kind-worker2", TERMINATING)]);
+        assert!(
+            checkout_frontend(&build_opts(&[&local, &terminating], &on_node("kind-worker")))
+                .no_local_endpoints
+        );
+
+        // No usable endpoint anywhere: refused, as kube-proxy's "has no endpoints" REJECT.
+        for endpoints in [vec![], vec![pod("10.244.2.8", "kind-worker2", NOT_READY)]] {
+            let slice = checkout_slice("checkout-7wq2d", None, &endpoints);
+            let fe = checkout_frontend(&build_opts(&[&local, &slice], &on_node("kind-worker"))).clone();
+            assert!(fe.backends.is_empty() && !fe.no_local_endpoints);
+        }
+        // A local endpoint: used.
+        let here = checkout_slice("checkout-7wq2d", None, &[pod("10.244.1.17", "kind-worker", READY)]);
+        let fe = checkout_frontend(&build_opts(&[&local, &here], &on_node("kind-worker"))).clone();
+        assert!(!fe.backends.is_empty() && !fe.no_local_endpoints);
+        // Cluster policy never drops.
+        let cluster = checkout_slice("checkout-7wq2d", None, &[pod("10.244.2.8", "kind-worker2", NOT_READY)]);
+        assert!(
+            !checkout_frontend(&build_opts(&[&checkout(""), &cluster], &on_node("kind-worker")))
+                .no_local_endpoints
+        );
     }
 
     #[test]
@@ -2754,6 +3014,7 @@ ports:
                 endpoints_ready: 3,
                 endpoints_terminating: 2,
                 endpoints_not_ready: 1,
+                ..Default::default()
             }
         );
     }
@@ -2797,6 +3058,8 @@ ports:
                 scope: Scope::Internal,
                 external_local: false,
                 source_ranges: vec![],
+                no_local_endpoints: false,
+                topology: Topology::All,
             }
         );
         let mut other = fe.clone();

@@ -389,6 +389,9 @@ pub fn frontend_flags(frontend: &Frontend) -> u16 {
     if !frontend.source_ranges.is_empty() {
         flags |= SVC_FLAG_SOURCE_RANGES;
     }
+    if frontend.no_local_endpoints {
+        flags |= SVC_FLAG_NO_LOCAL_ENDPOINTS;
+    }
     flags
 }
 
