@@ -8,6 +8,7 @@ pub mod doctor;
 pub mod dump;
 pub mod gc;
 pub mod health;
+pub mod kube_proxy_config;
 pub mod manifest;
 pub mod manifest_watch;
 pub mod metrics;
