@@ -182,10 +182,11 @@ fn bind_address(field: &str, value: &str, default_port: u16) -> Result<String, S
 }
 
 fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, String> {
-    let mut out = FileSettings::default();
-
-    out.kubeconfig = config.client_connection.as_ref().and_then(|c| set(&c.kubeconfig)).map(str::to_string);
-    out.hostname_override = set(&config.hostname_override).map(str::to_string);
+    let mut out = FileSettings {
+        kubeconfig: config.client_connection.as_ref().and_then(|c| set(&c.kubeconfig)).map(str::to_string),
+        hostname_override: set(&config.hostname_override).map(str::to_string),
+        ..Default::default()
+    };
     if let Some(value) = set(&config.healthz_bind_address) {
         out.healthz_bind_address = Some(bind_address("healthzBindAddress", value, HEALTHZ_PORT)?);
     }
