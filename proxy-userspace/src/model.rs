@@ -684,6 +684,7 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
 /// Adds a Service's frontend entries, port by port: its cluster IPs, then the node ports, external IPs
 /// and load-balancer IPs.
 fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Addr], claims: &mut Vec<Claim>) {
+    let source_ranges = load_balancer_sources(plan, node_addresses);
     for port in &plan.ports {
         let endpoints = endpoints_for(plan, port, slices);
         let entry =
@@ -702,7 +703,7 @@ fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Add
                 scope,
                 external_local: kind != FrontendKind::ClusterIp && plan.external_local,
                 source_ranges: if kind == FrontendKind::LoadBalancer {
-                    plan.source_ranges.clone()
+                    source_ranges.clone()
                 } else {
                     Vec::new()
                 },
@@ -746,6 +747,25 @@ fn add_claims(plan: &ServicePlan, slices: &[SliceUse], node_addresses: &[Ipv4Add
             });
         }
     }
+}
+
+/// The sources a LoadBalancer IP with `loadBalancerSourceRanges` admits. As kube-proxy's
+/// `allowFromNode`: when a range holds one of this node's addresses, the load-balancer IPs themselves
+/// are admitted too — a VIP-style load balancer whose IP is local to the node loops the node's own
+/// requests back with that IP as their source.
+fn load_balancer_sources(plan: &ServicePlan, node_addresses: &[Ipv4Addr]) -> Vec<Cidr4> {
+    let mut ranges = plan.source_ranges.clone();
+    let allow_from_node = ranges.iter().any(|range| node_addresses.iter().any(|&addr| range.contains(addr)));
+    if allow_from_node {
+        for &(ip, _) in &plan.load_balancer_ips {
+            let own = Cidr4 { addr: ip, prefix_len: 32 };
+            if !ranges.iter().any(|range| range.contains(ip)) {
+                ranges.push(own);
+            }
+        }
+        ranges.sort();
+    }
+    ranges
 }
 
 /// The options, as the selection of objects and endpoints needs them.
@@ -3399,7 +3419,22 @@ ports:
             .iter()
             .map(ToString::to_string)
             .collect();
-        assert_eq!(ranges, ["10.0.0.0/8", "10.9.8.7/32", "172.16.0.0/12", "192.168.0.0/16"]);
+        // 192.168.0.0/16 holds the node's address: the LB IP itself is admitted (kube-proxy's allowFromNode).
+        assert_eq!(
+            ranges,
+            ["10.0.0.0/8", "10.9.8.7/32", "172.16.0.0/12", "192.168.0.0/16", "198.51.100.10/32"]
+        );
+        let (elsewhere, _) = build_opts_from(&[&svc], &on_worker(&["100.64.0.1"]));
+        let ranges: Vec<String> = entry(&elsewhere, "198.51.100.10", 80, Protocol::Tcp, Scope::Internal)
+            .source_ranges
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            ranges,
+            ["10.0.0.0/8", "10.9.8.7/32", "172.16.0.0/12", "192.168.0.0/16"],
+            "no range holds the node"
+        );
         for fe in desired.frontends.iter().filter(|f| f.kind != FrontendKind::LoadBalancer) {
             assert!(fe.source_ranges.is_empty(), "{fe:?}");
         }
