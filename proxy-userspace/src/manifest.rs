@@ -90,6 +90,23 @@ const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 /// Lists nested deeper than this are reported instead of followed.
 const MAX_LIST_DEPTH: usize = 8;
 
+/// A larger file is reported, not read: Services and EndpointSlices for a large cluster fit many times over.
+pub const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// Collections nested deeper than this are reported before the YAML parser sees them: a real manifest nests about
+/// ten levels, and the parser spends time quadratic in the depth of flow collections (`{a: {a: ...` 50,000 deep took
+/// 43 s) before its own recursion limit (128) applies.
+pub const MAX_NESTING: usize = 100;
+
+/// The files a manifests path names: the path itself when it is not a directory, else every `*.yaml`, `*.yml` and
+/// `*.json` below it, sorted by path, each with what `stat` (following links) said of it.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub files: Vec<(PathBuf, fs::Metadata)>,
+    /// Directories and entries below the path that could not be read: what they hold is unknown.
+    pub unreadable: Vec<(PathBuf, ManifestError)>,
+}
+
 /// Reads a file, or every `*.yaml`, `*.yml` and `*.json` below a directory (recursively, sorted by path).
 ///
 /// An explicitly named file is read whatever its name. Entries whose name starts with `.` are skipped while
@@ -97,54 +114,111 @@ const MAX_LIST_DEPTH: usize = 8;
 /// read a second time. An unreadable path becomes an error in [`Objects::errors`].
 pub fn load_path(path: &Path) -> Objects {
     let mut out = Objects::default();
-    let meta = match fs::metadata(path) {
-        Ok(meta) => meta,
+    let listing = match list_path(path) {
+        Ok(listing) => listing,
         Err(err) => {
-            out.errors.push(ManifestError::new(path.display().to_string(), err.to_string()));
+            out.errors.push(err);
             return out;
         }
     };
-    if !meta.is_dir() {
-        load_file(path, &mut out);
-        return out;
-    }
-    let mut files = Vec::new();
-    let mut visited = HashSet::new();
-    collect_files(path, &mut files, &mut visited, &mut out.errors);
-    files.sort();
-    files.dedup();
-    for file in files {
-        load_file(&file, &mut out);
+    out.errors.extend(listing.unreadable.into_iter().map(|(_, err)| err));
+    for (file, _) in listing.files {
+        out.append(load_file(&file));
     }
     out
 }
 
-fn load_file(path: &Path, out: &mut Objects) {
-    let origin = path.display().to_string();
-    match fs::read(path) {
-        Ok(bytes) => match String::from_utf8(bytes) {
-            Ok(text) => out.append(parse_str(&text, &origin)),
-            Err(err) => out.errors.push(ManifestError::new(origin, format!("not UTF-8 text: {err}"))),
-        },
-        Err(err) => out.errors.push(ManifestError::new(origin, err.to_string())),
+/// What [`load_path`] reads, without reading it. An error when the path itself cannot be read.
+pub fn list_path(path: &Path) -> Result<Listing, ManifestError> {
+    let meta =
+        fs::metadata(path).map_err(|err| ManifestError::new(path.display().to_string(), err.to_string()))?;
+    let mut listing = Listing::default();
+    if !meta.is_dir() {
+        listing.files.push((path.to_path_buf(), meta));
+        return Ok(listing);
+    }
+    // The path itself must be listable: a directory that cannot be read says nothing about what it holds.
+    fs::read_dir(path).map_err(|err| ManifestError::new(path.display().to_string(), err.to_string()))?;
+    let mut visited = HashSet::new();
+    collect_files(path, &mut listing, &mut visited);
+    listing.files.sort_by(|a, b| a.0.cmp(&b.0));
+    listing.files.dedup_by(|a, b| a.0 == b.0);
+    Ok(listing)
+}
+
+/// Reads and parses one file (see [`read_file`] and [`parse_str`]).
+pub fn load_file(path: &Path) -> Objects {
+    match read_file(path) {
+        Ok(text) => parse_str(&text, &path.display().to_string()),
+        Err(err) => Objects { errors: vec![err], ..Default::default() },
     }
 }
 
-fn collect_files(
-    dir: &Path,
-    files: &mut Vec<PathBuf>,
-    visited: &mut HashSet<PathBuf>,
-    errors: &mut Vec<ManifestError>,
-) {
+/// A file's text, read without ever blocking: only a regular file is opened (a FIFO, socket or device named
+/// `*.yaml` is an error naming it), with `O_NONBLOCK` so that one swapped in after the check cannot hold `open()`,
+/// and checked again on the open descriptor; at most [`MAX_FILE_BYTES`]; UTF-8.
+pub fn read_file(path: &Path) -> Result<String, ManifestError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+
+    let error = |message: String| ManifestError::new(path.display().to_string(), message);
+    let check = |meta: &fs::Metadata| -> Result<(), ManifestError> {
+        if let Some(kind) = not_regular(meta) {
+            return Err(error(format!("not a regular file ({kind}); it is not read")));
+        }
+        if meta.len() > MAX_FILE_BYTES {
+            let message =
+                format!("{} bytes, over the limit of {MAX_FILE_BYTES} bytes; it is not read", meta.len());
+            return Err(error(message));
+        }
+        Ok(())
+    };
+    check(&fs::metadata(path).map_err(|err| error(err.to_string()))?)?;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|err| error(err.to_string()))?;
+    let meta = file.metadata().map_err(|err| error(err.to_string()))?;
+    check(&meta)?;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|err| error(err.to_string()))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(error(format!(
+            "grew over the limit of {MAX_FILE_BYTES} bytes while being read; it is not read"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|err| error(format!("not UTF-8 text: {err}")))
+}
+
+/// What a file that is not a regular file is, for messages.
+fn not_regular(meta: &fs::Metadata) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let kind = meta.file_type();
+    match () {
+        _ if kind.is_file() => None,
+        _ if kind.is_dir() => Some("a directory"),
+        _ if kind.is_fifo() => Some("a FIFO"),
+        _ if kind.is_socket() => Some("a socket"),
+        _ if kind.is_char_device() => Some("a character device"),
+        _ if kind.is_block_device() => Some("a block device"),
+        _ => Some("not a file"),
+    }
+}
+
+fn collect_files(dir: &Path, listing: &mut Listing, visited: &mut HashSet<PathBuf>) {
     // Symbolic links are followed; remembering canonical directories stops link loops.
     let canonical = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     if !visited.insert(canonical) {
         return;
     }
+    let unreadable = |path: &Path, err: std::io::Error| {
+        (path.to_path_buf(), ManifestError::new(path.display().to_string(), err.to_string()))
+    };
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) => {
-            errors.push(ManifestError::new(dir.display().to_string(), err.to_string()));
+            listing.unreadable.push(unreadable(dir, err));
             return;
         }
     };
@@ -152,7 +226,7 @@ fn collect_files(
         let entry = match entry {
             Ok(entry) => entry,
             Err(err) => {
-                errors.push(ManifestError::new(dir.display().to_string(), err.to_string()));
+                listing.unreadable.push(unreadable(dir, err));
                 continue;
             }
         };
@@ -163,14 +237,19 @@ fn collect_files(
         let meta = match fs::metadata(&path) {
             Ok(meta) => meta,
             Err(err) => {
-                errors.push(ManifestError::new(path.display().to_string(), err.to_string()));
+                // A dangling link may stand for a directory or a manifest; a stray file is not worth a word.
+                if has_manifest_extension(&path)
+                    || entry.file_type().is_ok_and(|t| t.is_dir() || t.is_symlink())
+                {
+                    listing.unreadable.push(unreadable(&path, err));
+                }
                 continue;
             }
         };
         if meta.is_dir() {
-            collect_files(&path, files, visited, errors);
+            collect_files(&path, listing, visited);
         } else if has_manifest_extension(&path) {
-            files.push(path);
+            listing.files.push((path, meta));
         }
     }
 }
@@ -189,7 +268,18 @@ pub fn parse_str(text: &str, origin: &str) -> Objects {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut out = Objects::default();
     let trimmed = text.trim_start();
-    if trimmed.starts_with('{') || trimmed.starts_with('[') {
+    let is_json_file = origin.to_ascii_lowercase().ends_with(".json");
+    let too_deep_json = (trimmed.starts_with('{') || trimmed.starts_with('['))
+        .then(|| nesting_exceeds(text, MAX_NESTING))
+        .flatten();
+    if let Some(line) = too_deep_json
+        && is_json_file
+    {
+        out.errors.push(ManifestError::new(origin, too_deep(line)));
+        return out;
+    }
+    // Too deep, it is left to the YAML reading, which reports the document.
+    if (trimmed.starts_with('{') || trimmed.starts_with('[')) && too_deep_json.is_none() {
         match parse_json_documents(text) {
             Ok(documents) => {
                 let numbered = documents.len() > 1;
@@ -199,7 +289,7 @@ pub fn parse_str(text: &str, origin: &str) -> Objects {
                 }
                 return out;
             }
-            Err(err) if origin.to_ascii_lowercase().ends_with(".json") => {
+            Err(err) if is_json_file => {
                 out.errors.push(ManifestError::new(origin, format!("invalid JSON: {err}")));
                 return out;
             }
@@ -211,6 +301,10 @@ pub fn parse_str(text: &str, origin: &str) -> Objects {
     let numbered = documents.len() > 1;
     for (index, document) in documents.iter().enumerate() {
         let doc_origin = document_origin(origin, numbered, index + 1);
+        if let Some(line) = nesting_exceeds(&document.text, MAX_NESTING) {
+            out.errors.push(ManifestError::new(doc_origin, too_deep(document.first_line + line)));
+            continue;
+        }
         match serde_yaml::from_str::<Value>(&document.text) {
             Ok(mut value) => {
                 if let Err(err) = value.apply_merge() {
@@ -230,6 +324,191 @@ pub fn parse_str(text: &str, origin: &str) -> Objects {
         }
     }
     out
+}
+
+fn too_deep(line: usize) -> String {
+    format!(
+        "collections nested more than {MAX_NESTING} levels deep (at line {line}); the document is not parsed"
+    )
+}
+
+/// The first line (1-based, of `text`) at which collections nest more than `limit` levels deep, found in one pass:
+/// block levels (indentation, `- ` entries) plus flow levels (`[`, `{`), outside quoted scalars, comments and block
+/// scalars, which it finds where YAML's rules let them begin (a quote opens a quoted scalar only where a node may
+/// start, not inside or on the continuation line of a plain scalar). Where it is unsure it counts a level (a bracket
+/// in a plain scalar does), so a document it passes does not nest deeper than `limit` for the parser.
+fn nesting_exceeds(text: &str, limit: usize) -> Option<usize> {
+    let is_space = |b: Option<&u8>| b.is_none_or(|b| *b == b' ' || *b == b'\t');
+    // Block levels, by indentation column.
+    let mut indents: Vec<usize> = Vec::new();
+    let mut block_depth = 0;
+    let mut flow = 0usize;
+    let mut quote: Option<u8> = None;
+    // Lines more indented than this column (and blank ones) are a block scalar's content.
+    let mut block_scalar: Option<usize> = None;
+    // A plain scalar ran to the end of a line of this indentation: a more indented line continues it.
+    let mut plain_from: Option<usize> = None;
+    for (number, line) in text.lines().enumerate() {
+        let bytes = line.as_bytes();
+        let indent = bytes.iter().take_while(|&&b| b == b' ').count();
+        let blank = bytes[indent..].iter().all(u8::is_ascii_whitespace);
+        if let Some(parent) = block_scalar {
+            if blank || indent > parent {
+                continue;
+            }
+            block_scalar = None;
+        }
+        let mut at = 0;
+        // Where a node may begin: a quote there opens a quoted scalar, `|` or `>` a block scalar.
+        let mut node_start = true;
+        let mut in_plain = false;
+        // The column of the collection a block scalar begun on this line would belong to.
+        let mut scalar_parent = indent;
+        let mut line_plain_from = indent;
+        if quote.is_none() && flow == 0 {
+            if blank {
+                continue;
+            }
+            if bytes[indent] == b'#' {
+                plain_from = None;
+                continue;
+            }
+            match plain_from {
+                Some(from) if indent > from => {
+                    node_start = false;
+                    in_plain = true;
+                    line_plain_from = from;
+                }
+                _ => {
+                    while indents.last().is_some_and(|&top| top >= indent) {
+                        indents.pop();
+                    }
+                    // The collections this line is inside of; its own (a sequence entry, a mapping key) count below.
+                    block_depth = indents.len();
+                    indents.push(indent);
+                    at = indent;
+                    // `- - - x`: each entry indicator opens a level on the same line.
+                    while matches!(bytes.get(at), Some(b'-' | b'?')) && is_space(bytes.get(at + 1)) {
+                        block_depth += 1;
+                        scalar_parent = at;
+                        at += 1;
+                        while matches!(bytes.get(at), Some(b' ' | b'\t')) {
+                            at += 1;
+                        }
+                    }
+                    if block_depth > limit {
+                        return Some(number + 1);
+                    }
+                }
+            }
+        }
+        // The column the current block node starts at (a key, for `key: |`).
+        let mut node_column = at;
+        let mut key_counted = false;
+        while at < bytes.len() {
+            let b = bytes[at];
+            match quote {
+                Some(b'\'') => {
+                    if b == b'\'' {
+                        if bytes.get(at + 1) == Some(&b'\'') {
+                            at += 1;
+                        } else {
+                            quote = None;
+                            node_start = false;
+                        }
+                    }
+                }
+                Some(_) => {
+                    if b == b'\\' {
+                        at += 1;
+                    } else if b == b'"' {
+                        quote = None;
+                        node_start = false;
+                    }
+                }
+                None => match b {
+                    b' ' | b'\t' => {}
+                    b'#' if at == 0 || matches!(bytes[at - 1], b' ' | b'\t') => {
+                        in_plain = false;
+                        break;
+                    }
+                    b'\'' | b'"' if node_start => {
+                        quote = Some(b);
+                        in_plain = false;
+                    }
+                    // An anchor or a tag comes before the node it names.
+                    b'&' | b'!' if node_start => {
+                        while at + 1 < bytes.len()
+                            && !matches!(bytes[at + 1], b' ' | b'\t' | b',' | b'[' | b']' | b'{' | b'}')
+                        {
+                            at += 1;
+                        }
+                    }
+                    b'*' if node_start => {
+                        node_start = false;
+                        in_plain = false;
+                        while at + 1 < bytes.len()
+                            && !matches!(bytes[at + 1], b' ' | b'\t' | b',' | b'[' | b']' | b'{' | b'}')
+                        {
+                            at += 1;
+                        }
+                    }
+                    b'[' | b'{' => {
+                        flow += 1;
+                        if block_depth + flow > limit {
+                            return Some(number + 1);
+                        }
+                        node_start = true;
+                        in_plain = false;
+                    }
+                    b']' | b'}' => {
+                        flow = flow.saturating_sub(1);
+                        node_start = false;
+                        in_plain = false;
+                    }
+                    b',' if flow > 0 => {
+                        node_start = true;
+                        in_plain = false;
+                    }
+                    b':' | b'-' | b'?' if is_space(bytes.get(at + 1)) => {
+                        if b == b':' && flow == 0 {
+                            scalar_parent = node_column;
+                            if !key_counted {
+                                key_counted = true;
+                                block_depth += 1;
+                                if block_depth > limit {
+                                    return Some(number + 1);
+                                }
+                            }
+                        }
+                        node_start = true;
+                        in_plain = false;
+                    }
+                    b'|' | b'>' if node_start && flow == 0 => {
+                        let header = &line[at + 1..];
+                        let header = header.split_once(" #").map_or(header, |(h, _)| h).trim_end();
+                        if header.bytes().all(|b| b == b'+' || b == b'-' || b.is_ascii_digit()) {
+                            block_scalar = Some(scalar_parent);
+                            in_plain = false;
+                            break;
+                        }
+                        node_start = false;
+                        in_plain = true;
+                    }
+                    _ => {
+                        if node_start && !in_plain {
+                            node_column = at;
+                        }
+                        node_start = false;
+                        in_plain = true;
+                    }
+                },
+            }
+            at += 1;
+        }
+        plain_from = (in_plain && quote.is_none() && flow == 0).then_some(line_plain_from);
+    }
+    None
 }
 
 /// One YAML document's text and the (0-based) line of the file it starts on.
@@ -1078,6 +1357,147 @@ spec:
         let objects = load_path(&tmp.0);
         assert_eq!(objects.services.len(), 1);
         assert!(objects.errors.is_empty(), "{:?}", objects.errors);
+    }
+
+    /// `kproxy agent` must never block on what a directory holds: a FIFO named `*.yaml` (which blocks `open()`
+    /// for reading until a writer comes) and a socket are errors naming them, found without opening them for
+    /// good.
+    #[test]
+    fn special_files_are_errors_and_never_block() {
+        let tmp = TempDir::new("special");
+        let fifo = tmp.0.join("fifo.yaml");
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o644) }, 0);
+        let socket = tmp.0.join("socket.yaml");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        fs::write(tmp.0.join("web.yaml"), KUBE_DNS).unwrap();
+
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let root = tmp.0.clone();
+        std::thread::spawn(move || done_tx.send(load_path(&root)).unwrap());
+        let objects = done_rx.recv_timeout(std::time::Duration::from_secs(10)).expect("load_path blocked");
+        assert_eq!(names(&objects), ["Service kube-system/kube-dns"]);
+        let errors: Vec<String> = objects.errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            errors,
+            [
+                format!("{}: not a regular file (a FIFO); it is not read", fifo.display()),
+                format!("{}: not a regular file (a socket); it is not read", socket.display()),
+            ]
+        );
+        // Named explicitly, the same.
+        assert_eq!(load_path(&fifo).errors.len(), 1);
+    }
+
+    #[test]
+    fn files_over_the_size_limit_are_errors() {
+        let tmp = TempDir::new("large");
+        let large = tmp.0.join("large.yaml");
+        fs::File::create(&large).unwrap().set_len(MAX_FILE_BYTES + 1).unwrap();
+        let err = read_file(&large).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("{}: 4194305 bytes, over the limit of 4194304 bytes; it is not read", large.display())
+        );
+        fs::File::create(&large).unwrap().set_len(MAX_FILE_BYTES).unwrap();
+        // At the limit it is read (and, being NUL bytes, is not a manifest).
+        assert!(read_file(&large).is_ok());
+    }
+
+    /// A 200 KB document nested 100,000 levels (and a mapping nested 50,000 levels, whose parse alone takes
+    /// the YAML parser 43 s) is rejected before the parser sees it, naming the document and line; the other
+    /// documents of the file still load.
+    #[test]
+    fn deep_nesting_is_rejected_before_parsing() {
+        let seq = "[".repeat(100_000) + &"]".repeat(100_000);
+        let map = "{a: ".repeat(50_000) + "1" + &"}".repeat(50_000);
+        let text = format!("{KUBE_DNS}---\n{seq}\n---\nkind: List\napiVersion: v1\nitems:\n- {map}\n");
+        let started = std::time::Instant::now();
+        let objects = parse_str(&text, "deep.yaml");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2), "{:?}", started.elapsed());
+        assert_eq!(names(&objects), ["Service kube-system/kube-dns"]);
+        let errors: Vec<String> = objects.errors.iter().map(ToString::to_string).collect();
+        let seq_line = KUBE_DNS.lines().count() + 2;
+        assert_eq!(
+            errors,
+            [
+                format!(
+                    "deep.yaml (document 2): collections nested more than 100 levels deep (at line {seq_line}); the document is not parsed"
+                ),
+                format!(
+                    "deep.yaml (document 3): collections nested more than 100 levels deep (at line {}); the document is not parsed",
+                    seq_line + 5
+                ),
+            ]
+        );
+        // JSON the same (serde_json has its own limit, but YAML would be tried next).
+        let objects = parse_str(&seq, "deep.json");
+        assert_eq!(objects.errors.len(), 1);
+        assert!(
+            objects.errors[0].message.starts_with("collections nested more than 100"),
+            "{:?}",
+            objects.errors
+        );
+        let objects = parse_str(&seq, "deep.txt");
+        assert!(
+            objects.errors[0].message.starts_with("collections nested more than 100"),
+            "{:?}",
+            objects.errors
+        );
+    }
+
+    #[test]
+    fn the_nesting_scan_counts_what_the_parser_would_see() {
+        let deep = |open: &str, close: &str, n: usize| open.repeat(n) + &close.repeat(n);
+        // At the limit, every way of nesting passes; one more level is found.
+        for (text, depth) in [
+            (deep("[", "]", 100), 100),
+            (deep("{a: ", "}", 99) + "", 99),
+            (format!("a:\n{}", (1..100).map(|i| format!("{}b:\n", " ".repeat(i))).collect::<String>()), 100),
+            (format!("{}x\n", "- ".repeat(100)), 100),
+            (format!("a:\n  b: {}", deep("[", "]", 98)), 100),
+        ] {
+            assert_eq!(nesting_exceeds(&text, depth), None, "{text:.80}");
+            assert!(nesting_exceeds(&text, depth - 1).is_some(), "{text:.80}");
+        }
+        // Brackets that are text are not levels; quotes that are text hide nothing.
+        let deep_flow = deep("[", "]", 200);
+        for (text, counted) in [
+            (format!("a: '{deep_flow}'\n"), false),
+            (format!("a: \"{}\"\n", deep_flow.replace('[', "[\\\"")), false),
+            (format!("a: 'it''s {deep_flow}'\n"), false),
+            (format!("a: x # {deep_flow}\n"), false),
+            (format!("a: |\n  {deep_flow}\n  'unclosed\nb: 1\n"), false),
+            (format!("- key: >-\n   {deep_flow}\n"), false),
+            // A quote inside a plain scalar, or on its continuation line, opens nothing.
+            (format!("a: don 't\nb: {deep_flow}\n"), true),
+            (format!("a: some text\n  'continued\nb: {deep_flow}\n"), true),
+            (format!("a: &anchor x 'y\nb: {deep_flow}\n"), true),
+            // ... but one where a node begins does, even an unclosed one (the parser reads to its end, too).
+            (format!("a: &anchor 'x\nb: {deep_flow}\n"), false),
+            // Closing brackets inside quoted scalars do not close levels.
+            (format!("a: {}", "[ ']' ".repeat(150)), true),
+            // A block scalar ends at a line no more indented than its key.
+            (format!("- key: |\n  {deep_flow}\n"), true),
+            (format!("a: b[\n{deep_flow}\n"), true),
+        ] {
+            assert_eq!(nesting_exceeds(&text, MAX_NESTING).is_some(), counted, "{text:.120}");
+        }
+        // Real manifests are nowhere near.
+        let annotated = KUBE_DNS.replace(
+            "  labels:\n",
+            "  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: |\n      {\"apiVersion\":\"v1\",\"kind\":\"Service\",\"metadata\":{\"annotations\":{},\"name\":\"kube-dns\"},\"spec\":{\"ports\":[{\"port\":53}]}}\n  labels:\n",
+        );
+        for text in [KUBE_DNS, KUBE_DNS_SLICE, &annotated] {
+            assert_eq!(nesting_exceeds(text, 12), None, "{text}");
+        }
+        for entry in
+            fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples")).unwrap().flatten()
+        {
+            let objects = load_path(&entry.path());
+            assert!(objects.errors.is_empty(), "{}: {:?}", entry.path().display(), objects.errors);
+        }
     }
 
     #[test]

@@ -457,8 +457,45 @@ impl Metrics {
             "counter",
             &inner.affinity_gc_deleted_total.to_string(),
         );
+        drop(inner);
+        if let Some(state) = *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+            scalar(
+                &mut out,
+                MANIFEST_OBJECTS_KEPT,
+                "Objects from --manifests kept at their last good version because their file or document \
+                 cannot be read as it is now",
+                "gauge",
+                &state.objects_kept.to_string(),
+            );
+            scalar(
+                &mut out,
+                MANIFEST_ERRORS,
+                "Problems the --manifests source reports now (files, documents and objects it cannot read)",
+                "gauge",
+                &state.errors.to_string(),
+            );
+        }
         out
     }
+}
+
+const MANIFEST_OBJECTS_KEPT: &str = "kproxy_manifest_objects_kept_last_good";
+const MANIFEST_ERRORS: &str = "kproxy_manifest_errors";
+
+/// What the manifests source last reported; rendered once it has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ManifestState {
+    pub objects_kept: u64,
+    pub errors: u64,
+}
+
+/// The manifests source reads on a thread of its own, apart from the sync loop and started without a
+/// [`Metrics`], so it reports here: process-wide, as into a default registry.
+static MANIFESTS: Mutex<Option<ManifestState>> = Mutex::new(None);
+
+/// The manifests source's current state, for every [`Metrics::render`].
+pub fn set_manifest_state(state: ManifestState) {
+    *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);
 }
 
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {

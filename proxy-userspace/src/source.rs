@@ -27,7 +27,9 @@ const NOT_OURS_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!serv
 const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// namespace, name, and a disambiguator that keeps duplicate definitions in
-/// manifest files apart (the model reports them); always 0 from the API.
+/// manifest files apart (the model reports them); always 0 from the API. The
+/// manifests source numbers objects in the order it first saw them, and
+/// [`Snapshot::services`] hands them to the model in that order.
 pub type ObjectKey = (String, String, u32);
 
 /// Objects as last seen.
@@ -40,14 +42,25 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The objects, shared with the snapshot (no deep copy).
+    /// The objects, shared with the snapshot (no deep copy), in the order the
+    /// model resolves their claims in (the first to claim an address keeps
+    /// it): by the key's disambiguator, then by namespace and name. From the
+    /// manifests source an address thus stays with the Service that held it
+    /// while a newcomer claims it; from the API server this is key order.
     pub fn services(&self) -> Vec<Arc<Sourced<Service>>> {
-        self.services.values().cloned().collect()
+        in_claim_order(&self.services)
     }
 
     pub fn slices(&self) -> Vec<Arc<Sourced<EndpointSlice>>> {
-        self.slices.values().cloned().collect()
+        in_claim_order(&self.slices)
     }
+}
+
+fn in_claim_order<T>(objects: &BTreeMap<ObjectKey, Arc<T>>) -> Vec<Arc<T>> {
+    let mut ordered: Vec<(&ObjectKey, &Arc<T>)> = objects.iter().collect();
+    // Stable: equal disambiguators stay in key order.
+    ordered.sort_by_key(|(key, _)| key.2);
+    ordered.into_iter().map(|(_, object)| Arc::clone(object)).collect()
 }
 
 /// The objects a sync reads.
