@@ -54,6 +54,8 @@ pub struct AgentConfig {
     pub socket_lb: SocketLbOptions,
     /// `--lb-algorithm=maglev`: tables for NodePort, ExternalIP and LB frontends.
     pub maglev: Option<crate::sync::MaglevSettings>,
+    /// How long the API watches may show no progress before /healthz is 503.
+    pub watch: source::WatchOptions,
 }
 
 /// `--socket-lb` and where its programs attach.
@@ -265,9 +267,9 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         }
         Source::Cluster(options) => {
             let client = source::client(options).await?;
-            let (changes, node) = (Arc::clone(&changes), config.model.node_name.clone());
+            let (changes, node, watch) = (Arc::clone(&changes), config.model.node_name.clone(), config.watch);
             tokio::spawn(async move {
-                if let Err(e) = source::watch_cluster(client, node, changes).await {
+                if let Err(e) = source::watch_cluster(client, node, changes, watch).await {
                     tracing::error!(error = %format!("{e:#}"), "watching the API server stopped");
                 }
             });

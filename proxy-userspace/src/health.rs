@@ -6,10 +6,19 @@
 //!   `/metrics` (Prometheus text format) and `/proxyMode` (`ebpf`).
 //!
 //! Health follows kube-proxy's proxier health server: the proxy is unhealthy
-//! only while a queued change has waited longer than the health timeout
+//! while a queued change has waited longer than the health timeout
 //! (kube-proxy uses 2 × `--sync-period`) without a successful sync. Starting
 //! up with nothing queued is healthy.
+//!
+//! `/healthz` (not `/livez`: restarting the agent does not bring the API server
+//! back) is also 503 while the agent cannot see the cluster: a watched kind has
+//! shown no progress (a complete list, an event, a bookmark or a watch the
+//! server accepted) for its progress timeout, or needs a list and has failed
+//! [`LIST_FAILURES_BLIND`] in a row. An unhealthy body says why in `reason`.
+//!
+//! Both servers answer GET and HEAD only; other methods get 405 with `Allow`.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -20,10 +29,10 @@ use anyhow::anyhow;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::header::{ALLOW, CONTENT_TYPE, HeaderName, HeaderValue};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -38,6 +47,13 @@ pub const PROXY_MODE: &str = "ebpf";
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Slow or idle clients are dropped if they do not send headers in time.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Failed lists in a row after which a watched kind counts as blind before its
+/// progress timeout: it needs a list (it never had one, or the server said its
+/// resourceVersion is gone, so changes are being missed) and cannot get one.
+/// With kube-runtime's default backoff (0.8 s doubling) that is about 25 s
+/// after the need arose.
+pub const LIST_FAILURES_BLIND: u32 = 5;
 
 /// Shared proxier health state; cheap to clone.
 #[derive(Clone)]
@@ -55,15 +71,70 @@ struct HealthState {
     /// Whether the node may receive traffic (kube-proxy: not being deleted
     /// and not tainted ToBeDeletedByClusterAutoscaler). Only `/healthz` uses it.
     node_eligible: bool,
+    /// The API watches, by name ("Service watch"). Only `/healthz` uses them.
+    sources: BTreeMap<&'static str, SourceState>,
+}
+
+/// How one watched kind is faring.
+struct SourceState {
+    progress_timeout: Duration,
+    /// The last complete list, event, bookmark or accepted watch (or when the
+    /// watch was registered, before any).
+    last_progress: SystemTime,
+    /// Failed lists since the last complete one.
+    list_failures: u32,
+    last_list_error: String,
+    /// What went wrong since the last progress, if anything.
+    last_error: Option<String>,
+}
+
+impl SourceState {
+    /// Why this watch cannot see the cluster as of `now`, if it cannot.
+    fn blind(&self, name: &str, now: SystemTime) -> Option<String> {
+        if self.list_failures >= LIST_FAILURES_BLIND {
+            return Some(format!(
+                "{name}: list failed {} times: {}",
+                self.list_failures, self.last_list_error
+            ));
+        }
+        let silent = now.duration_since(self.last_progress).unwrap_or_default();
+        if silent < self.progress_timeout {
+            return None;
+        }
+        let mut reason = format!(
+            "{name}: no list, event or bookmark for {} (limit {})",
+            seconds(silent),
+            seconds(self.progress_timeout)
+        );
+        if let Some(error) = &self.last_error {
+            reason.push_str("; last error: ");
+            reason.push_str(error);
+        }
+        Some(reason)
+    }
+}
+
+/// `4s`, `2.5s`, `120s`: whole seconds when they are.
+fn seconds(duration: Duration) -> String {
+    if duration.subsec_millis() == 0 || duration >= Duration::from_secs(10) {
+        format!("{}s", duration.as_secs())
+    } else {
+        format!("{:.1}s", duration.as_secs_f64())
+    }
 }
 
 /// Result of [`Health::check`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthReport {
+    /// No change has waited past the health timeout (kube-proxy's health).
     pub healthy: bool,
     /// Last successful sync, or the start time if there was none yet.
     pub last_updated: SystemTime,
     pub current_time: SystemTime,
+    /// Why `healthy` is false.
+    pub unsynced: Option<String>,
+    /// Why the agent cannot see the cluster, if it cannot (`/healthz` only).
+    pub blind: Option<String>,
 }
 
 impl Health {
@@ -77,6 +148,7 @@ impl Health {
                 last_updated: None,
                 oldest_pending: None,
                 node_eligible: true,
+                sources: BTreeMap::new(),
             })),
         }
     }
@@ -112,16 +184,100 @@ impl Health {
         self.lock().node_eligible
     }
 
-    /// Health as of `now`: unhealthy iff a change has been pending for at
-    /// least the health timeout.
-    pub fn check(&self, now: SystemTime) -> HealthReport {
-        let state = self.lock();
-        let healthy = match state.oldest_pending {
-            None => true,
-            // A pending time in the future (clock step) counts as just queued.
-            Some(oldest) => now.duration_since(oldest).unwrap_or_default() < state.health_timeout,
+    /// Registers an API watch called `name` ("Service watch"): from `now` on,
+    /// it must show progress through the returned handle at least every
+    /// `progress_timeout`, or `/healthz` reports it blind.
+    pub fn watch_source(
+        &self,
+        name: &'static str,
+        progress_timeout: Duration,
+        now: SystemTime,
+    ) -> SourceHealth {
+        let source = SourceState {
+            progress_timeout,
+            last_progress: now,
+            list_failures: 0,
+            last_list_error: String::new(),
+            last_error: None,
         };
-        HealthReport { healthy, last_updated: state.last_updated.unwrap_or(state.started), current_time: now }
+        self.lock().sources.insert(name, source);
+        SourceHealth { health: self.clone(), name }
+    }
+
+    /// Why the agent cannot see the cluster as of `now`, if it cannot: every
+    /// blind watch's reason.
+    pub fn blind(&self, now: SystemTime) -> Option<String> {
+        let state = self.lock();
+        let reasons: Vec<String> =
+            state.sources.iter().filter_map(|(name, source)| source.blind(name, now)).collect();
+        (!reasons.is_empty()).then(|| reasons.join("; "))
+    }
+
+    /// Health as of `now`: unhealthy iff a change has been pending for at
+    /// least the health timeout; and whether the agent is blind.
+    pub fn check(&self, now: SystemTime) -> HealthReport {
+        let blind = self.blind(now);
+        let state = self.lock();
+        // A pending time in the future (clock step) counts as just queued.
+        let waited = state.oldest_pending.map(|oldest| now.duration_since(oldest).unwrap_or_default());
+        let unsynced = waited.filter(|waited| *waited >= state.health_timeout).map(|waited| {
+            format!(
+                "a change has waited {} for a successful sync (limit {})",
+                seconds(waited),
+                seconds(state.health_timeout)
+            )
+        });
+        HealthReport {
+            healthy: unsynced.is_none(),
+            last_updated: state.last_updated.unwrap_or(state.started),
+            current_time: now,
+            unsynced,
+            blind,
+        }
+    }
+}
+
+/// One API watch's handle on the health state (see [`Health::watch_source`]).
+#[derive(Clone)]
+pub struct SourceHealth {
+    health: Health,
+    name: &'static str,
+}
+
+impl SourceHealth {
+    fn update(&self, change: impl FnOnce(&mut SourceState)) {
+        if let Some(source) = self.health.lock().sources.get_mut(self.name) {
+            change(source);
+        }
+    }
+
+    /// An event, a bookmark, or a watch the server accepted at `at`: the
+    /// agent is current as of then.
+    pub fn progress(&self, at: SystemTime) {
+        self.update(|source| {
+            source.last_progress = source.last_progress.max(at);
+            source.last_error = None;
+        });
+    }
+
+    /// A complete list at `at`: the snapshot was replaced.
+    pub fn listed(&self, at: SystemTime) {
+        self.progress(at);
+        self.update(|source| source.list_failures = 0);
+    }
+
+    /// A list failed with `error`.
+    pub fn list_failed(&self, error: &str) {
+        self.update(|source| {
+            source.list_failures += 1;
+            source.last_list_error = error.to_owned();
+            source.last_error = Some(format!("list failed: {error}"));
+        });
+    }
+
+    /// A watch request or stream failed (`error` says which and how).
+    pub fn failed(&self, error: &str) {
+        self.update(|source| source.last_error = Some(error.to_owned()));
     }
 }
 
@@ -207,9 +363,19 @@ pub(crate) type Body = Full<Bytes>;
 /// (timeouts, graceful stop) below.
 pub(crate) trait Respond: Clone + Send + Sync + 'static {
     fn respond(&self, path: &str) -> Response<Body>;
+
+    /// Whether methods other than GET and HEAD get 405. The health check node
+    /// ports answer any method, as kube-proxy's do (load balancers differ).
+    fn get_and_head_only(&self) -> bool {
+        false
+    }
 }
 
 impl Respond for Router {
+    fn get_and_head_only(&self) -> bool {
+        true
+    }
+
     fn respond(&self, path: &str) -> Response<Body> {
         match (self, path) {
             (Router::Health(health), "/healthz") => health_response(health, true),
@@ -229,10 +395,24 @@ impl Respond for Router {
 /// kube-proxy, a healthy answer reports `lastUpdated` = `currentTime` (older
 /// releases reported the last sync loop run, which was always recent); an
 /// unhealthy one reports the last successful sync (or the start time).
+///
+/// An unhealthy body adds `reason`, e.g. `"Service watch: list failed 5
+/// times: 500 Internal Server Error: …"`; `/livez` leaves out the node and the
+/// cluster's visibility.
 fn health_response(health: &Health, with_node: bool) -> Response<Body> {
     let report = health.check(SystemTime::now());
     let node_eligible = health.node_eligible();
-    let healthy = report.healthy && (!with_node || node_eligible);
+    let mut reasons: Vec<String> = report.unsynced.iter().cloned().collect();
+    if with_node {
+        if !node_eligible {
+            reasons.push(
+                "this node is not eligible for traffic (being deleted, or tainted ToBeDeletedByClusterAutoscaler)"
+                    .to_owned(),
+            );
+        }
+        reasons.extend(report.blind.iter().cloned());
+    }
+    let healthy = reasons.is_empty();
     let last_updated = if healthy { report.current_time } else { report.last_updated };
     let mut body = format!(
         r#"{{"lastUpdated": "{}","currentTime": "{}""#,
@@ -241,6 +421,10 @@ fn health_response(health: &Health, with_node: bool) -> Response<Body> {
     );
     if with_node {
         body.push_str(&format!(r#", "nodeEligible": {node_eligible}"#));
+    }
+    if !healthy {
+        let reason = serde_json::Value::String(reasons.join("; "));
+        body.push_str(&format!(r#", "reason": {reason}"#));
     }
     body.push('}');
     let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
@@ -255,6 +439,16 @@ pub(crate) fn text(status: StatusCode, content_type: &'static str, body: String)
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     headers.insert(HeaderName::from_static("x-content-type-options"), HeaderValue::from_static("nosniff"));
+    response
+}
+
+fn method_not_allowed() -> Response<Body> {
+    let mut response = text(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "text/plain; charset=utf-8",
+        "405 method not allowed\n".to_owned(),
+    );
+    response.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
     response
 }
 
@@ -308,7 +502,12 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 
 async fn serve_connection<R: Respond>(stream: TcpStream, router: R, mut stop: watch::Receiver<bool>) {
     let service = service_fn(move |request: Request<Incoming>| {
-        let response = router.respond(request.uri().path());
+        // hyper sends no body in answer to HEAD (the headers stay those of GET).
+        let response = match request.method() {
+            &Method::GET | &Method::HEAD => router.respond(request.uri().path()),
+            _ if !router.get_and_head_only() => router.respond(request.uri().path()),
+            _ => method_not_allowed(),
+        };
         async move { Ok::<_, Infallible>(response) }
     });
     let connection = http1::Builder::new()
@@ -473,6 +672,165 @@ mod tests {
         assert!(health.check(t0 + Duration::from_secs(2059)).healthy);
         assert!(!health.check(t0 + Duration::from_secs(2061)).healthy);
         assert_eq!(health.check(t0).last_updated, synced);
+    }
+
+    #[test]
+    fn a_watch_without_progress_for_its_timeout_is_blind_until_it_shows_progress() {
+        let health = Health::new(Duration::from_secs(60));
+        let t0 = at(1_700_000_000);
+        let services = health.watch_source("Service watch", Duration::from_secs(4), t0);
+        health.watch_source("EndpointSlice watch", Duration::from_secs(4), t0 + Duration::from_secs(100));
+        assert_eq!(health.blind(t0 + Duration::from_millis(3_900)), None);
+        assert_eq!(
+            health.blind(t0 + Duration::from_secs(4)).as_deref(),
+            Some("Service watch: no list, event or bookmark for 4s (limit 4s)")
+        );
+        services.failed("watch: client error (Connect): Connection refused");
+        let report = health.check(t0 + Duration::from_millis(6_500));
+        assert_eq!(
+            report.blind.as_deref(),
+            Some(
+                "Service watch: no list, event or bookmark for 6.5s (limit 4s); \
+                 last error: watch: client error (Connect): Connection refused"
+            )
+        );
+        // Blindness is not kube-proxy's sync health (/livez).
+        assert!(report.healthy && report.unsynced.is_none(), "{report:?}");
+
+        // A bookmark (or an event, or an accepted watch) and it sees again, error forgotten.
+        services.progress(t0 + Duration::from_secs(7));
+        assert_eq!(health.blind(t0 + Duration::from_secs(10)), None);
+        // Both watches blind: both named.
+        let both = health.blind(t0 + Duration::from_secs(104)).unwrap();
+        assert!(
+            both.starts_with("EndpointSlice watch: no list") && both.contains("; Service watch: no list"),
+            "{both}"
+        );
+        // A progress report older than the last one does not move it back.
+        services.progress(t0);
+        assert!(health.blind(t0 + Duration::from_secs(10)).is_none());
+    }
+
+    #[test]
+    fn lists_that_keep_failing_are_blind_before_the_timeout_and_a_list_clears_them() {
+        let health = Health::new(Duration::from_secs(60));
+        let t0 = at(1_700_000_000);
+        let services = health.watch_source("Service watch", Duration::from_secs(120), t0);
+        let error = "500 Internal Server Error: an error on the server";
+        for _ in 1..LIST_FAILURES_BLIND {
+            services.list_failed(error);
+        }
+        assert_eq!(health.blind(t0 + Duration::from_secs(1)), None);
+        services.list_failed(error);
+        assert_eq!(
+            health.blind(t0 + Duration::from_secs(1)).as_deref(),
+            Some("Service watch: list failed 5 times: 500 Internal Server Error: an error on the server")
+        );
+        // Watch progress alone does not clear it: the agent still needs a list.
+        services.progress(t0 + Duration::from_secs(2));
+        assert!(health.blind(t0 + Duration::from_secs(2)).is_some());
+        services.listed(t0 + Duration::from_secs(3));
+        assert_eq!(health.blind(t0 + Duration::from_secs(3)), None);
+        // Past the timeout the last list error is named.
+        services.list_failed(error);
+        let reason = health.blind(t0 + Duration::from_secs(200)).unwrap();
+        assert!(reason.ends_with(&format!("last error: list failed: {error}")), "{reason}");
+    }
+
+    #[test]
+    fn an_unsynced_change_is_named_in_the_report() {
+        let health = Health::new(Duration::from_secs(60));
+        let t0 = at(1_700_000_000);
+        health.queued(t0);
+        let report = health.check(t0 + Duration::from_secs(65));
+        assert!(!report.healthy);
+        assert_eq!(
+            report.unsynced.as_deref(),
+            Some("a change has waited 65s for a successful sync (limit 60s)")
+        );
+        assert_eq!(report.blind, None);
+    }
+
+    /// One raw request on its own connection: the whole answer as sent.
+    async fn raw(addr: SocketAddr, method: &str, path: &str) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut answer))
+            .await
+            .expect("the server answers and closes")
+            .unwrap();
+        answer
+    }
+
+    #[tokio::test]
+    async fn blind_healthz_says_why_and_only_get_and_head_are_answered() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let bound = bind(loopback, loopback).await.unwrap();
+        let (health_addr, metrics_addr) = (bound.health_addr(), bound.metrics_addr());
+        let health = Health::new(Duration::from_secs(60));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(bound.serve(health.clone(), Metrics::new(), async move {
+            let _ = stop_rx.await;
+        }));
+
+        // A Service watch that has failed its lists: /healthz 503 with the reason, /livez 200.
+        let services = health.watch_source("Service watch", Duration::from_secs(120), SystemTime::now());
+        for _ in 0..LIST_FAILURES_BLIND {
+            services.list_failed("500 Internal Server Error: injected");
+        }
+        let response = get(health_addr, "/healthz").await;
+        assert_eq!(response.status, 503);
+        let body = json(&response);
+        assert_eq!(body["reason"], "Service watch: list failed 5 times: 500 Internal Server Error: injected");
+        assert_eq!(body["nodeEligible"], serde_json::Value::Bool(true));
+        let livez = get(health_addr, "/livez").await;
+        assert_eq!(livez.status, 200);
+        assert!(json(&livez).get("reason").is_none());
+
+        // An ineligible node is named too; a healthy answer has no reason.
+        health.set_node_eligible(false);
+        let reason = json(&get(health_addr, "/healthz").await)["reason"].as_str().unwrap().to_owned();
+        assert!(
+            reason.starts_with("this node is not eligible")
+                && reason.contains("; Service watch: list failed")
+        );
+        health.set_node_eligible(true);
+        services.listed(SystemTime::now());
+        let response = get(health_addr, "/healthz").await;
+        assert_eq!(response.status, 200);
+        assert!(json(&response).get("reason").is_none());
+
+        // HEAD: GET's status and headers, no body.
+        for (addr, path) in [(health_addr, "/healthz"), (health_addr, "/livez"), (metrics_addr, "/metrics")] {
+            let answer = raw(addr, "HEAD", path).await;
+            let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+            assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "HEAD {path}: {head}");
+            assert!(head.to_ascii_lowercase().contains("content-length: "), "HEAD {path}: {head}");
+            assert_eq!(body, "", "HEAD {path} sent a body");
+        }
+        // Anything else: 405 with Allow, on known and unknown paths alike.
+        for (addr, method, path) in [
+            (metrics_addr, "POST", "/metrics"),
+            (metrics_addr, "PUT", "/proxyMode"),
+            (health_addr, "POST", "/healthz"),
+            (health_addr, "DELETE", "/livez"),
+            (health_addr, "OPTIONS", "/nope"),
+        ] {
+            let answer = raw(addr, method, path).await;
+            assert!(answer.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{method} {path}: {answer}");
+            assert!(
+                answer.to_ascii_lowercase().contains("\r\nallow: get, head\r\n"),
+                "{method} {path}: {answer}"
+            );
+            assert!(answer.ends_with("405 method not allowed\n"), "{method} {path}: {answer}");
+        }
+        assert_eq!(get(health_addr, "/healthz").await.status, 200, "a 405 does not change the health");
+
+        stop_tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(3), server).await.unwrap().unwrap().unwrap();
     }
 
     fn json(response: &HttpResponse) -> serde_json::Value {

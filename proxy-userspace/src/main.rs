@@ -123,6 +123,10 @@ struct AgentArgs {
     /// Full resync interval; health turns 503 when a change waits twice as long.
     #[arg(long, default_value = "30s", value_parser = kproxy::agent::parse_duration)]
     sync_period: Duration,
+    /// /healthz turns 503 when a watched kind (Services, EndpointSlices) shows no
+    /// list, event or bookmark from the API server for this long.
+    #[arg(long, default_value = "2m", value_parser = kproxy::agent::parse_duration)]
+    api_progress_timeout: Duration,
     /// /healthz and /livez; empty disables health and metrics servers.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: String,
@@ -322,6 +326,7 @@ fn run(cli: Cli) -> Result<()> {
                 min_sync_period: args.min_sync_period,
                 sync_period: args.sync_period,
                 healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
+                watch: kproxy::source::WatchOptions { progress_timeout: args.api_progress_timeout },
                 metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
                 model: ModelOptions {
                     node_name: args.hostname_override.or_else(kproxy::agent::host_name),

@@ -10,14 +10,17 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use futures::{StreamExt as _, TryStreamExt as _};
+use futures::AsyncBufReadExt as _;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
     Api, Client, ResourceExt as _,
-    runtime::{WatchStreamExt as _, watcher},
+    api::{ListParams, WatchEvent, WatchParams},
+    runtime::{utils::Backoff as _, watcher::DefaultBackoff},
 };
+use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
+use crate::health::SourceHealth;
 use crate::manifest::{ManifestError, Sourced};
 
 /// kube-proxy's label selector: Services (and their slices) that name another
@@ -227,114 +230,475 @@ pub fn parse_rfc3339(text: &str) -> Option<SystemTime> {
     Some(SystemTime::UNIX_EPOCH + Duration::new(secs, nanos))
 }
 
-/// Watches Services and EndpointSlices in all namespaces until the process
-/// stops, with kube-runtime's relist on 410 Gone, bookmarks and backoff.
-pub async fn watch_cluster(client: Client, node_name: Option<String>, changes: Arc<Changes>) -> Result<()> {
-    let services = watch_kind::<Service>(Api::all(client.clone()), Arc::clone(&changes), true);
-    let slices = watch_kind::<EndpointSlice>(Api::all(client.clone()), Arc::clone(&changes), false);
-    let node = watch_node(client, node_name);
-    tokio::try_join!(services, slices, node)?;
+/// How the API watches judge their own progress (`--api-progress-timeout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WatchOptions {
+    /// A watched kind with no complete list, event, bookmark or accepted watch
+    /// for this long makes `/healthz` answer 503. A real API server sends a
+    /// bookmark on every watch at least once a minute (the watch cache's
+    /// bookmark timer) and ends each watch at its `timeoutSeconds`, half of
+    /// this, so a connected agent shows progress well within it.
+    pub progress_timeout: Duration,
+}
+
+/// Twice the watch cache's bookmark period.
+pub const DEFAULT_PROGRESS_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl Default for WatchOptions {
+    fn default() -> Self {
+        Self { progress_timeout: DEFAULT_PROGRESS_TIMEOUT }
+    }
+}
+
+impl WatchOptions {
+    /// `timeoutSeconds` of each watch: half the progress timeout, so even a
+    /// server without periodic bookmarks ends each watch (and the agent opens
+    /// the next) within it; at most kube-runtime's 290 s.
+    fn watch_timeout_secs(&self) -> u32 {
+        (self.progress_timeout.as_secs() / 2).clamp(1, 290) as u32
+    }
+
+    /// A watch silent this long (no event, no bookmark, past the end the
+    /// server was asked for) is presumed dead and opened again.
+    fn idle_cutoff(&self) -> Duration {
+        self.progress_timeout + self.progress_timeout / 2
+    }
+}
+
+/// Objects per list page, as client-go's pager and kube-runtime ask.
+const LIST_PAGE: u32 = 500;
+/// A list page unanswered this long is given up: twice kube-apiserver's own
+/// limit for a non-watch request (`--request-timeout`, 1 minute). A slow list
+/// is waited for (and reported by `/healthz`), not cut short.
+const LIST_TIMEOUT: Duration = Duration::from_secs(120);
+/// A watch that ends sooner than this with nothing in it counts as a failure
+/// (backed off), as client-go's reflector treats a "very short watch".
+const SHORT_WATCH: Duration = Duration::from_secs(1);
+
+/// Watches Services and EndpointSlices in all namespaces (and this node) until
+/// the process stops. Each kind is listed, then watched from the list's
+/// resourceVersion, as client-go's reflector does for kube-proxy: a watch
+/// that ends or breaks resumes from the last resourceVersion seen (events and
+/// bookmarks advance it); a 410 Gone, whether the answer to the watch request
+/// or an ERROR event in the stream, and an unreadable line in the stream (the
+/// change it carried is lost) start over with a list, which replaces that
+/// kind's snapshot. Failures are retried with kube-runtime's default backoff.
+///
+/// kube-runtime's `watcher` is not used: it retries a watch request answered
+/// 410 with the same stale resourceVersion forever, skips an unreadable line
+/// and carries on (losing that change), and shows neither bookmarks nor
+/// accepted watches, so a quiet cluster and a dead connection look alike to
+/// `/healthz`.
+pub async fn watch_cluster(
+    client: Client,
+    node_name: Option<String>,
+    changes: Arc<Changes>,
+    options: WatchOptions,
+) -> Result<()> {
+    let now = SystemTime::now();
+    let track = |name| changes.health.as_ref().map(|h| h.watch_source(name, options.progress_timeout, now));
+    let (service_health, slice_health) = (track("Service watch"), track("EndpointSlice watch"));
+    let services = watch_kind::<Service>(client.clone(), Arc::clone(&changes), options, service_health);
+    let slices = watch_kind::<EndpointSlice>(client.clone(), Arc::clone(&changes), options, slice_health);
+    let node = watch_node(client, node_name, options);
+    let blindness = report_blindness(changes.health.clone());
+    tokio::join!(services, slices, node, blindness);
     Ok(())
 }
 
-async fn watch_kind<K>(api: Api<K>, changes: Arc<Changes>, is_service: bool) -> Result<()>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + 'static,
+/// One kind into the snapshot, for ever.
+async fn watch_kind<K>(
+    client: Client,
+    changes: Arc<Changes>,
+    options: WatchOptions,
+    health: Option<SourceHealth>,
+) where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
     K: Into<Kinded>,
 {
-    let config = watcher::Config::default().labels(NOT_OURS_SELECTOR);
-    let mut stream = watcher(api, config).default_backoff().boxed();
-    let kind = K::kind(&());
-    let mut initial: BTreeMap<ObjectKey, Kinded> = BTreeMap::new();
-    while let Some(event) = stream.next().await {
-        let event = match event {
-            Ok(event) => event,
-            Err(error) => {
-                tracing::warn!(%kind, %error, "watch failed; retrying with backoff");
-                continue;
-            }
-        };
-        match event {
-            watcher::Event::Init => initial.clear(),
-            watcher::Event::InitApply(object) => {
-                let k = key(object.namespace(), object.name_any());
-                initial.insert(k, object.into());
-            }
-            watcher::Event::InitDone => {
-                let count = initial.len() as u64;
-                {
-                    let mut snapshot = changes.snapshot.lock().expect("poisoned");
-                    if is_service {
-                        snapshot.services.clear();
-                    } else {
-                        snapshot.slices.clear();
-                    }
-                    for (k, object) in std::mem::take(&mut initial) {
-                        object.store(&mut snapshot, k);
-                    }
+    let is_service = K::kind(&()) == "Service";
+    let selectors = Selectors { labels: Some(NOT_OURS_SELECTOR.to_owned()), fields: None };
+    reflect(client, selectors, options, health, |update: Update<K>| match update {
+        Update::Listed(objects) => {
+            let count = objects.len() as u64;
+            {
+                let mut snapshot = changes.snapshot.lock().expect("poisoned");
+                if is_service {
+                    snapshot.services.clear();
+                } else {
+                    snapshot.slices.clear();
                 }
-                {
-                    let mut ready = changes.ready.lock().expect("poisoned");
-                    if is_service {
-                        ready.0 = true;
-                    } else {
-                        ready.1 = true;
-                    }
+                for object in objects {
+                    let k = key(object.namespace(), object.name_any());
+                    object.into().store(&mut snapshot, k);
                 }
-                tracing::info!(%kind, objects = count, "listed");
-                if is_service { changes.queue(count, 0, None) } else { changes.queue(0, count, None) }
             }
-            watcher::Event::Apply(object) => {
-                let k = key(object.namespace(), object.name_any());
-                let kinded: Kinded = object.into();
-                let trigger = kinded.trigger_time();
-                kinded.store(&mut changes.snapshot.lock().expect("poisoned"), k);
-                if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
-            }
-            watcher::Event::Delete(object) => {
-                let k = key(object.namespace(), object.name_any());
-                {
-                    let mut snapshot = changes.snapshot.lock().expect("poisoned");
-                    if is_service {
-                        snapshot.services.remove(&k);
-                    } else {
-                        snapshot.slices.remove(&k);
-                    }
+            {
+                let mut ready = changes.ready.lock().expect("poisoned");
+                if is_service {
+                    ready.0 = true;
+                } else {
+                    ready.1 = true;
                 }
-                if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, None) }
             }
+            if is_service { changes.queue(count, 0, None) } else { changes.queue(0, count, None) }
         }
-    }
-    Ok(())
+        Update::Applied(object) => {
+            let k = key(object.namespace(), object.name_any());
+            let kinded: Kinded = object.into();
+            let trigger = kinded.trigger_time();
+            kinded.store(&mut changes.snapshot.lock().expect("poisoned"), k);
+            if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
+        }
+        Update::Deleted(object) => {
+            let k = key(object.namespace(), object.name_any());
+            {
+                let mut snapshot = changes.snapshot.lock().expect("poisoned");
+                if is_service {
+                    snapshot.services.remove(&k);
+                } else {
+                    snapshot.slices.remove(&k);
+                }
+            }
+            if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, None) }
+        }
+    })
+    .await
 }
 
 /// This node, for `internalTrafficPolicy: Local`; kproxy only needs to know
 /// it exists, so its events are logged.
-async fn watch_node(client: Client, node_name: Option<String>) -> Result<()> {
+async fn watch_node(client: Client, node_name: Option<String>, options: WatchOptions) {
     let Some(name) = node_name else {
         tracing::warn!("no --hostname-override or NODE_NAME: every endpoint counts as remote");
-        return Ok(());
+        return;
     };
-    let api: Api<k8s_openapi::api::core::v1::Node> = Api::all(client);
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher(api, config).default_backoff().applied_objects().boxed();
+    let selectors = Selectors { labels: None, fields: Some(format!("metadata.name={name}")) };
     let mut seen = false;
-    while let Some(node) = stream.try_next().await.transpose() {
-        match node {
-            Ok(node) if !seen => {
-                tracing::info!(node = %node.name_any(), "watching this node");
-                seen = true;
+    reflect(client, selectors, options, None, |update: Update<k8s_openapi::api::core::v1::Node>| {
+        let node = match update {
+            Update::Listed(nodes) => nodes.into_iter().next(),
+            Update::Applied(node) => Some(node),
+            Update::Deleted(_) => None,
+        };
+        if let Some(node) = node.filter(|_| !seen) {
+            tracing::info!(node = %node.name_any(), "watching this node");
+            seen = true;
+        }
+    })
+    .await
+}
+
+/// Logs when the API watches turn blind and when they see again (`/healthz`
+/// tells the same at any time); checked every second.
+async fn report_blindness(health: Option<crate::health::Health>) {
+    let Some(health) = health else { return };
+    let mut blind = false;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        match (blind, health.blind(SystemTime::now())) {
+            (false, Some(reason)) => {
+                tracing::error!(%reason, "cannot see the cluster: /healthz answers 503");
+                blind = true;
             }
-            Ok(_) => {}
-            Err(error) => tracing::warn!(%name, %error, "node watch failed; retrying"),
+            (true, None) => {
+                tracing::info!("the API watches are current again");
+                blind = false;
+            }
+            _ => {}
         }
     }
-    Ok(())
+}
+
+struct Selectors {
+    labels: Option<String>,
+    fields: Option<String>,
+}
+
+/// What a list or watch brings.
+enum Update<K> {
+    /// Every object, from a complete list: replaces what was there.
+    Listed(Vec<K>),
+    Applied(K),
+    Deleted(K),
+}
+
+/// How one watch request ended.
+enum WatchEnd {
+    /// Closed by the server or the network: watch again from this version.
+    Closed(String),
+    /// Failed: after a backoff, watch again from this version, or list again.
+    Failed { resume: Option<String>, error: String },
+}
+
+impl WatchEnd {
+    fn failed(resume: Option<String>, error: String) -> Self {
+        WatchEnd::Failed { resume, error }
+    }
+}
+
+/// Lists then watches `api` for ever, handing each change to `apply` (see
+/// [`watch_cluster`]) and telling `health` how it goes.
+async fn reflect<K>(
+    client: Client,
+    selectors: Selectors,
+    options: WatchOptions,
+    health: Option<SourceHealth>,
+    mut apply: impl FnMut(Update<K>),
+) where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    let kind = K::kind(&());
+    let api: Api<K> = Api::all(client.clone());
+    let list_params = ListParams {
+        label_selector: selectors.labels.clone(),
+        field_selector: selectors.fields.clone(),
+        limit: Some(LIST_PAGE),
+        ..Default::default()
+    };
+    let watch_params = WatchParams {
+        label_selector: selectors.labels,
+        field_selector: selectors.fields,
+        timeout: Some(options.watch_timeout_secs()),
+        bookmarks: true,
+        ..Default::default()
+    };
+    let mut backoff = DefaultBackoff::default();
+    let mut resume: Option<String> = None;
+    loop {
+        let error = match resume.take() {
+            None => match list_all(&api, &list_params).await {
+                Ok((objects, version)) => {
+                    tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
+                    if let Some(health) = &health {
+                        health.listed(SystemTime::now());
+                    }
+                    apply(Update::Listed(objects));
+                    backoff.reset();
+                    resume = Some(version);
+                    continue;
+                }
+                Err(error) => {
+                    if let Some(health) = &health {
+                        health.list_failed(&error);
+                    }
+                    format!("list failed: {error}")
+                }
+            },
+            Some(version) => {
+                let request = WatchRequest {
+                    client: &client,
+                    url_path: api.resource_url(),
+                    params: &watch_params,
+                    options,
+                    health: health.as_ref(),
+                };
+                match watch_once(&request, version, &mut apply, &mut backoff).await {
+                    WatchEnd::Closed(version) => {
+                        resume = Some(version);
+                        continue;
+                    }
+                    WatchEnd::Failed { resume: next, error } => {
+                        if let Some(health) = &health {
+                            health.failed(&error);
+                        }
+                        resume = next;
+                        error
+                    }
+                }
+            }
+        };
+        let delay = backoff.next().unwrap_or(Duration::from_secs(30));
+        tracing::warn!(%kind, %error, retry_in_ms = delay.as_millis() as u64, "watch failed; retrying");
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// Every page of a list: the objects and the list's resourceVersion.
+async fn list_all<K>(api: &Api<K>, params: &ListParams) -> Result<(Vec<K>, String), String>
+where
+    K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let mut params = params.clone();
+    let mut objects = Vec::new();
+    loop {
+        let page = tokio::time::timeout(LIST_TIMEOUT, api.list(&params))
+            .await
+            .map_err(|_| format!("no answer within {}s", LIST_TIMEOUT.as_secs()))?
+            .map_err(|error| describe(&error))?;
+        objects.extend(page.items);
+        match page.metadata.continue_.filter(|token| !token.is_empty()) {
+            Some(token) => params.continue_token = Some(token),
+            None => {
+                let version = page.metadata.resource_version.filter(|v| !v.is_empty());
+                return version
+                    .map(|v| (objects, v))
+                    .ok_or_else(|| "the list has no resourceVersion".to_owned());
+            }
+        }
+    }
+}
+
+/// What every watch request of one kind shares.
+struct WatchRequest<'a> {
+    client: &'a Client,
+    url_path: &'a str,
+    params: &'a WatchParams,
+    options: WatchOptions,
+    health: Option<&'a SourceHealth>,
+}
+
+/// One watch request from `version`, until it ends. The stream is read line
+/// by line here rather than through `Api::watch`, which silently skips a
+/// line that is cut short JSON (its change would be lost unnoticed).
+async fn watch_once<K>(
+    watch: &WatchRequest<'_>,
+    mut version: String,
+    apply: &mut impl FnMut(Update<K>),
+    backoff: &mut DefaultBackoff,
+) -> WatchEnd
+where
+    K: DeserializeOwned + kube::Resource,
+{
+    let WatchRequest { client, url_path, params, options, health } = *watch;
+    let opened = tokio::time::Instant::now();
+    let request = match kube::core::Request::new(url_path).watch(params, &version) {
+        Ok(request) => request,
+        Err(error) => return WatchEnd::failed(Some(version), format!("watch: {error}")),
+    };
+    let body = match tokio::time::timeout(options.progress_timeout, client.request_stream(request)).await {
+        Err(_) => {
+            let error = format!("watch: no answer within {}s", options.progress_timeout.as_secs_f64());
+            return WatchEnd::failed(Some(version), error);
+        }
+        Ok(Err(kube::Error::Api(status))) if status.code == 410 => {
+            return WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status)));
+        }
+        Ok(Err(error)) => return WatchEnd::failed(Some(version), format!("watch: {}", describe(&error))),
+        Ok(Ok(body)) => body,
+    };
+    // Accepted from `version`: the server will send whatever changed since.
+    if let Some(health) = health {
+        health.progress(SystemTime::now());
+    }
+    let mut body = std::pin::pin!(body);
+    let mut line = String::new();
+    let mut lines = 0u64;
+    loop {
+        line.clear();
+        let read = match tokio::time::timeout(options.idle_cutoff(), body.read_line(&mut line)).await {
+            Err(_) => {
+                let error =
+                    format!("watch: no event or bookmark for {}s", options.idle_cutoff().as_secs_f64());
+                return WatchEnd::failed(Some(version), error);
+            }
+            Ok(Err(error)) if error.kind() == std::io::ErrorKind::InvalidData => {
+                return WatchEnd::failed(None, format!("watch: unreadable line ({error}); listing again"));
+            }
+            Ok(Err(error)) => {
+                return WatchEnd::failed(Some(version), format!("watch: the stream broke: {error}"));
+            }
+            Ok(Ok(read)) => read,
+        };
+        if read == 0 {
+            if lines == 0 && opened.elapsed() < SHORT_WATCH {
+                return WatchEnd::failed(
+                    Some(version),
+                    "watch: closed at once, with nothing in it".to_owned(),
+                );
+            }
+            return WatchEnd::Closed(version);
+        }
+        if !line.ends_with('\n') {
+            // Cut mid-line: whatever it carried comes again from `version`.
+            return WatchEnd::failed(
+                Some(version),
+                "watch: the stream ended in the middle of a line".to_owned(),
+            );
+        }
+        let text = line.trim();
+        if text.is_empty() {
+            continue;
+        }
+        let event = match serde_json::from_str::<WatchEvent<K>>(text) {
+            Ok(event) => event,
+            Err(error) => match serde_json::from_str::<kube::core::Status>(text) {
+                Ok(status) if status.code != 0 => WatchEvent::Error(Box::new(status)),
+                _ => {
+                    let excerpt: String = text.chars().take(80).collect();
+                    let error = format!(
+                        "watch: unreadable line ({error}): {excerpt:?}; listing again, as the change it carried is lost"
+                    );
+                    return WatchEnd::failed(None, error);
+                }
+            },
+        };
+        let (update, next_version) = match event {
+            WatchEvent::Added(object) | WatchEvent::Modified(object) => {
+                let next = object.resource_version();
+                (Some(Update::Applied(object)), next)
+            }
+            WatchEvent::Deleted(object) => {
+                let next = object.resource_version();
+                (Some(Update::Deleted(object)), next)
+            }
+            WatchEvent::Bookmark(bookmark) => (None, Some(bookmark.metadata.resource_version)),
+            WatchEvent::Error(status) if status.code == 410 => {
+                return WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status)));
+            }
+            WatchEvent::Error(status) => {
+                return WatchEnd::failed(
+                    Some(version),
+                    format!("watch: error event: {}", status_text(&status)),
+                );
+            }
+        };
+        let Some(next_version) = next_version.filter(|v| !v.is_empty()) else {
+            return WatchEnd::failed(
+                None,
+                "watch: an event without a resourceVersion; listing again".to_owned(),
+            );
+        };
+        version = next_version;
+        lines += 1;
+        backoff.reset();
+        if let Some(health) = health {
+            health.progress(SystemTime::now());
+        }
+        if let Some(update) = update {
+            apply(update);
+        }
+    }
+}
+
+/// `410 Gone: too old resource version: 5 (7)`.
+fn status_text(status: &kube::core::Status) -> String {
+    let phrase =
+        hyper::StatusCode::from_u16(status.code).ok().and_then(|c| c.canonical_reason()).unwrap_or("");
+    match (status.message.as_str(), phrase) {
+        ("", _) => format!("{} {phrase}", status.code),
+        (message, _) => format!("{} {phrase}: {message}", status.code),
+    }
+}
+
+/// An API error as its Status, anything else with its causes
+/// (`... tcp connect error: Connection refused (os error 111)`).
+fn describe(error: &kube::Error) -> String {
+    if let kube::Error::Api(status) = error {
+        return status_text(status);
+    }
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// A watched object with its origin, ready for the snapshot.
