@@ -398,7 +398,12 @@ impl SyncLoop<'_> {
         let started = Instant::now();
         let pending = changes.take_pending();
         let snapshot = changes.objects();
-        let options = &ModelOptions { node_addresses: self.refresh_node_addresses(), ..options.clone() };
+        let options = &ModelOptions {
+            node_addresses: self.refresh_node_addresses(),
+            // --node-zone wins over the Node object's label.
+            zone: options.zone.clone().or_else(|| changes.node_zone()),
+            ..options.clone()
+        };
         let (desired, model_errors) = match &mut self.cache {
             Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
             None => model::build_with(&snapshot.services, &snapshot.slices, options),

@@ -27,6 +27,11 @@ use crate::manifest::{ManifestError, Sourced};
 /// proxy, or are headless, are not ours and are not even listed.
 const NOT_OURS_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
+/// The Node label naming its zone (zone hints follow it).
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+/// The taint the cluster autoscaler puts on a node it is about to remove.
+const AUTOSCALER_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
 const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// namespace, name, and a disambiguator that keeps duplicate definitions in
@@ -95,6 +100,8 @@ pub struct Changes {
     ready: Mutex<(bool, bool)>,
     pub notify: Notify,
     health: Option<crate::health::Health>,
+    /// This node's `topology.kubernetes.io/zone` label, from the Node watch.
+    node_zone: Mutex<Option<String>>,
 }
 
 impl Changes {
@@ -135,6 +142,29 @@ impl Changes {
             health.queued(now);
         }
         self.notify.notify_one();
+    }
+
+    /// This node's zone as its Node object says (for zone hints); `None` until seen or unlabelled.
+    pub fn node_zone(&self) -> Option<String> {
+        self.node_zone.lock().expect("poisoned").clone()
+    }
+
+    /// Takes what the Node object says: its zone (a change re-syncs, as hints depend on it) and
+    /// whether the node is going away (kube-proxy's node eligibility for `/healthz`).
+    fn node_seen(&self, zone: Option<String>, eligible: bool) {
+        if let Some(health) = &self.health
+            && health.node_eligible() != eligible
+        {
+            tracing::warn!(eligible, "this node's deletion state changed: /healthz follows (KEP-3836)");
+            health.set_node_eligible(eligible);
+        }
+        let mut current = self.node_zone.lock().expect("poisoned");
+        if *current != zone {
+            tracing::info!(zone = zone.as_deref().unwrap_or("(none)"), "this node's zone");
+            *current = zone;
+            drop(current);
+            self.queue(1, 0, None);
+        }
     }
 
     /// For the file source: replace everything at once.
@@ -300,7 +330,7 @@ pub async fn watch_cluster(
     let (service_health, slice_health) = (track("Service watch"), track("EndpointSlice watch"));
     let services = watch_kind::<Service>(client.clone(), Arc::clone(&changes), options, service_health);
     let slices = watch_kind::<EndpointSlice>(client.clone(), Arc::clone(&changes), options, slice_health);
-    let node = watch_node(client, node_name, options);
+    let node = watch_node(client, node_name, Arc::clone(&changes), options);
     let blindness = report_blindness(changes.health.clone());
     tokio::join!(services, slices, node, blindness);
     Ok(())
@@ -368,7 +398,7 @@ async fn watch_kind<K>(
 
 /// This node, for `internalTrafficPolicy: Local`; kproxy only needs to know
 /// it exists, so its events are logged.
-async fn watch_node(client: Client, node_name: Option<String>, options: WatchOptions) {
+async fn watch_node(client: Client, node_name: Option<String>, changes: Arc<Changes>, options: WatchOptions) {
     let Some(name) = node_name else {
         tracing::warn!("no --hostname-override or NODE_NAME: every endpoint counts as remote");
         return;
@@ -381,10 +411,18 @@ async fn watch_node(client: Client, node_name: Option<String>, options: WatchOpt
             Update::Applied(node) => Some(node),
             Update::Deleted(_) => None,
         };
-        if let Some(node) = node.filter(|_| !seen) {
+        if let Some(node) = node.as_ref().filter(|_| !seen) {
             tracing::info!(node = %node.name_any(), "watching this node");
             seen = true;
         }
+        let zone = node.as_ref().and_then(|n| n.labels().get(ZONE_LABEL)).filter(|z| !z.is_empty()).cloned();
+        // A node that is gone, being deleted or drained by the cluster autoscaler should lose its load
+        // balancer traffic before its pods go: kube-proxy's /healthz says 503 (KEP-3836).
+        let eligible = node.as_ref().is_some_and(|n| {
+            n.metadata.deletion_timestamp.is_none()
+                && !n.spec.iter().flat_map(|s| s.taints.iter().flatten()).any(|t| t.key == AUTOSCALER_TAINT)
+        });
+        changes.node_seen(zone, eligible || node.is_none() && !seen);
     })
     .await
 }

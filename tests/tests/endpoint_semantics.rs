@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::cluster::Cluster;
+use common::cluster::{Cluster, Mode};
 
 fn add_manifest(cluster: &Cluster, name: &str, text: &str) {
     std::fs::write(cluster.manifest(name), text).unwrap();
@@ -140,6 +140,28 @@ fn node_hints_keep_traffic_on_this_node_and_zone_hints_in_this_zone() {
     cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 3)]);
     let spread = answers(&cluster, "http://10.96.0.150/", 60);
     assert_eq!(spread.keys().collect::<Vec<_>>(), ["web-1", "web-2", "web-3"], "{spread:?}");
+}
+
+#[test]
+fn the_nodes_zone_label_from_the_api_server_chooses_the_zone() {
+    // The API server is the in-process one (the only fake allowed): it serves the Node object with
+    // real list/watch semantics, as the agent's Node watch reads it.
+    let cluster = Cluster::start_with("topology-api", Mode::Api);
+    let node = |zone: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: node-1\n  labels:\n    topology.kubernetes.io/zone: {zone}\n"
+        )
+    };
+    cluster.api().apply_yaml(&node("zone-b")).unwrap();
+    cluster.api().apply_yaml(&service("topo", "10.96.0.150", "", &hinted_web(false))).unwrap();
+    cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 1)]);
+    assert_eq!(answers(&cluster, "http://10.96.0.150/", 30), only("web-3", 30));
+
+    // The node moves to zone-a (relabelled): the zone's two pods, without restarting the agent.
+    cluster.api().apply_yaml(&node("zone-a")).unwrap();
+    cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 2)]);
+    let spread = answers(&cluster, "http://10.96.0.150/", 40);
+    assert_eq!(spread.keys().collect::<Vec<_>>(), ["web-1", "web-2"], "{spread:?}");
 }
 
 #[test]
