@@ -3,7 +3,8 @@
 //! No cluster and no kustomize binary here, so the kustomizations are built by
 //! a small subset of kustomize: `resources` (files and directories) and
 //! `patches` with a `path` (strategic merge by kind and name, lists of objects
-//! merged by `name`, `volumeMounts` by `mountPath`, other lists replaced).
+//! merged by `name`, `volumeMounts` by `mountPath`, other lists replaced, and
+//! `$patch: delete` removing a list item).
 //! Every built object must deserialize into its k8s-openapi type and serialize
 //! back to exactly what was written: a field k8s-openapi does not know would
 //! be dropped on the way, so a typo in a field name fails here instead of
@@ -21,7 +22,7 @@ use k8s_openapi::{
         core::v1::{ConfigMap, Container, Namespace, ServiceAccount},
         rbac::v1::{ClusterRole, ClusterRoleBinding},
     },
-    apimachinery::pkg::util::intstr::IntOrString,
+    apimachinery::pkg::{api::resource::Quantity, util::intstr::IntOrString},
 };
 use serde_yaml::Value;
 
@@ -111,20 +112,20 @@ fn build(dir: &Path) -> Result<Built> {
                 .iter_mut()
                 .find(|o| object_id(o) == id)
                 .with_context(|| format!("{}: patch target {id:?} is not a resource", path.display()))?;
-            merge(target, &patch_doc, "");
+            merge(target, &patch_doc, "").with_context(|| format!("{}", path.display()))?;
         }
     }
     Ok(built)
 }
 
 /// Strategic merge patch, the part these manifests use.
-fn merge(target: &mut Value, patch: &Value, key: &str) {
+fn merge(target: &mut Value, patch: &Value, key: &str) -> Result<()> {
     match (target, patch) {
         (Value::Mapping(target), Value::Mapping(patch)) => {
             for (k, v) in patch {
                 let name = k.as_str().unwrap_or_default();
                 match target.get_mut(k) {
-                    Some(existing) => merge(existing, v, name),
+                    Some(existing) => merge(existing, v, name)?,
                     None => {
                         target.insert(k.clone(), v.clone());
                     }
@@ -135,18 +136,28 @@ fn merge(target: &mut Value, patch: &Value, key: &str) {
             let merge_key = if key == "volumeMounts" { "mountPath" } else { "name" };
             if !patch.iter().all(|item| item.get(merge_key).is_some()) {
                 *target = patch.clone();
-                return;
+                return Ok(());
             }
             for item in patch {
                 let wanted = item.get(merge_key);
-                match target.iter_mut().find(|t| t.get(merge_key) == wanted) {
-                    Some(existing) => merge(existing, item, ""),
-                    None => target.push(item.clone()),
+                let position = target.iter().position(|t| t.get(merge_key) == wanted);
+                match (item.get("$patch").and_then(Value::as_str), position) {
+                    (Some("delete"), Some(at)) => {
+                        target.remove(at);
+                    }
+                    // kustomize ignores it; here a renamed item must not stay behind unnoticed.
+                    (Some("delete"), None) => {
+                        bail!("`$patch: delete` of {key} item {wanted:?}, which is not there")
+                    }
+                    (Some(other), _) => bail!("`$patch: {other}` is not supported by this check"),
+                    (None, Some(at)) => merge(&mut target[at], item, "")?,
+                    (None, None) => target.push(item.clone()),
                 }
             }
         }
         (target, patch) => *target = patch.clone(),
     }
+    Ok(())
 }
 
 /// Where `original` has something `reparsed` lacks or differs.
@@ -214,9 +225,13 @@ fn agent_daemonset(built: &Built) -> DaemonSet {
     typed(built, "DaemonSet", "kproxy")
 }
 
-fn container<'a>(ds: &'a DaemonSet, name: &str) -> &'a Container {
+fn container_named<'a>(ds: &'a DaemonSet, name: &str) -> Option<&'a Container> {
     let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
-    spec.containers.iter().chain(spec.init_containers.iter().flatten()).find(|c| c.name == name).unwrap()
+    spec.containers.iter().chain(spec.init_containers.iter().flatten()).find(|c| c.name == name)
+}
+
+fn container<'a>(ds: &'a DaemonSet, name: &str) -> &'a Container {
+    container_named(ds, name).unwrap_or_else(|| panic!("no container {name}"))
 }
 
 fn yaml_files(dir: &Path, out: &mut BTreeSet<PathBuf>) {
@@ -251,7 +266,7 @@ fn the_roundtrip_check_catches_unknown_and_misspelled_fields() {
     .unwrap();
     check_object(&doc).unwrap();
     let mut bad = doc.clone();
-    merge(&mut bad, &serde_yaml::from_str("metadata:\n  namesapce: y\n").unwrap(), "");
+    merge(&mut bad, &serde_yaml::from_str("metadata:\n  namesapce: y\n").unwrap(), "").unwrap();
     let error = format!("{:#}", check_object(&bad).unwrap_err());
     assert!(error.contains(".metadata.namesapce: unknown field"), "{error}");
     let ds: Value = serde_yaml::from_str(
@@ -450,20 +465,114 @@ fn overlays_set_the_agent_security_context() {
     assert!(context.capabilities.is_none());
     let bpffs = agent.volume_mounts.iter().flatten().find(|m| m.name == "bpffs").unwrap();
     assert_eq!(bpffs.mount_propagation.as_deref(), Some("Bidirectional"));
+    // The privileged install keeps the init container that mounts bpffs for the host.
+    assert!(container_named(&privileged, "mount-bpffs").is_some());
 
     let capabilities = agent_daemonset(&built("overlays/capabilities"));
     let agent = container(&capabilities, "kproxy");
-    let context = agent.security_context.as_ref().unwrap();
-    assert_eq!(context.privileged, Some(false));
-    let caps = context.capabilities.as_ref().unwrap();
-    assert_eq!(caps.add.as_deref().unwrap(), ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN"]);
-    assert!(caps.drop.is_none());
     // Bidirectional propagation is only allowed in privileged containers.
     let bpffs = agent.volume_mounts.iter().flatten().find(|m| m.name == "bpffs").unwrap();
     assert_eq!(bpffs.mount_propagation.as_deref(), Some("HostToContainer"));
     // The patch merged into the base container instead of replacing it.
     assert_eq!(agent.args, container(&privileged, "kproxy").args);
+    assert_eq!(agent.resources, container(&privileged, "kproxy").resources);
     assert_eq!(agent.volume_mounts.as_ref().unwrap().len(), 3);
+}
+
+/// The capabilities overlay: every capability dropped and only those added that the agent was
+/// seen to fail without (tests/tests/deploy/capabilities.rs runs the real agent with exactly the
+/// set it reads from security.yaml, and with each one removed); nothing privileged in any
+/// container, init containers included; no privilege escalation; a read-only root filesystem (the
+/// agent writes only pins, into the bpffs volume); the runtime's seccomp profile.
+#[test]
+fn capabilities_overlay_is_hardened() {
+    let built = built("overlays/capabilities");
+    for doc in built.objects.iter().filter(|o| object_id(o).0 == "DaemonSet") {
+        let ds: DaemonSet = roundtrip(doc).unwrap();
+        let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        assert_ne!(pod.host_pid, Some(true));
+        assert_ne!(pod.host_ipc, Some(true));
+        for c in pod.containers.iter().chain(pod.init_containers.iter().flatten()) {
+            let privileged = c.security_context.as_ref().and_then(|s| s.privileged);
+            assert_ne!(privileged, Some(true), "container {} is privileged", c.name);
+            for mount in c.volume_mounts.iter().flatten() {
+                assert_ne!(mount.mount_propagation.as_deref(), Some("Bidirectional"), "{}", c.name);
+            }
+        }
+        // The privileged mount-bpffs is deleted, not made unprivileged: without Bidirectional
+        // propagation its mount would be the pod's own.
+        assert!(pod.init_containers.as_ref().is_none_or(Vec::is_empty), "{:?}", pod.init_containers);
+    }
+
+    let ds = agent_daemonset(&built);
+    let agent = container(&ds, "kproxy");
+    let context = agent.security_context.as_ref().unwrap();
+    assert_eq!(context.privileged, Some(false));
+    assert_eq!(context.allow_privilege_escalation, Some(false));
+    assert_eq!(context.read_only_root_filesystem, Some(true));
+    let caps = context.capabilities.as_ref().unwrap();
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    assert_eq!(caps.add.as_deref().unwrap(), ["BPF", "NET_ADMIN", "PERFMON"]);
+    let pod_context = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap().security_context.as_ref();
+    let seccomp = context
+        .seccomp_profile
+        .as_ref()
+        .or_else(|| pod_context.and_then(|p| p.seccomp_profile.as_ref()))
+        .expect("a seccomp profile");
+    assert_eq!(seccomp.type_, "RuntimeDefault");
+    // The runtime's default AppArmor profile denies writes under /sys/fs/ but cgroup, so pins
+    // could be neither created nor removed in /sys/fs/bpf.
+    assert_eq!(context.app_armor_profile.as_ref().map(|p| p.type_.as_str()), Some("Unconfined"));
+    // Writable with a read-only root: only its volumes, all of them the host's.
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    for mount in agent.volume_mounts.iter().flatten() {
+        let volume = pod.volumes.iter().flatten().find(|v| v.name == mount.name).unwrap();
+        assert!(volume.host_path.is_some(), "{} is not a hostPath", mount.name);
+    }
+}
+
+fn bytes(quantity: &Quantity) -> u64 {
+    let text = quantity.0.as_str();
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let unit = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        other => panic!("unit {other:?} of {text:?} not handled here"),
+    };
+    number.parse::<u64>().unwrap() * unit
+}
+
+/// Sized from measurements (docs/deploy.md, "Resources"): with 10k Services the agent's memory
+/// cgroup peaked at 202 MiB on a fresh node, 123 MiB of it the BPF maps its first start creates.
+/// A CPU limit would only slow syncs, so there is none.
+#[test]
+fn agent_has_a_memory_request_and_limit_in_every_overlay() {
+    for entry in ["overlays/privileged", "overlays/capabilities"] {
+        let ds = agent_daemonset(&built(entry));
+        let resources = container(&ds, "kproxy").resources.clone().unwrap();
+        let requests = resources.requests.unwrap();
+        let limits = resources.limits.unwrap();
+        assert!(requests.contains_key("cpu"), "{entry}");
+        assert!(!limits.contains_key("cpu"), "{entry}: a CPU limit only throttles syncs");
+        let (request, limit) = (bytes(&requests["memory"]), bytes(&limits["memory"]));
+        assert!(request >= 256 << 20, "{entry}: the measured peak does not fit in {request} bytes");
+        assert!(limit >= request, "{entry}");
+    }
+}
+
+#[test]
+fn patch_delete_removes_a_list_item_and_refuses_a_missing_one() {
+    let yaml = |text: &str| -> Value { serde_yaml::from_str(text).unwrap() };
+    let mut ds = yaml("spec:\n  initContainers:\n  - {name: a, image: x}\n  - {name: b}\n");
+    merge(&mut ds, &yaml("spec:\n  initContainers:\n  - {name: a, $patch: delete}\n"), "").unwrap();
+    assert_eq!(ds, yaml("spec:\n  initContainers:\n  - {name: b}\n"));
+    let error = merge(&mut ds, &yaml("spec:\n  initContainers:\n  - {name: a, $patch: delete}\n"), "")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("not there"), "{error}");
+    assert!(merge(&mut ds, &yaml("spec:\n  initContainers:\n  - {name: b, $patch: replace}\n"), "").is_err());
 }
 
 #[test]

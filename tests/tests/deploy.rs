@@ -3,7 +3,12 @@
 //! removes kube-proxy's netfilter state — and nothing else — from a sandbox
 //! node's network namespace (never the host's). Needs root for the second part.
 //! The manifests' schema checks are unit tests in proxy-userspace
-//! (deploy_manifests.rs), where k8s-openapi is at hand.
+//! (deploy_manifests.rs), where k8s-openapi is at hand. `capabilities` runs the
+//! agent as the capabilities overlay does (deploy/capabilities.rs).
+
+#[path = "deploy/capabilities.rs"]
+mod capabilities;
+mod common;
 
 use std::{
     collections::BTreeSet,
