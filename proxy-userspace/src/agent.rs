@@ -269,9 +269,10 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             let client = source::client(options).await?;
             let (changes, node, watch) = (Arc::clone(&changes), config.model.node_name.clone(), config.watch);
             tokio::spawn(async move {
-                if let Err(e) = source::watch_cluster(client, node, changes, watch).await {
+                if let Err(e) = source::watch_cluster(client, node, proxy_name, changes, watch).await {
                     tracing::error!(error = %format!("{e:#}"), "watching the API server stopped");
                 }
+            let proxy_name = config.model.service_proxy_name.clone();
             });
         }
     }

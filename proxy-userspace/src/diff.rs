@@ -46,9 +46,6 @@ use crate::{
     sync::{desired_backend_flags, frontend_flags},
 };
 
-/// kube-proxy's label selector, as the agent's watchers use it.
-const NOT_OURS_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-
 /// Where the desired state comes from (as `kproxy agent` would read it).
 #[derive(clap::Args, Debug, Default)]
 pub struct DiffArgs {
@@ -156,9 +153,10 @@ fn desired(args: &DiffArgs) -> Result<Desired> {
             }
             from_files(manifest::load_path(path))
         }
-        None => {
-            from_cluster(&KubeOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() })?
-        }
+        None => from_cluster(
+            &KubeOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() },
+            args.service_proxy_name.as_deref(),
+        )?,
     };
     let options = ModelOptions {
         node_name: args.hostname_override.clone(),
@@ -197,7 +195,7 @@ fn from_files(objects: manifest::Objects) -> Objects {
 }
 
 /// One list of Services and EndpointSlices, with the agent's label selector.
-fn from_cluster(options: &KubeOptions) -> Result<Objects> {
+fn from_cluster(options: &KubeOptions, service_proxy_name: Option<&str>) -> Result<Objects> {
     use kube::{Api, api::ListParams};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -205,7 +203,7 @@ fn from_cluster(options: &KubeOptions) -> Result<Objects> {
         .context("building the tokio runtime")?;
     runtime.block_on(async {
         let client = crate::source::client(options).await?;
-        let params = ListParams::default().labels(NOT_OURS_SELECTOR);
+        let params = ListParams::default().labels(&crate::source::label_selector(service_proxy_name));
         let services = Api::<Service>::all(client.clone()).list(&params).await.context("listing Services")?;
         let slices =
             Api::<EndpointSlice>::all(client).list(&params).await.context("listing EndpointSlices")?;

@@ -22,10 +22,20 @@ use tokio::sync::Notify;
 
 use crate::health::SourceHealth;
 use crate::manifest::{ManifestError, Sourced};
+use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 
-/// kube-proxy's label selector: Services (and their slices) that name another
-/// proxy, or are headless, are not ours and are not even listed.
-const NOT_OURS_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+/// The label selector of the Services and EndpointSlices this agent lists: kube-proxy's
+/// (`!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`: those that name
+/// another proxy, or are headless, are not even listed), or, with `--service-proxy-name NAME`, only
+/// those labelled with that name. The EndpointSlice controller copies a Service's labels to its
+/// slices, so one selector serves both kinds; a Service whose label is removed stops matching and
+/// the watch reports it deleted, which hands it back to the default proxy.
+pub fn label_selector(service_proxy_name: Option<&str>) -> String {
+    match service_proxy_name.filter(|name| !name.is_empty()) {
+        Some(name) => format!("{LABEL_SERVICE_PROXY_NAME}={name},!{LABEL_HEADLESS}"),
+        None => format!("!{LABEL_SERVICE_PROXY_NAME},!{LABEL_HEADLESS}"),
+    }
+}
 
 /// The Node label naming its zone (zone hints follow it).
 const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -322,14 +332,23 @@ const SHORT_WATCH: Duration = Duration::from_secs(1);
 pub async fn watch_cluster(
     client: Client,
     node_name: Option<String>,
+    service_proxy_name: Option<String>,
     changes: Arc<Changes>,
     options: WatchOptions,
 ) -> Result<()> {
+    let selector = label_selector(service_proxy_name.as_deref());
     let now = SystemTime::now();
     let track = |name| changes.health.as_ref().map(|h| h.watch_source(name, options.progress_timeout, now));
     let (service_health, slice_health) = (track("Service watch"), track("EndpointSlice watch"));
-    let services = watch_kind::<Service>(client.clone(), Arc::clone(&changes), options, service_health);
-    let slices = watch_kind::<EndpointSlice>(client.clone(), Arc::clone(&changes), options, slice_health);
+    let services = watch_kind::<Service>(
+        client.clone(),
+        selector.clone(),
+        Arc::clone(&changes),
+        options,
+        service_health,
+    );
+    let slices =
+        watch_kind::<EndpointSlice>(client.clone(), selector, Arc::clone(&changes), options, slice_health);
     let node = watch_node(client, node_name, Arc::clone(&changes), options);
     let blindness = report_blindness(changes.health.clone());
     tokio::join!(services, slices, node, blindness);
@@ -339,6 +358,7 @@ pub async fn watch_cluster(
 /// One kind into the snapshot, for ever.
 async fn watch_kind<K>(
     client: Client,
+    selector: String,
     changes: Arc<Changes>,
     options: WatchOptions,
     health: Option<SourceHealth>,
@@ -347,7 +367,7 @@ async fn watch_kind<K>(
     K: Into<Kinded>,
 {
     let is_service = K::kind(&()) == "Service";
-    let selectors = Selectors { labels: Some(NOT_OURS_SELECTOR.to_owned()), fields: None };
+    let selectors = Selectors { labels: Some(selector), fields: None };
     reflect(client, selectors, options, health, |update: Update<K>| match update {
         Update::Listed(objects) => {
             let count = objects.len() as u64;

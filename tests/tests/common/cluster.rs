@@ -75,6 +75,20 @@ impl Cluster {
     }
 
     pub fn start_with(tag: &str, mode: Mode) -> Self {
+        let mut cluster = Self::prepared(tag, mode);
+        cluster.start_agent();
+        cluster.wait_for_frontends(&[
+            ("10.96.0.100:80", "TCP", 3),
+            ("10.96.0.10:53", "UDP", 2),
+            ("10.96.0.10:53", "TCP", 2),
+        ]);
+        cluster.wait_for_attachment();
+        cluster
+    }
+
+    /// The sandbox, its pods and manifests (in the API server too, with [`Mode::Api`]), without an
+    /// agent: set [`Cluster::extra_agent_args`], then [`Cluster::start_agent`].
+    pub fn prepared(tag: &str, mode: Mode) -> Self {
         let sandbox = Sandbox::new(tag).expect("building the sandbox (needs root; run `cargo xtask setup`)");
         let client = sandbox.add_pod("client", CLIENT_IP).unwrap();
         let web: Vec<Pod> = WEB_PODS
@@ -112,7 +126,7 @@ impl Cluster {
                 Some(api)
             }
         };
-        let mut cluster = Cluster {
+        Cluster {
             api,
             sandbox,
             client,
@@ -124,15 +138,7 @@ impl Cluster {
             manifests: manifest_dir.clone(),
             _manifest_dir: TempDir(manifest_dir),
             cgroup: ChildCgroup::new("kproxy-test").expect("a child cgroup for the socket hooks"),
-        };
-        cluster.start_agent();
-        cluster.wait_for_frontends(&[
-            ("10.96.0.100:80", "TCP", 3),
-            ("10.96.0.10:53", "UDP", 2),
-            ("10.96.0.10:53", "TCP", 2),
-        ]);
-        cluster.wait_for_attachment();
-        cluster
+        }
     }
 
     /// Waits until every pod's veth has the ingress and egress programs (the agent attaches them
