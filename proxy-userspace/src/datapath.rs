@@ -269,6 +269,134 @@ pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
     load_object(capacities, &[])
 }
 
+/// The embedded object with its BTF made acceptable to the kernel ([`btf_unions_as_structs`]),
+/// in 8-byte aligned memory as the ELF parser wants it.
+fn ebpf_object() -> &'static [u8] {
+    static OBJECT: std::sync::OnceLock<Vec<u64>> = std::sync::OnceLock::new();
+    let words = OBJECT.get_or_init(|| {
+        let mut words = vec![0u64; EBPF_OBJECT.len().div_ceil(8)];
+        // SAFETY: the byte view covers exactly the vector's initialised u64s.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
+        let bytes = &mut bytes[..EBPF_OBJECT.len()];
+        bytes.copy_from_slice(EBPF_OBJECT);
+        // Reordering members would change the member indexes CO-RE relocations name; aya's
+        // objects have none, and an object that has some is left as it is.
+        let core_relocations = elf_section(bytes, b".BTF.ext").is_some_and(|ext| {
+            let ext = &bytes[ext];
+            let word =
+                |at: usize| ext.get(at..at + 4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")));
+            word(4).is_some_and(|header_len| header_len >= 32) && word(28).is_some_and(|len| len > 0)
+        });
+        if let (Some(btf), false) = (elf_section(bytes, b".BTF"), core_relocations) {
+            let rewritten = btf_unions_as_structs(&mut bytes[btf]);
+            tracing::debug!(rewritten, "BTF: unions of Rust enums rewritten as structs");
+        }
+        words
+    });
+    // SAFETY: as above; the vector lives for the rest of the process.
+    let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) };
+    &bytes[..EBPF_OBJECT.len()]
+}
+
+/// The byte range of a section of a little-endian ELF64 object, by name.
+fn elf_section(object: &[u8], name: &[u8]) -> Option<std::ops::Range<usize>> {
+    if object.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let u16_at = |at: usize| Some(u16::from_le_bytes(object.get(at..at + 2)?.try_into().ok()?));
+    let u32_at = |at: usize| Some(u32::from_le_bytes(object.get(at..at + 4)?.try_into().ok()?));
+    let u64_at =
+        |at: usize| usize::try_from(u64::from_le_bytes(object.get(at..at + 8)?.try_into().ok()?)).ok();
+    let (table, entry_size) = (u64_at(0x28)?, usize::from(u16_at(0x3a)?));
+    let (count, names_index) = (usize::from(u16_at(0x3c)?), usize::from(u16_at(0x3e)?));
+    // (name offset, file offset, size) of section `i`.
+    let header = |i: usize| {
+        let at = table.checked_add(i.checked_mul(entry_size)?)?;
+        Some((usize::try_from(u32_at(at)?).ok()?, u64_at(at + 24)?, u64_at(at + 32)?))
+    };
+    let (_, names_at, names_size) = header(names_index)?;
+    let names = object.get(names_at..names_at.checked_add(names_size)?)?;
+    (0..count).find_map(|i| {
+        let (name_at, at, size) = header(i)?;
+        let rest = names.get(name_at..)?;
+        let range = at..at.checked_add(size)?;
+        (rest.starts_with(name) && rest.get(name.len()) == Some(&0) && range.end <= object.len())
+            .then_some(range)
+    })
+}
+
+/// Rust enums that carry data (`Result<Flow, Stat>` and the like, in the signatures of the
+/// programs' non-inlined functions) reach BTF as LLVM encodes a DWARF variant part: a UNION
+/// of the variants plus the tag (or niche) member at its real offset. The kernel allows union
+/// members only at offset 0 and so rejects the whole object BTF ("Invalid member
+/// bits_offset"); aya then loads the programs without BTF and logs ~100 lines of BTF dump as a
+/// warning at every start. Such a union is rewritten in place as a STRUCT with the same members
+/// in offset order (a struct's members may overlap), so every offset stays true. Returns the
+/// number of unions rewritten; BTF holding a kind this does not know is left alone.
+pub fn btf_unions_as_structs(btf: &mut [u8]) -> usize {
+    const KIND_STRUCT: u32 = 4;
+    const KIND_UNION: u32 = 5;
+    let u32_at = |btf: &[u8], at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(btf.get(at..at.checked_add(4)?)?.try_into().ok()?))
+    };
+    if btf.get(..2) != Some(&[0x9f, 0xeb]) {
+        return 0;
+    }
+    let (Some(header_len), Some(types_at), Some(types_len)) =
+        (u32_at(btf, 4), u32_at(btf, 8), u32_at(btf, 12))
+    else {
+        return 0;
+    };
+    let start = header_len as usize + types_at as usize;
+    let end = start + types_len as usize;
+    if end > btf.len() {
+        return 0;
+    }
+    // Walk every type first: what follows a type's 12-byte header depends on its kind.
+    let mut unions = Vec::new();
+    let mut at = start;
+    while at < end {
+        let Some(info) = u32_at(btf, at + 4) else { return 0 };
+        let vlen = (info & 0xffff) as usize;
+        let trailing = match (info >> 24) & 0x1f {
+            2 | 7..=12 | 16 | 18 => 0, // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG
+            1 | 14 | 17 => 4,          // INT, VAR, DECL_TAG
+            3 => 12,                   // ARRAY
+            4 | 5 | 15 | 19 => 12 * vlen, // STRUCT, UNION, DATASEC, ENUM64
+            6 | 13 => 8 * vlen,        // ENUM, FUNC_PROTO
+            _ => return 0,
+        };
+        if (info >> 24) & 0x1f == KIND_UNION {
+            unions.push((at, info, vlen));
+        }
+        at += 12 + trailing;
+    }
+    if at != end {
+        return 0;
+    }
+    let mut rewritten = 0;
+    for (at, info, vlen) in unions {
+        // With the kind flag, a member's offset word holds the bitfield size in its top byte.
+        let bit_offset = |member: &[u8]| {
+            let word = u32::from_le_bytes(member[8..12].try_into().expect("12-byte member"));
+            if info >> 31 == 1 { word & 0x00ff_ffff } else { word }
+        };
+        let members_at = at + 12;
+        let mut members: Vec<Vec<u8>> =
+            btf[members_at..members_at + 12 * vlen].chunks_exact(12).map(<[u8]>::to_vec).collect();
+        if members.iter().all(|m| bit_offset(m) == 0) {
+            continue;
+        }
+        members.sort_by_key(|m| bit_offset(m));
+        btf[members_at..members_at + 12 * vlen].copy_from_slice(&members.concat());
+        let info = (info & !(0x1f << 24)) | (KIND_STRUCT << 24);
+        btf[at + 4..at + 8].copy_from_slice(&info.to_le_bytes());
+        rewritten += 1;
+    }
+    rewritten
+}
+
 /// Loads the object and its programs; maps named in `pin_paths` are reused
 /// from (or created and pinned at) those paths.
 fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -> Result<Ebpf> {
@@ -294,7 +422,7 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
             MAP_MAGLEV_V4,
             capacities.maglev_tables.max(1).saturating_mul(proxy_common::maglev::MAGLEV_TABLE_SIZE),
         )
-        .load(EBPF_OBJECT)
+        .load(ebpf_object())
         .context("loading the eBPF object")?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier = ebpf
@@ -916,4 +1044,69 @@ pub fn forward_bpf_logs(pins: &PinDir, stop: &std::sync::atomic::AtomicBool) -> 
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// BTF with `u8` (1), `struct Ok { u32 }` (2), an enum's union whose tag sits at byte 4
+    /// (3), and a plain union whose members all start at 0 (4).
+    fn enum_btf() -> Vec<u8> {
+        let ty = |name: u32, kind: u32, vlen: u32, size: u32| {
+            [name.to_le_bytes(), ((kind << 24) | vlen).to_le_bytes(), size.to_le_bytes()].concat()
+        };
+        let member = |name: u32, ty: u32, bits: u32| [name, ty, bits].map(u32::to_le_bytes).concat();
+        let types = [
+            ty(1, 1, 0, 1),
+            8u32.to_le_bytes().to_vec(),
+            ty(4, 4, 1, 4),
+            member(7, 1, 0),
+            ty(0, 5, 2, 8),
+            member(0, 1, 32),
+            member(4, 2, 0),
+            ty(0, 5, 2, 4),
+            member(7, 1, 0),
+            member(4, 2, 0),
+        ]
+        .concat();
+        let strings = b"\0u8\0Ok\0v\0".to_vec();
+        let header = [
+            vec![0x9f, 0xeb, 1, 0],
+            24u32.to_le_bytes().to_vec(),
+            0u32.to_le_bytes().to_vec(),
+            (types.len() as u32).to_le_bytes().to_vec(),
+            (types.len() as u32).to_le_bytes().to_vec(),
+            (strings.len() as u32).to_le_bytes().to_vec(),
+        ]
+        .concat();
+        [header, types, strings].concat()
+    }
+
+    #[test]
+    fn a_union_with_a_member_past_offset_0_becomes_a_struct_in_offset_order() {
+        let mut btf = enum_btf();
+        let before = btf.clone();
+        assert_eq!(btf_unions_as_structs(&mut btf), 1);
+        let word = |btf: &[u8], at: usize| u32::from_le_bytes(btf[at..at + 4].try_into().unwrap());
+        // Type 3 starts after the header (24), type 1 (16) and type 2 (24).
+        let at = 24 + 16 + 24;
+        assert_eq!(word(&btf, at + 4) >> 24, 4, "now a STRUCT");
+        assert_eq!(word(&btf, at + 4) & 0xffff, 2);
+        assert_eq!([word(&btf, at + 16), word(&btf, at + 20)], [2, 0], "Ok at bit 0 first");
+        assert_eq!([word(&btf, at + 28), word(&btf, at + 32)], [1, 32], "then the tag at bit 32");
+        // The union whose members all start at 0 stays as it was, and so does everything else.
+        assert_eq!(btf[..at], before[..at]);
+        assert_eq!(btf[at + 36..], before[at + 36..]);
+    }
+
+    #[test]
+    fn btf_of_an_unknown_kind_is_left_alone() {
+        let mut btf = enum_btf();
+        // Type 1's kind becomes 31, which BTF does not define.
+        btf[24 + 7] = 31;
+        let before = btf.clone();
+        assert_eq!(btf_unions_as_structs(&mut btf), 0);
+        assert_eq!(btf, before);
+    }
 }
