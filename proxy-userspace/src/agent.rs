@@ -56,6 +56,8 @@ pub struct AgentConfig {
     pub maglev: Option<crate::sync::MaglevSettings>,
     /// How long the API watches may show no progress before /healthz is 503.
     pub watch: source::WatchOptions,
+    /// Taking the pin directory: how long to wait for another agent, a private bpffs allowed.
+    pub claim: datapath::ClaimOptions,
 }
 
 /// `--socket-lb` and where its programs attach.
@@ -176,6 +178,8 @@ pub fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Resul
 }
 
 pub fn run(config: AgentConfig) -> Result<()> {
+    // Held until the agent returns: one agent per pin directory.
+    let _pins_held = datapath::claim(&config.pins, &config.claim)?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

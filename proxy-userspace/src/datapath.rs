@@ -11,6 +11,7 @@ use std::{
     fs,
     io::ErrorKind,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
@@ -130,6 +131,11 @@ impl PinDir {
 
     fn links_dir(&self) -> PathBuf {
         self.root.join("links")
+    }
+
+    /// The directory of the map pins (`kproxy trace` sessions lock it, see `trace.rs`).
+    pub fn maps_dir(&self) -> PathBuf {
+        self.root.join("maps")
     }
 
     /// The directories kproxy creates, reads and deletes pins in.
@@ -462,9 +468,12 @@ fn on_bpffs(path: &Path) -> Result<bool> {
 
 /// Mounts bpffs at /sys/fs/bpf when the pin directory lives there and nothing
 /// is mounted yet (DESIGN: `kproxy load` needs nobody to prepare the node).
-pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
+/// Mode 0700, nosuid, nodev, noexec, as systemd mounts it: bpffs mounted without
+/// `mode=` is world-writable (1777), which let any local user create kproxy's pin
+/// directory first. An existing mount is left as it is. Returns whether it mounted.
+pub fn ensure_bpffs(pins: &PinDir) -> Result<bool> {
     if !pins.root().starts_with(BPFFS_MOUNT) {
-        return Ok(());
+        return Ok(false);
     }
     let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
     let mounted = mounts.lines().any(|line| {
@@ -473,17 +482,286 @@ pub fn ensure_bpffs(pins: &PinDir) -> Result<()> {
         target == Some(BPFFS_MOUNT) && fstype == Some("bpf")
     });
     if mounted {
-        return Ok(());
+        return Ok(false);
     }
-    tracing::info!("mounting bpffs at {BPFFS_MOUNT}");
-    let status = std::process::Command::new("mount")
-        .args(["-t", "bpf", "bpf", BPFFS_MOUNT])
-        .status()
-        .context("running mount")?;
-    if !status.success() {
-        bail!("mount -t bpf bpf {BPFFS_MOUNT} failed ({status})");
+    tracing::info!("mounting bpffs at {BPFFS_MOUNT} (mode 0700)");
+    // SAFETY: NUL-terminated literals that outlive the call.
+    let status = unsafe {
+        libc::mount(
+            c"bpf".as_ptr(),
+            c"/sys/fs/bpf".as_ptr(),
+            c"bpf".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            c"mode=0700".as_ptr().cast(),
+        )
+    };
+    if status != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("mount -t bpf -o mode=0700 bpf {BPFFS_MOUNT}"));
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Whether pins made under a path outlive this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BpffsScope {
+    /// The host's bpffs: the pins stay when this process and its mount namespace go.
+    Host(String),
+    /// A bpffs only this process's mount namespace has (`ip netns exec` remounts /sys, so
+    /// kproxy would mount one of its own there): the pins, and with them every link and
+    /// every flow, vanish with the namespace.
+    Private(String),
+    /// Neither could be established.
+    Unknown(String),
+}
+
+/// The nsfs inode number of the initial mount namespace, fixed since Linux 6.18
+/// (`MNT_NS_INIT_INO`, include/uapi/linux/nsfs.h). Older kernels number it like any other
+/// namespace, from 0xF0000000 up, so no other namespace ever has this one.
+const MNT_NS_INIT_INO: u64 = 0xEFFF_FFF8;
+
+fn mount_namespace(pid: &str) -> std::io::Result<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    Ok(fs::metadata(format!("/proc/{pid}/ns/mnt"))?.ino())
+}
+
+/// A process of the initial mount namespace whose view of the filesystem this process may
+/// read: what the host has mounted where, when PID 1 (the usual witness) is unreadable.
+fn process_in_initial_mount_namespace() -> Option<u32> {
+    fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let ns = mount_namespace(&pid.to_string()).ok()?;
+        (ns == MNT_NS_INIT_INO && fs::metadata(format!("/proc/{pid}/root/")).is_ok()).then_some(pid)
+    })
+}
+
+/// Whether the bpffs holding `path` is the host's: this process runs in the initial mount
+/// namespace or in PID 1's, or the host's mount namespace (seen through `/proc/PID/root` of
+/// PID 1, or of a process known to be in the initial namespace) has the same bpffs (the same
+/// superblock, so the same device number) at the same place. `mounted_here`: kproxy has just
+/// mounted that bpffs itself, so nothing outside this namespace can hold it.
+pub fn bpffs_scope(path: &Path, mounted_here: bool) -> BpffsScope {
+    use std::os::unix::fs::MetadataExt as _;
+    let own = match mount_namespace("self") {
+        Ok(ns) => ns,
+        Err(e) => return BpffsScope::Unknown(format!("cannot read /proc/self/ns/mnt: {e}")),
+    };
+    if own == MNT_NS_INIT_INO {
+        return BpffsScope::Host("this process runs in the host's initial mount namespace".to_owned());
+    }
+    let pid1 = mount_namespace("1");
+    if pid1.as_ref().is_ok_and(|ns| *ns == own) {
+        return BpffsScope::Host(format!("this process runs in PID 1's mount namespace (mnt:[{own}])"));
+    }
+    let anchor = path.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    if !on_bpffs(anchor).unwrap_or(false) {
+        return if path.starts_with(BPFFS_MOUNT) {
+            BpffsScope::Private(format!(
+                "there is no bpffs at {BPFFS_MOUNT} in mount namespace mnt:[{own}], which is not known to be the \
+                 host's (neither the initial one nor PID 1's): kproxy would mount one of its own there, which \
+                 nothing outside this namespace holds"
+            ))
+        } else {
+            BpffsScope::Unknown(format!("{} is not on a bpf filesystem", anchor.display()))
+        };
+    }
+    let witness = match &pid1 {
+        Ok(ns) => Some((1, *ns)),
+        Err(_) => process_in_initial_mount_namespace().map(|pid| (pid, MNT_NS_INIT_INO)),
+    };
+    let Some((pid, host_ns)) = witness else {
+        return if mounted_here {
+            BpffsScope::Private(format!(
+                "kproxy mounted a new bpffs at {BPFFS_MOUNT} in mount namespace mnt:[{own}], which is not known \
+                 to be the host's (neither the initial one nor PID 1's): nothing outside this namespace holds it"
+            ))
+        } else {
+            let why = pid1.err().map(|e| e.to_string()).unwrap_or_default();
+            BpffsScope::Unknown(format!(
+                "this process runs in mount namespace mnt:[{own}] and cannot see the host's to compare its bpffs \
+                 at {} (PID 1's namespace: {why})",
+                anchor.display()
+            ))
+        };
+    };
+    let ours = match fs::metadata(anchor) {
+        Ok(meta) => meta.dev(),
+        Err(e) => return BpffsScope::Unknown(format!("{}: {e}", anchor.display())),
+    };
+    let through = Path::new("/proc")
+        .join(pid.to_string())
+        .join("root")
+        .join(anchor.strip_prefix("/").unwrap_or(anchor));
+    let elsewhere = format!(
+        "this process runs in mount namespace mnt:[{own}], not the host's (mnt:[{host_ns}], seen through PID \
+         {pid}), and its bpffs at {}",
+        anchor.display()
+    );
+    match fs::metadata(&through) {
+        Ok(meta) if meta.dev() == ours && on_bpffs(&through).unwrap_or(false) => BpffsScope::Host(format!(
+            "the bpffs at {} is the host's: PID {pid}'s mount namespace (mnt:[{host_ns}]) has the same one there",
+            anchor.display()
+        )),
+        Ok(_) => BpffsScope::Private(format!("{elsewhere} is not the one the host has there")),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            BpffsScope::Private(format!("{elsewhere} does not exist on the host"))
+        }
+        Err(e) => {
+            BpffsScope::Unknown(format!("{elsewhere}: cannot compare it with {}: {e}", through.display()))
+        }
+    }
+}
+
+/// How a process that writes pins (the agent, `load`) takes the pin directory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClaimOptions {
+    /// How long to wait for another kproxy holding the pin directory to let go of it (a
+    /// rolling update starts the new agent while the old one is still stopping).
+    pub lock_wait: Duration,
+    /// Pin into a bpffs that vanishes with this mount namespace, with a warning.
+    pub allow_private_bpffs: bool,
+}
+
+/// Readies the pin directory for a process that writes pins: bpffs mounted (mode 0700) if
+/// missing, the host's one (or a private one when allowed), the tree created and verified,
+/// and held by this process alone ([`PinLock`]) until the returned lock is dropped.
+pub fn claim(pins: &PinDir, options: &ClaimOptions) -> Result<PinLock> {
+    let mounted = ensure_bpffs(pins)?;
+    match bpffs_scope(pins.root(), mounted) {
+        BpffsScope::Private(why) if !options.allow_private_bpffs => bail!(
+            "refusing to pin under {}: {why}. Pins there vanish with this mount namespace, and every link and \
+             flow with them when kproxy exits. `ip netns exec` runs a command in a mount namespace of its own with \
+             /sys mounted afresh: enter only the network namespace (`nsenter --net=/run/netns/NAME`), give a \
+             container the host's /sys/fs/bpf (hostPath), or pass --allow-private-bpffs to pin there anyway",
+            pins.root().display()
+        ),
+        BpffsScope::Private(why) => tracing::warn!(
+            pins = %pins.root().display(),
+            "pinning into a private bpffs (--allow-private-bpffs): {why}; the datapath vanishes with this mount \
+             namespace"
+        ),
+        BpffsScope::Unknown(why) => {
+            tracing::info!(pins = %pins.root().display(), "cannot tell whether the bpffs is the host's: {why}")
+        }
+        BpffsScope::Host(why) => tracing::debug!(pins = %pins.root().display(), "{why}"),
+    }
+    pins.prepare()?;
+    PinLock::acquire(pins, options.lock_wait)
+}
+
+pub(crate) fn flock(file: &fs::File, operation: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: a file descriptor this `File` owns for the duration of the call.
+    if unsafe { libc::flock(file.as_raw_fd(), operation) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Opens a directory of the pin tree (which [`PinDir::verify`] has checked) without following
+/// a symlink put in its place.
+fn open_dir(dir: &Path) -> Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)
+        .with_context(|| format!("opening {}", dir.display()))
+}
+
+/// One writer per pin directory: an exclusive flock on the pin directory itself (bpffs holds
+/// no regular files to lock), held by the agent for its lifetime and by `load` and `unload`
+/// while they run. The kernel releases it when the process exits, however it exits.
+#[derive(Debug)]
+pub struct PinLock {
+    _dir: fs::File,
+}
+
+impl PinLock {
+    /// Takes the lock, waiting up to `wait` (logging once whom it waits for) while another
+    /// process holds it; the error names the pin directory and the holder.
+    pub fn acquire(pins: &PinDir, wait: Duration) -> Result<PinLock> {
+        let deadline = Instant::now() + wait;
+        let mut announced = false;
+        loop {
+            if let Some(lock) = Self::try_acquire(pins)? {
+                if announced {
+                    tracing::info!(pins = %pins.root().display(), "took over the pin directory");
+                }
+                return Ok(lock);
+            }
+            let holder = lock_holder(pins.root());
+            let now = Instant::now();
+            if now >= deadline {
+                let waited = if wait.is_zero() { String::new() } else { format!(" (waited {wait:?})") };
+                bail!(
+                    "the pin directory {} is held by {holder}{waited}: one kproxy agent per pin directory. Stop \
+                     that one first",
+                    pins.root().display()
+                );
+            }
+            if !announced {
+                tracing::info!(
+                    pins = %pins.root().display(),
+                    timeout = ?wait,
+                    "waiting for {holder} to release the pin directory"
+                );
+                announced = true;
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// The lock if nobody holds it, else None.
+    pub fn try_acquire(pins: &PinDir) -> Result<Option<PinLock>> {
+        let dir = open_dir(pins.root())?;
+        match flock(&dir, libc::LOCK_EX | libc::LOCK_NB) {
+            Ok(()) => Ok(Some(PinLock { _dir: dir })),
+            Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("locking {}", pins.root().display())),
+        }
+    }
+}
+
+/// Who holds the flock on `dir`, from /proc/locks: `PID N (command line)`, or, for a holder in
+/// another PID namespace (whose locks this one does not list), a sentence saying so.
+pub fn lock_holder(dir: &Path) -> String {
+    pin_lock_pid(dir).map_or_else(
+        || "another process (not visible from this PID namespace)".to_owned(),
+        |pid| {
+            let command = fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|raw| {
+                    let words: Vec<String> = raw
+                        .split(|b| *b == 0)
+                        .filter(|w| !w.is_empty())
+                        .map(|w| String::from_utf8_lossy(w).into_owned())
+                        .collect();
+                    words.join(" ")
+                })
+                .unwrap_or_default();
+            let command: String = command.chars().take(120).collect();
+            if command.is_empty() { format!("PID {pid}") } else { format!("PID {pid} ({command})") }
+        },
+    )
+}
+
+/// The PID /proc/locks gives for the flock on `dir`, if it lists one.
+pub fn pin_lock_pid(dir: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = fs::metadata(dir).ok()?;
+    let id = format!("{:02x}:{:02x}:{}", libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+    fs::read_to_string("/proc/locks").ok()?.lines().find_map(|line| {
+        // `1: FLOCK  ADVISORY  WRITE 1234 00:28:1573033 0 EOF`; waiters' lines start with `->`.
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.first() == Some(&"->")
+            || fields.get(1) != Some(&"FLOCK")
+            || fields.get(5) != Some(&id.as_str())
+        {
+            return None;
+        }
+        fields.get(4)?.parse().ok().filter(|pid| *pid > 0)
+    })
 }
 
 /// Loads the programs and pins them, reusing every map that is already pinned
@@ -726,16 +1004,38 @@ fn move_links(pins: &PinDir, hook: Hook, program: &mut SchedClassifier) -> Resul
 pub struct Unloaded {
     pub links: Vec<String>,
     pub pins: usize,
+    /// With `force`: the holder of the pin directory it was unloaded under.
+    pub forced_under: Option<String>,
 }
 
-/// Detaches every program and removes every pin, then the pin directory.
+/// Detaches every program and removes every pin, then the pin directory; refused while an
+/// agent holds the pin directory ([`unload_with`] can force it).
 pub fn unload(pins: &PinDir) -> Result<Unloaded> {
+    unload_with(pins, false)
+}
+
+/// [`unload`]; with `force` also under a running agent (stop it afterwards: it cannot serve
+/// without its pins).
+pub fn unload_with(pins: &PinDir, force: bool) -> Result<Unloaded> {
     let mut report = Unloaded::default();
     if !pins.root().exists() {
         return Ok(report);
     }
     // Only pins, on bpffs, in a tree nobody else controls, are deleted.
     pins.verify()?;
+    let _lock = match PinLock::try_acquire(pins)? {
+        Some(lock) => Some(lock),
+        None if force => {
+            report.forced_under = Some(lock_holder(pins.root()));
+            None
+        }
+        None => bail!(
+            "the pin directory {} is held by {}: a running kproxy agent keeps the datapath loaded. Stop it first \
+             (the pins stay when it stops), or pass --force to unload under it",
+            pins.root().display(),
+            lock_holder(pins.root())
+        ),
+    };
     if let Ok(entries) = fs::read_dir(pins.links_dir()) {
         for entry in entries {
             let path = entry?.path();

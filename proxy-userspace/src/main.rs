@@ -41,9 +41,17 @@ enum Command {
         /// Pod-facing interfaces (globs).
         #[arg(long, num_args = 1.., default_values = ["veth*"])]
         interfaces: Vec<String>,
+        /// Pin even into a bpffs private to this mount namespace (as under `ip netns exec`),
+        /// where the datapath vanishes with the namespace.
+        #[arg(long)]
+        allow_private_bpffs: bool,
     },
-    /// Detach the programs and remove every pin.
-    Unload,
+    /// Detach the programs and remove every pin (refused while an agent holds the pin directory).
+    Unload {
+        /// Unload even while an agent holds the pin directory.
+        #[arg(long)]
+        force: bool,
+    },
     /// Keep the datapath equal to the cluster's Services and EndpointSlices (from
     /// the API server, or from --manifests on disk) until SIGTERM or Ctrl-C.
     Agent(Box<AgentArgs>),
@@ -199,6 +207,14 @@ struct AgentArgs {
     /// those beyond use random selection.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=4096))]
     maglev_tables: u32,
+    /// How long to wait for another agent holding the pin directory to stop (one agent per pin
+    /// directory; a rolling update starts the new agent while the old one is stopping).
+    #[arg(long, default_value = "60s", value_parser = kproxy::agent::parse_duration)]
+    lock_timeout: Duration,
+    /// Pin even into a bpffs private to this mount namespace (as under `ip netns exec`), where
+    /// the datapath vanishes with the namespace: every flow breaks when the agent exits.
+    #[arg(long)]
+    allow_private_bpffs: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -272,8 +288,10 @@ fn init_logging(format: LogFormat, bpf_debug: bool) {
 fn run(cli: Cli) -> Result<()> {
     let pins = PinDir::new(&cli.pin_dir);
     match cli.command {
-        Command::Load { interfaces } => {
+        Command::Load { interfaces, allow_private_bpffs } => {
             let selector = InterfaceSelector::new(&interfaces)?;
+            let options = datapath::ClaimOptions { lock_wait: Duration::ZERO, allow_private_bpffs };
+            let _held = datapath::claim(&pins, &options)?;
             if datapath::load(&pins)? {
                 println!("loaded and pinned under {}", pins.root().display());
             } else {
@@ -298,8 +316,11 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("{} attachments failed", report.failed.len());
             }
         }
-        Command::Unload => {
-            let report = datapath::unload(&pins)?;
+        Command::Unload { force } => {
+            let report = datapath::unload_with(&pins, force)?;
+            if let Some(holder) = &report.forced_under {
+                eprintln!("kproxy: unloading under {holder} (--force)");
+            }
             for link in &report.links {
                 println!("detached {link}");
             }
@@ -347,6 +368,10 @@ fn run(cli: Cli) -> Result<()> {
                     seed: args.maglev_seed,
                     tables: args.maglev_tables,
                 }),
+                claim: datapath::ClaimOptions {
+                    lock_wait: args.lock_timeout,
+                    allow_private_bpffs: args.allow_private_bpffs,
+                },
                 socket_lb: kproxy::agent::SocketLbOptions {
                     mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
                     cgroup: args.cgroup_root.or_else(kproxy::datapath::cgroup2_mount),
