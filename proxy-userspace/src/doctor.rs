@@ -7,9 +7,13 @@
 //! - **btf**: `/sys/kernel/btf/vmlinux` (WARN when missing).
 //! - **bpffs**: bpffs mounted at `/sys/fs/bpf` (WARN: `kproxy load` mounts it, but pins must live there).
 //! - **cgroup2**: a cgroup2 mount, unified or hybrid (WARN when none).
-//! - **datapath**: programs and maps pinned under `--pin-dir` (FAIL when not).
+//! - **bpffs-host**: the bpffs of `--pin-dir` is the host's (FAIL when it is private to this mount
+//!   namespace, as under `ip netns exec`: pins made there vanish with it).
+//! - **datapath**: programs and maps pinned under `--pin-dir` (FAIL when not), and the agent that
+//!   holds the pin directory.
 //! - **attach**: both hooks on every interface matching `--interfaces` in this network namespace
-//!   (one WARN per interface missing a hook).
+//!   (one WARN per interface missing a hook; FAIL, listing the interfaces there are, when none
+//!   matches: a Calico `cali*` or Cilium `lxc*` node checked with the default `veth*`).
 //! - **map \<name\>**: entries / capacity; hash maps WARN above 80 %, FAIL when full (inserts fail);
 //!   the LRU maps (conntrack, affinity) WARN when (nearly) full: they evict.
 //! - **north-south**: the external interfaces (tc, XDP) from the link pins (informational).
@@ -164,11 +168,14 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
     checks.push(cgroup2_check(mounts.as_deref(), root.is_some()));
     let mut skipped = Vec::new();
     if root.is_none() {
+        checks.push(bpffs_host_check(pins));
         checks.extend(datapath_checks(pins, &selector, &args.interfaces));
         checks.push(agent_check(&args.healthz_address));
     } else {
-        skipped
-            .push("datapath, attach, maps and agent: they belong to a running node, not an image".to_owned());
+        skipped.push(
+            "bpffs-host, datapath, attach, maps and agent: they belong to a running node, not an image"
+                .to_owned(),
+        );
     }
     let files = SysctlFiles::read(root);
     checks.push(ip_forward_check(
@@ -330,7 +337,7 @@ pub fn bpffs_check(mounts: Option<&str>, under_root: bool) -> Check {
                 "make sure /sys/fs/bpf is mounted at boot (kproxy load mounts it)",
             )
         } else {
-            Check::warn("bpffs", "cannot read /proc/mounts", "mount -t bpf bpf /sys/fs/bpf")
+            Check::warn("bpffs", "cannot read /proc/mounts", "mount -t bpf -o mode=0700 bpf /sys/fs/bpf")
         };
     };
     let points = mount_points(mounts);
@@ -343,8 +350,30 @@ pub fn bpffs_check(mounts: Option<&str>, under_root: bool) -> Check {
     Check::warn(
         "bpffs",
         format!("no bpffs at /sys/fs/bpf{also}: pins cannot outlive the agent"),
-        "mount -t bpf bpf /sys/fs/bpf (kproxy load does it) and add it to /etc/fstab",
+        "mount -t bpf -o mode=0700 bpf /sys/fs/bpf (kproxy load does it) and add it to /etc/fstab",
     )
+}
+
+/// Whether pins under the pin directory outlive the process that makes them: a bpffs private
+/// to this mount namespace (`ip netns exec` remounts /sys) takes the datapath with it.
+pub fn bpffs_host_check(pins: &PinDir) -> Check {
+    match datapath::bpffs_scope(pins.root(), false) {
+        datapath::BpffsScope::Host(why) => Check::ok("bpffs-host", why),
+        datapath::BpffsScope::Private(why) => Check::fail(
+            "bpffs-host",
+            format!(
+                "{why}; pins made from here vanish with this mount namespace, the links and flows with them"
+            ),
+            "run kproxy in the host's mount namespace: `nsenter --net=/run/netns/NAME` enters only a network \
+             namespace, `ip netns exec` also remounts /sys; a container needs the host's /sys/fs/bpf (hostPath)",
+        ),
+        datapath::BpffsScope::Unknown(why) => Check::warn(
+            "bpffs-host",
+            why,
+            "make sure kproxy runs where it sees the host's /sys/fs/bpf (the host's mount namespace, or a hostPath \
+             mount in a container)",
+        ),
+    }
 }
 
 pub fn cgroup2_check(mounts: Option<&str>, under_root: bool) -> Check {
@@ -387,12 +416,23 @@ pub fn attach_checks(
 ) -> Vec<Check> {
     let wanted: Vec<&datapath::Interface> = interfaces.iter().filter(|i| selector.matches(&i.name)).collect();
     if wanted.is_empty() {
-        return vec![Check::ok(
+        const SHOWN: usize = 30;
+        let mut seen: Vec<&str> = interfaces.iter().take(SHOWN).map(|i| i.name.as_str()).collect();
+        let more = format!("and {} more", interfaces.len().saturating_sub(SHOWN));
+        if interfaces.len() > SHOWN {
+            seen.push(&more);
+        }
+        let seen = if seen.is_empty() { "none".to_owned() } else { seen.join(", ") };
+        return vec![Check::fail(
             "attach",
             format!(
-                "no interface matches {} in this network namespace (nothing to attach to yet)",
+                "no interface matches {} in this network namespace, so no pod's traffic reaches the programs; \
+                 its interfaces: {seen}",
                 globs.join(" ")
             ),
+            "pass the pod-facing interfaces' names to the agent and to doctor with --interfaces (veth* for bridge \
+             CNIs such as flannel and kindnet, cali* for Calico, lxc* for Cilium); a node that runs no pod yet has \
+             none",
         )];
     }
     let mut out = Vec::new();
@@ -505,7 +545,12 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
             ),
         )];
     }
-    let mut out = vec![Check::ok("datapath", format!("programs and maps pinned under {}", root.display()))];
+    let holder = match datapath::pin_lock_pid(root) {
+        Some(_) => format!("; held by {}", datapath::lock_holder(root)),
+        None => String::new(),
+    };
+    let mut out =
+        vec![Check::ok("datapath", format!("programs and maps pinned under {}{holder}", root.display()))];
     let links: std::collections::BTreeSet<String> = fs::read_dir(root.join("links"))
         .into_iter()
         .flatten()
@@ -1353,6 +1398,23 @@ mod tests {
         let checks = attach_checks(&ifaces, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
         assert_eq!(checks[0].status, Status::Ok);
         assert!(checks[0].finding.contains("2 interfaces"));
+
+        // A Calico node checked with the default glob: FAIL, naming what is there.
+        let calico = vec![
+            datapath::Interface { name: "lo".into(), index: 1 },
+            datapath::Interface { name: "eth0".into(), index: 2 },
+            datapath::Interface { name: "cali12ab34cd".into(), index: 7 },
+        ];
+        let checks = attach_checks(&calico, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+        assert_eq!(checks.len(), 1);
+        assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Fail, "attach"));
+        assert!(checks[0].finding.contains("no interface matches veth*"), "{}", checks[0].finding);
+        assert!(
+            checks[0].finding.ends_with("its interfaces: lo, eth0, cali12ab34cd"),
+            "{}",
+            checks[0].finding
+        );
+        assert!(checks[0].fix.as_deref().unwrap_or_default().contains("cali*"), "{:?}", checks[0].fix);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `kproxy doctor`: a mounted node image (`--root`, the ip_forward incident
-//! of shared/cases/001) and a live node namespace with a running agent.
-//! The live test needs root.
+//! of shared/cases/001) and a live node namespace with a running agent (attach checks
+//! against the sandbox's own interfaces, never the machine's). The live test needs root.
 
 mod common;
 
@@ -241,6 +241,25 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
     assert_eq!(check(&report, "map services_v4")["status"], "OK");
     let fails = report["checks"].as_array().unwrap().iter().any(|c| c["status"] == "FAIL");
     assert_eq!(code, i32::from(fails), "exit status 1 exactly when a check fails: {report:#}");
+
+    // The pins are in the host's bpffs, and the running agent holds them.
+    assert_eq!(check(&report, "bpffs-host")["status"], "OK", "{report:#}");
+    let agent_pid = agent.process.as_ref().unwrap().pid();
+    let datapath = check(&report, "datapath")["finding"].as_str().unwrap();
+    assert!(datapath.contains(&format!("held by PID {agent_pid}")), "{datapath}");
+
+    // A glob that matches nothing (a Calico node checked with the default veth*): FAIL, naming
+    // the interfaces there are.
+    let (code, report) = doctor(&["--interfaces", "cali*"]);
+    let attach = check(&report, "attach");
+    assert_eq!(attach["status"], "FAIL", "{attach:#}");
+    let finding = attach["finding"].as_str().unwrap();
+    assert!(finding.contains("no interface matches cali*"), "{finding}");
+    for interface in pods.iter().map(|p| p.host_veth()).chain(["kpdoc0", "lo"]) {
+        assert!(finding.contains(interface), "{interface} not listed: {finding}");
+    }
+    assert!(attach["fix"].as_str().unwrap().contains("--interfaces"), "{attach:#}");
+    assert_eq!(code, 1, "{report:#}");
 
     // An interface matching --interfaces without programs: one WARN naming it.
     let (_, report) = doctor(&["--interfaces", "veth*", "kpdoc*"]);
