@@ -199,12 +199,36 @@ fn names(pins: &PinDir) -> Result<BTreeMap<u16, String>> {
     Ok(map.iter().filter_map(Result::ok).map(|(id, n)| (id, n.as_str().to_owned())).collect())
 }
 
-/// Clears the TRACE flag when tracing ends, however it ends.
-struct Listening(Array<MapData, TraceConfig>);
+/// This session's share of the TRACE flag, which every `kproxy trace` of the node sets and the
+/// last one to leave clears. The sessions are counted by the kernel: each holds a shared flock
+/// on the pin tree's maps directory while it listens (bpffs holds no regular files to lock),
+/// and a leaving session that can turn its lock exclusive was the last. A session that dies
+/// loses its lock with it, so the count never goes stale; a flag it left set is cleared by the
+/// next session to leave. Each session reads the ring buffer from its own position (aya keeps
+/// the consumer position in the process), so sessions side by side see the same events.
+struct Listening {
+    flag: Array<MapData, TraceConfig>,
+    sessions: std::fs::File,
+}
+
+impl Listening {
+    fn start(pins: &PinDir, mut flag: Array<MapData, TraceConfig>) -> Result<Self> {
+        let dir = pins.maps_dir();
+        let sessions = std::fs::File::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+        // Waits only while a leaving last session clears the flag.
+        crate::datapath::flock(&sessions, libc::LOCK_SH)
+            .with_context(|| format!("joining the trace sessions on {}", dir.display()))?;
+        flag.set(0, TraceConfig { enabled: 1 }, 0).context("switching tracing on")?;
+        Ok(Self { flag, sessions })
+    }
+}
 
 impl Drop for Listening {
+    /// Clears the flag, however tracing ends, unless another session still listens.
     fn drop(&mut self) {
-        let _ = self.0.set(0, TraceConfig { enabled: 0 }, 0);
+        if crate::datapath::flock(&self.sessions, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            let _ = self.flag.set(0, TraceConfig { enabled: 0 }, 0);
+        }
     }
 }
 
@@ -215,7 +239,7 @@ pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
             .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
     };
     let mut ring = RingBuf::try_from(Map::RingBuf(open(MAP_EVENTS)?))?;
-    let mut flag: Array<MapData, TraceConfig> = Array::try_from(Map::Array(open(MAP_TRACE)?))?;
+    let flag: Array<MapData, TraceConfig> = Array::try_from(Map::Array(open(MAP_TRACE)?))?;
     let mut names = names(pins)?;
     let service_ids = |names: &BTreeMap<u16, String>| -> Option<Vec<u16>> {
         let wanted = args.service.as_ref()?;
@@ -235,8 +259,7 @@ pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(signal, Arc::clone(&stop)).context("installing signal handlers")?;
     }
-    flag.set(0, TraceConfig { enabled: 1 }, 0).context("switching tracing on")?;
-    let _listening = Listening(flag);
+    let _listening = Listening::start(pins, flag)?;
     eprintln!("tracing NAT events (Ctrl-C to stop)");
 
     let started = Instant::now();

@@ -1,11 +1,25 @@
 //! `kproxy trace` on live traffic: while curl and dig run through the VIPs,
-//! the trace shows one DNS flow's four steps in order. Needs root.
+//! the trace shows one DNS flow's four steps in order; two sessions side by side see the
+//! same events, and one leaving does not end the other's. Needs root.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::cluster::{CLIENT_IP, Cluster, DNS_VIP, Trace, WEB_VIP};
+use common::cluster::{CLIENT_IP, Cluster, DNS_VIP, Trace, WEB_VIP, kproxy_bin};
+use sandbox::Spawned;
+
+/// TRACE[0] as bpftool shows its bytes.
+fn trace_flag(cluster: &Cluster) -> Vec<String> {
+    let flag = cluster.pin_dir.join("maps/trace");
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&flag)
+        .output()
+        .unwrap();
+    let dump: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    dump[0]["value"].as_array().unwrap().iter().map(|b| b.as_str().unwrap().to_owned()).collect()
+}
 
 #[test]
 fn trace_shows_the_four_nat_steps_of_a_dns_query() {
@@ -40,15 +54,74 @@ fn trace_shows_the_four_nat_steps_of_a_dns_query() {
     assert!(steps[3]["note"].as_str().unwrap().contains("conntrack entry created"), "{steps:#?}");
 
     // The flag is off again once nobody listens: the datapath writes nothing.
-    let flag = cluster.pin_dir.join("maps/trace");
-    let out = std::process::Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned"])
-        .arg(&flag)
-        .output()
+    assert_eq!(trace_flag(&cluster), ["0x00"; 4], "TRACE.enabled is still set");
+}
+
+/// `kproxy trace --json` of the client's DNS flows, stopping after `events` events.
+fn dns_trace(cluster: &Cluster, events: u32) -> Spawned {
+    let (bin, pins, client) = (kproxy_bin(), cluster.pin_dir.display().to_string(), CLIENT_IP.to_string());
+    let count = events.to_string();
+    let trace = cluster
+        .sandbox
+        .node_spawn([
+            bin.to_str().unwrap(),
+            "--pin-dir",
+            &pins,
+            "trace",
+            "--client",
+            &client,
+            "--port",
+            "53",
+            "--count",
+            &count,
+            "--timeout",
+            "30",
+            "--json",
+        ])
         .unwrap();
-    let dump: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let value: Vec<&str> = dump[0]["value"].as_array().unwrap().iter().map(|b| b.as_str().unwrap()).collect();
-    assert_eq!(value, ["0x00"; 4], "TRACE.enabled is still set: {dump}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !trace.log().contains("tracing NAT events") {
+        assert!(trace.is_running(), "trace exited: {}", trace.log());
+        assert!(Instant::now() < deadline, "trace did not start: {}", trace.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    trace
+}
+
+/// The step names a finished session printed.
+fn finished_steps(trace: &Spawned) -> Vec<String> {
+    let status = trace.wait_timeout(Duration::from_secs(10)).unwrap().unwrap_or_else(|| {
+        panic!("the session saw too few events:\n{}", trace.log());
+    });
+    assert!(status.success(), "{}", trace.log());
+    let log = trace.log();
+    let steps = log.lines().filter(|l| l.starts_with('{')).map(|l| {
+        let step: serde_json::Value = serde_json::from_str(l).unwrap();
+        step["step"].as_str().unwrap().to_owned()
+    });
+    steps.collect()
+}
+
+#[test]
+fn a_second_trace_session_keeps_its_events_when_the_first_one_leaves() {
+    let cluster = Cluster::start("trace2");
+    // The first session stops after one DNS query (two events), the second after two queries.
+    let first = dns_trace(&cluster, 2);
+    let second = dns_trace(&cluster, 4);
+    let query = || {
+        let answer = cluster.client.dig(DNS_VIP, "web.default.svc.cluster.local", "A").unwrap();
+        assert_eq!(answer.trim(), WEB_VIP.to_string());
+    };
+    query();
+    // Both listened at once and both saw the query.
+    assert_eq!(finished_steps(&first), ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{}", first.log());
+    query();
+    assert_eq!(
+        finished_steps(&second),
+        ["pre-DNAT", "post-DNAT", "reply", "un-NAT", "pre-DNAT", "post-DNAT", "reply", "un-NAT"],
+        "the second session lost the events after the first one left"
+    );
+    assert_eq!(trace_flag(&cluster), ["0x00"; 4], "TRACE.enabled is still set after both left");
 }
 
 #[test]
