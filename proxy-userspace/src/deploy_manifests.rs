@@ -377,7 +377,8 @@ fn agent_daemonset_runs_on_every_node_in_the_host_network() {
     assert_eq!(init.security_context.as_ref().unwrap().privileged, Some(true));
     let script = init.command.as_ref().unwrap().join(" ");
     assert!(
-        script.contains("mount | grep -q ' /sys/fs/bpf type bpf' || mount -t bpf bpf /sys/fs/bpf"),
+        script
+            .contains("mount | grep -q ' /sys/fs/bpf type bpf' || mount -t bpf -o mode=0700 bpf /sys/fs/bpf"),
         "{script}"
     );
     let mount = &init.volume_mounts.as_ref().unwrap()[0];
