@@ -272,11 +272,11 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         Source::Cluster(options) => {
             let client = source::client(options).await?;
             let (changes, node, watch) = (Arc::clone(&changes), config.model.node_name.clone(), config.watch);
+            let proxy_name = config.model.service_proxy_name.clone();
             tokio::spawn(async move {
                 if let Err(e) = source::watch_cluster(client, node, proxy_name, changes, watch).await {
                     tracing::error!(error = %format!("{e:#}"), "watching the API server stopped");
                 }
-            let proxy_name = config.model.service_proxy_name.clone();
             });
         }
     }
