@@ -300,6 +300,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         syncer: &mut syncer,
         metrics: &metrics,
         health: &health,
+        full_sync_due: true,
         logged: BTreeSet::new(),
         pins: config.pins.clone(),
         cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
@@ -339,6 +340,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
                 tracing::error!(error = %format!("{e:#}"), "re-reading the maps for a full resync failed");
             }
             next_full_resync = Instant::now() + config.sync_period;
+            loop_state.full_sync_due = true;
         }
         let health_checks = loop_state.sync(&changes, &config.model);
         service_health.update(&health_checks).await;
@@ -354,6 +356,9 @@ struct SyncLoop<'a> {
     syncer: &'a mut Syncer,
     metrics: &'a Metrics,
     health: &'a Health,
+    /// The next sync is a full one in kube-proxy's sense (the first, and each after the maps were
+    /// re-read for the periodic resync), for the full and partial sync histograms.
+    full_sync_due: bool,
     /// Errors already logged: a bad object is reported once per version.
     logged: BTreeSet<String>,
     pins: PinDir,
@@ -414,6 +419,7 @@ impl SyncLoop<'_> {
             None => model::build_with(&snapshot.services, &snapshot.slices, options),
         };
         let report = self.syncer.apply(&desired);
+        self.metrics.set_no_local_endpoints(&desired.frontends);
         // Only UDP sockets: a TCP connection to a backend that left the slice carries on while
         // the pod answers, as kube-proxy leaves established TCP flows alone.
         let peers: Vec<crate::sockdiag::Peer> = report
@@ -448,6 +454,7 @@ impl SyncLoop<'_> {
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live
             // backend with its next packet (the CoreDNS problem).
+            let reconcile_started = Instant::now();
             match Maps::from_pins(&self.pins)
                 .and_then(|mut maps| purge_removed_udp_backends(&mut maps, &report))
             {
@@ -462,6 +469,7 @@ impl SyncLoop<'_> {
                 }
                 Err(e) => tracing::warn!(error = %format!("{e:#}"), "purging conntrack entries failed"),
             }
+            self.metrics.observe_conntrack_reconcile(reconcile_started.elapsed());
         }
         let finished = SystemTime::now();
 
@@ -477,7 +485,7 @@ impl SyncLoop<'_> {
         }
         self.logged = errors;
 
-        self.metrics.observe_sync(started.elapsed(), finished);
+        self.metrics.observe_sync(started.elapsed(), finished, std::mem::take(&mut self.full_sync_due));
         self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
         self.metrics.set_changes_pending(0, 0);
         self.metrics.inc_sync_errors(report.errors.len() as u64);

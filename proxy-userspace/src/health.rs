@@ -428,6 +428,8 @@ fn health_response(health: &Health, with_node: bool) -> Response<Body> {
     }
     body.push('}');
     let status = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let probe = if with_node { metrics::Probe::Healthz } else { metrics::Probe::Livez };
+    metrics::count_probe(probe, status.as_u16());
     text(status, "application/json", body)
 }
 

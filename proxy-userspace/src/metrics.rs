@@ -1,23 +1,43 @@
 //! Prometheus metrics in kube-proxy's names, rendered in the text exposition
 //! format 0.0.4.
 //!
-//! The kube-proxy metric names (`kubeproxy_*`) are kept so that existing
-//! dashboards and alerts keep working when kproxy replaces kube-proxy; the
-//! `kproxy_*` metrics describe the eBPF datapath.
+//! The kube-proxy families (`kubeproxy_*`) keep kube-proxy 1.34's names, types,
+//! labels and buckets byte for byte, so that existing dashboards and alerts keep
+//! working when kproxy replaces kube-proxy; the `kproxy_*` families describe the
+//! eBPF datapath, and the `process_*` ones are every Prometheus client's process
+//! collector. docs/metrics.md lists them all, and the kube-proxy families left out.
 //!
 //! There is no registry: [`Metrics`] is a fixed set of families behind one
 //! mutex, cheap to clone and to update from the sync loop, and [`Metrics::render`]
-//! writes the whole exposition at scrape time.
+//! writes the whole exposition at scrape time (why not a Prometheus crate:
+//! docs/metrics.md).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::model::{Frontend, Scope};
 
 /// `Content-Type` of the Prometheus text exposition format served on `/metrics`.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 const SYNC_DURATION: &str = "kubeproxy_sync_proxy_rules_duration_seconds";
+const SYNC_FULL_DURATION: &str = "kubeproxy_sync_full_proxy_rules_duration_seconds";
+const SYNC_PARTIAL_DURATION: &str = "kubeproxy_sync_partial_proxy_rules_duration_seconds";
+const NO_LOCAL_ENDPOINTS: &str = "kubeproxy_sync_proxy_rules_no_local_endpoints_total";
+const HEALTHZ_TOTAL: &str = "kubeproxy_proxy_healthz_total";
+const LIVEZ_TOTAL: &str = "kubeproxy_proxy_livez_total";
+const CT_RECONCILER_DURATION: &str = "kubeproxy_conntrack_reconciler_sync_duration_seconds";
+const CT_RECONCILER_DELETED: &str = "kubeproxy_conntrack_reconciler_deleted_entries_total";
+const BUILD_INFO: &str = "kproxy_build_info";
+const PROCESS_CPU: &str = "process_cpu_seconds_total";
+const PROCESS_RESIDENT: &str = "process_resident_memory_bytes";
+const PROCESS_VIRTUAL: &str = "process_virtual_memory_bytes";
+const PROCESS_VIRTUAL_MAX: &str = "process_virtual_memory_max_bytes";
+const PROCESS_START: &str = "process_start_time_seconds";
+const PROCESS_OPEN_FDS: &str = "process_open_fds";
+const PROCESS_MAX_FDS: &str = "process_max_fds";
 const NETWORK_PROGRAMMING: &str = "kubeproxy_network_programming_duration_seconds";
 const LAST_SYNC_TIMESTAMP: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
 const LAST_QUEUED_TIMESTAMP: &str = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds";
@@ -41,6 +61,16 @@ const AFFINITY_GC_DELETED: &str = "kproxy_affinity_gc_deleted_total";
 /// The datapath counter of new translated flows (two entries each).
 const NEW_FLOW_REASON: &str = "dnat_new_flow";
 const CONNTRACK_MAP: &str = "conntrack_v4";
+
+/// kube-proxy ≥ 1.34 labels its per-family series with the family it programs;
+/// kproxy programs IPv4 only, so every such series is `ip_family="IPv4"`.
+const IP_FAMILY: (&str, &str) = ("ip_family", "IPv4");
+
+/// The version kproxy was built as (the crate's).
+pub const BUILD_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The commit kproxy was built from: `git rev-parse --short HEAD` when built in a
+/// checkout (or `KPROXY_GIT_COMMIT` when the build sets it), else `unknown` (build.rs).
+pub const BUILD_COMMIT: &str = env!("KPROXY_GIT_COMMIT");
 
 /// kube-proxy's buckets for the rule sync duration: `0.001 × 2^i`, `i = 0..14`.
 pub fn sync_duration_buckets() -> Vec<f64> {
@@ -143,12 +173,21 @@ impl Histogram {
 
     /// Append the family (`HELP`, `TYPE`, `_bucket`, `_sum`, `_count`) to `out`.
     pub fn render(&self, name: &str, help: &str, out: &mut String) {
+        self.render_labelled(name, help, &[], out);
+    }
+
+    /// As [`Histogram::render`], with `labels` on every series (before `le`, as
+    /// client_golang writes them).
+    pub fn render_labelled(&self, name: &str, help: &str, labels: &[(&str, &str)], out: &mut String) {
         header(out, name, help, "histogram");
         for (bound, count) in self.cumulative() {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {count}", format_float(bound));
+            let le = format_float(bound);
+            let bucket_labels: Vec<(&str, &str)> =
+                labels.iter().copied().chain([("le", le.as_str())]).collect();
+            let _ = writeln!(out, "{name}_bucket{} {count}", label_set(&bucket_labels));
         }
-        let _ = writeln!(out, "{name}_sum {}", format_float(self.sum));
-        let _ = writeln!(out, "{name}_count {}", self.count);
+        let _ = writeln!(out, "{name}_sum{} {}", label_set(labels), format_float(self.sum));
+        let _ = writeln!(out, "{name}_count{} {}", label_set(labels), self.count);
     }
 }
 
@@ -160,7 +199,17 @@ pub struct Metrics {
 
 struct Inner {
     sync_duration: Histogram,
+    /// The syncs that re-read the datapath's maps and rewrote what differs (the
+    /// first one and every `--sync-period`), and the ones that applied changes.
+    sync_full_duration: Histogram,
+    sync_partial_duration: Histogram,
     network_programming: Histogram,
+    /// Service ports with a Local policy and endpoints only on other nodes, by
+    /// `traffic_policy` (internal, external).
+    no_local_endpoints: (u64, u64),
+    /// The purge of removed UDP backends' conntrack entries, kproxy's conntrack
+    /// reconciler; what it deletes is `purged_total`.
+    ct_reconcile_duration: Histogram,
     last_sync_timestamp: f64,
     last_queued_timestamp: f64,
     endpoint_changes_pending: u64,
@@ -187,7 +236,11 @@ impl Default for Inner {
     fn default() -> Self {
         Inner {
             sync_duration: Histogram::new(sync_duration_buckets()),
+            sync_full_duration: Histogram::new(sync_duration_buckets()),
+            sync_partial_duration: Histogram::new(sync_duration_buckets()),
             network_programming: Histogram::new(network_programming_buckets()),
+            no_local_endpoints: (0, 0),
+            ct_reconcile_duration: Histogram::new(sync_duration_buckets()),
             last_sync_timestamp: 0.0,
             last_queued_timestamp: 0.0,
             endpoint_changes_pending: 0,
@@ -219,11 +272,42 @@ impl Metrics {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A rule sync took `duration` and finished successfully at `finished_at`.
-    pub fn observe_sync(&self, duration: Duration, finished_at: SystemTime) {
+    /// A rule sync took `duration` and finished successfully at `finished_at`;
+    /// `full` when it re-read the maps and rewrote what differs (kube-proxy's
+    /// full sync), not only applied the changes queued since the last one.
+    pub fn observe_sync(&self, duration: Duration, finished_at: SystemTime, full: bool) {
         let mut inner = self.lock();
         inner.sync_duration.observe_duration(duration);
+        if full {
+            inner.sync_full_duration.observe_duration(duration);
+        } else {
+            inner.sync_partial_duration.observe_duration(duration);
+        }
         inner.last_sync_timestamp = unix_seconds(finished_at);
+    }
+
+    /// kube-proxy's `sync_proxy_rules_no_local_endpoints_total` from the
+    /// frontends just programmed: Service ports whose Local traffic policy finds
+    /// no endpoint on this node while some exist elsewhere (so they drop),
+    /// counted once per Service port as kube-proxy does, not once per address
+    /// (cluster IPs, node ports, external and load-balancer IPs) they answer on.
+    pub fn set_no_local_endpoints(&self, frontends: &[Frontend]) {
+        let mut internal = BTreeSet::new();
+        let mut external = BTreeSet::new();
+        for frontend in frontends.iter().filter(|f| f.no_local_endpoints) {
+            let service_port = (&frontend.service, frontend.port_name.as_str(), frontend.proto);
+            match frontend.scope {
+                Scope::Internal => internal.insert(service_port),
+                Scope::External => external.insert(service_port),
+            };
+        }
+        self.lock().no_local_endpoints = (internal.len() as u64, external.len() as u64);
+    }
+
+    /// One run of the conntrack reconciler (the purge of removed UDP backends'
+    /// entries, counted by [`Metrics::add_conntrack_purged`]) took `duration`.
+    pub fn observe_conntrack_reconcile(&self, duration: Duration) {
+        self.lock().ct_reconcile_duration.observe_duration(duration);
     }
 
     /// Time from an endpoints change in the API server to the datapath
@@ -306,26 +390,35 @@ impl Metrics {
         let inner = self.lock();
         let mut out = String::with_capacity(8192);
 
-        inner.sync_duration.render(SYNC_DURATION, "SyncProxyRules latency in seconds", &mut out);
-        inner.network_programming.render(
+        let family = [IP_FAMILY];
+        inner.sync_duration.render_labelled(
+            SYNC_DURATION,
+            "SyncProxyRules latency in seconds",
+            &family,
+            &mut out,
+        );
+        inner.sync_full_duration.render_labelled(
+            SYNC_FULL_DURATION,
+            "SyncProxyRules latency in seconds for full resyncs",
+            &family,
+            &mut out,
+        );
+        inner.sync_partial_duration.render_labelled(
+            SYNC_PARTIAL_DURATION,
+            "SyncProxyRules latency in seconds for partial resyncs",
+            &family,
+            &mut out,
+        );
+        inner.network_programming.render_labelled(
             NETWORK_PROGRAMMING,
             "In Cluster Network Programming Latency in seconds",
+            &family,
             &mut out,
         );
-        scalar(
-            &mut out,
-            LAST_SYNC_TIMESTAMP,
-            "The last time proxy rules were successfully synced",
-            "gauge",
-            &format_float(inner.last_sync_timestamp),
-        );
-        scalar(
-            &mut out,
-            LAST_QUEUED_TIMESTAMP,
-            "The last time a sync of proxy rules was queued",
-            "gauge",
-            &format_float(inner.last_queued_timestamp),
-        );
+        header(&mut out, LAST_SYNC_TIMESTAMP, "The last time proxy rules were successfully synced", "gauge");
+        sample(&mut out, LAST_SYNC_TIMESTAMP, &family, &format_float(inner.last_sync_timestamp));
+        header(&mut out, LAST_QUEUED_TIMESTAMP, "The last time a sync of proxy rules was queued", "gauge");
+        sample(&mut out, LAST_QUEUED_TIMESTAMP, &family, &format_float(inner.last_queued_timestamp));
         scalar(
             &mut out,
             ENDPOINT_CHANGES_PENDING,
@@ -354,6 +447,43 @@ impl Metrics {
             "counter",
             &inner.service_changes_total.to_string(),
         );
+        header(
+            &mut out,
+            NO_LOCAL_ENDPOINTS,
+            "Number of services with a Local traffic policy and no endpoints",
+            "gauge",
+        );
+        let (internal, external) = inner.no_local_endpoints;
+        for (policy, count) in [("internal", internal), ("external", external)] {
+            sample(
+                &mut out,
+                NO_LOCAL_ENDPOINTS,
+                &[IP_FAMILY, ("traffic_policy", policy)],
+                &count.to_string(),
+            );
+        }
+        for (probe, name, help) in [
+            (Probe::Healthz, HEALTHZ_TOTAL, "Cumulative proxy healthz HTTP status"),
+            (Probe::Livez, LIVEZ_TOTAL, "Cumulative proxy livez HTTP status"),
+        ] {
+            header(&mut out, name, help, "counter");
+            for ((_, code), count) in lock_probes().iter().filter(|((p, _), _)| *p == probe) {
+                sample(&mut out, name, &[("code", &code.to_string())], &count.to_string());
+            }
+        }
+        inner.ct_reconcile_duration.render_labelled(
+            CT_RECONCILER_DURATION,
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            &family,
+            &mut out,
+        );
+        header(
+            &mut out,
+            CT_RECONCILER_DELETED,
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            "counter",
+        );
+        sample(&mut out, CT_RECONCILER_DELETED, &family, &inner.purged_total.to_string());
 
         labelled(
             &mut out,
@@ -475,7 +605,162 @@ impl Metrics {
                 &state.errors.to_string(),
             );
         }
+        header(&mut out, BUILD_INFO, "kproxy's version and the commit it was built from; always 1", "gauge");
+        sample(&mut out, BUILD_INFO, &[("version", BUILD_VERSION), ("commit", BUILD_COMMIT)], "1");
+        render_process(&mut out, &ProcessStats::read());
         out
+    }
+}
+
+/// Which of kube-proxy's health endpoints answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Probe {
+    Healthz,
+    Livez,
+}
+
+/// Health answers by endpoint and HTTP status code. Process-wide, as kube-proxy's
+/// legacy registry is: the health server runs apart from the sync loop's [`Metrics`].
+static PROBES: Mutex<BTreeMap<(Probe, u16), u64>> = Mutex::new(BTreeMap::new());
+
+fn lock_probes() -> MutexGuard<'static, BTreeMap<(Probe, u16), u64>> {
+    PROBES.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The health server answered `probe` with HTTP `status` (kube-proxy's
+/// `proxy_healthz_total{code}` and `proxy_livez_total{code}`).
+pub fn count_probe(probe: Probe, status: u16) {
+    let mut probes = lock_probes();
+    let count = probes.entry((probe, status)).or_default();
+    *count = count.saturating_add(1);
+}
+
+/// What the process collectors of the Prometheus client libraries report, read
+/// from `/proc/self` at scrape time. A value that cannot be read is left out.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ProcessStats {
+    pub cpu_seconds: Option<f64>,
+    pub resident_bytes: Option<u64>,
+    pub virtual_bytes: Option<u64>,
+    /// `RLIMIT_AS`; `u64::MAX` when unlimited, as client_golang reports it.
+    pub virtual_max_bytes: Option<u64>,
+    pub start_time_seconds: Option<f64>,
+    pub open_fds: Option<u64>,
+    /// `RLIMIT_NOFILE`'s soft limit.
+    pub max_fds: Option<u64>,
+}
+
+impl ProcessStats {
+    /// This process, now.
+    pub fn read() -> Self {
+        let read = |path: &str| std::fs::read_to_string(path).ok();
+        // SAFETY: sysconf takes no pointer and only reads configuration.
+        let (ticks, page_size) =
+            unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_PAGESIZE)) };
+        let boot_time = read("/proc/stat").as_deref().and_then(boot_time_seconds);
+        let mut stats = match read("/proc/self/stat") {
+            Some(stat) if ticks > 0 && page_size > 0 => {
+                parse_stat(&stat, ticks as f64, page_size as u64, boot_time).unwrap_or_default()
+            }
+            _ => ProcessStats::default(),
+        };
+        if let Some(limits) = read("/proc/self/limits") {
+            stats.max_fds = limit(&limits, "Max open files");
+            stats.virtual_max_bytes = limit(&limits, "Max address space");
+        }
+        stats.open_fds = std::fs::read_dir("/proc/self/fd").ok().map(|dir| dir.count() as u64);
+        stats
+    }
+}
+
+/// CPU time, memory and start time from `/proc/<pid>/stat`: `comm` (field 2) may
+/// hold spaces and parentheses, so fields are counted from its closing `)`.
+fn parse_stat(
+    stat: &str,
+    ticks_per_second: f64,
+    page_size: u64,
+    boot_time: Option<f64>,
+) -> Option<ProcessStats> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // rest[0] is field 3 (state); field N is rest[N - 3].
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
+    let (utime, stime) = (field(14)?, field(15)?);
+    Some(ProcessStats {
+        cpu_seconds: Some((utime + stime) as f64 / ticks_per_second),
+        start_time_seconds: boot_time
+            .zip(field(22))
+            .map(|(boot, start_ticks)| boot + start_ticks as f64 / ticks_per_second),
+        virtual_bytes: field(23),
+        resident_bytes: field(24).map(|pages| pages.saturating_mul(page_size)),
+        ..ProcessStats::default()
+    })
+}
+
+/// `btime` of `/proc/stat`: when the machine booted, in seconds since the epoch.
+fn boot_time_seconds(proc_stat: &str) -> Option<f64> {
+    proc_stat.lines().find_map(|line| line.strip_prefix("btime ")?.trim().parse().ok())
+}
+
+/// The soft limit named `name` in `/proc/<pid>/limits`; `unlimited` is `u64::MAX`.
+fn limit(limits: &str, name: &str) -> Option<u64> {
+    let rest = limits.lines().find_map(|line| line.strip_prefix(name))?;
+    match rest.split_whitespace().next()? {
+        "unlimited" => Some(u64::MAX),
+        soft => soft.parse().ok(),
+    }
+}
+
+/// The `process_*` families under client_golang's names and help texts.
+fn render_process(out: &mut String, stats: &ProcessStats) {
+    let families: [(&str, &str, &str, Option<String>); 7] = [
+        (
+            PROCESS_CPU,
+            "Total user and system CPU time spent in seconds.",
+            "counter",
+            stats.cpu_seconds.map(format_float),
+        ),
+        (
+            PROCESS_OPEN_FDS,
+            "Number of open file descriptors.",
+            "gauge",
+            stats.open_fds.map(|v| v.to_string()),
+        ),
+        (
+            PROCESS_MAX_FDS,
+            "Maximum number of open file descriptors.",
+            "gauge",
+            stats.max_fds.map(|v| format_float(v as f64)),
+        ),
+        (
+            PROCESS_VIRTUAL,
+            "Virtual memory size in bytes.",
+            "gauge",
+            stats.virtual_bytes.map(|v| v.to_string()),
+        ),
+        (
+            PROCESS_VIRTUAL_MAX,
+            "Maximum amount of virtual memory available in bytes.",
+            "gauge",
+            stats.virtual_max_bytes.map(|v| format_float(v as f64)),
+        ),
+        (
+            PROCESS_RESIDENT,
+            "Resident memory size in bytes.",
+            "gauge",
+            stats.resident_bytes.map(|v| v.to_string()),
+        ),
+        (
+            PROCESS_START,
+            "Start time of the process since unix epoch in seconds.",
+            "gauge",
+            stats.start_time_seconds.map(format_float),
+        ),
+    ];
+    for (name, help, kind, value) in families {
+        if let Some(value) = value {
+            scalar(out, name, help, kind, &value);
+        }
     }
 }
 
@@ -505,7 +790,22 @@ fn header(out: &mut String, name: &str, help: &str, kind: &str) {
 
 fn scalar(out: &mut String, name: &str, help: &str, kind: &str, value: &str) {
     header(out, name, help, kind);
-    let _ = writeln!(out, "{name} {value}");
+    sample(out, name, &[], value);
+}
+
+/// One series: `name{labels} value`.
+fn sample(out: &mut String, name: &str, labels: &[(&str, &str)], value: &str) {
+    let _ = writeln!(out, "{name}{} {value}", label_set(labels));
+}
+
+/// `{k="v",k2="v2"}` with the values escaped, or nothing without labels.
+fn label_set(labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let pairs: Vec<String> =
+        labels.iter().map(|(key, value)| format!("{key}=\"{}\"", escape_label_value(value))).collect();
+    format!("{{{}}}", pairs.join(","))
 }
 
 fn labelled<'a>(
@@ -762,26 +1062,163 @@ mod tests {
             (CT_CREATED, "counter"),
             (CT_EVICTED, "counter"),
             (AFFINITY_GC_DELETED, "counter"),
+            (SYNC_FULL_DURATION, "histogram"),
+            (SYNC_PARTIAL_DURATION, "histogram"),
+            (NO_LOCAL_ENDPOINTS, "gauge"),
+            (HEALTHZ_TOTAL, "counter"),
+            (LIVEZ_TOTAL, "counter"),
+            (CT_RECONCILER_DURATION, "histogram"),
+            (CT_RECONCILER_DELETED, "counter"),
+            (BUILD_INFO, "gauge"),
+            (PROCESS_CPU, "counter"),
+            (PROCESS_RESIDENT, "gauge"),
+            (PROCESS_VIRTUAL, "gauge"),
+            (PROCESS_VIRTUAL_MAX, "gauge"),
+            (PROCESS_START, "gauge"),
+            (PROCESS_OPEN_FDS, "gauge"),
+            (PROCESS_MAX_FDS, "gauge"),
         ] {
             assert_eq!(exp.types.get(name).map(String::as_str), Some(kind), "{name}");
         }
-        let sync_buckets =
-            exp.samples.iter().filter(|(n, _, _)| n == &format!("{SYNC_DURATION}_bucket")).count();
-        assert_eq!(sync_buckets, 16);
+        let v4 = [("ip_family", "IPv4")];
+        for name in [SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION, CT_RECONCILER_DURATION] {
+            let buckets: Vec<&str> = exp
+                .samples
+                .iter()
+                .filter(|(n, _, _)| n == &format!("{name}_bucket"))
+                .map(|(_, labels, _)| labels[1].1.as_str())
+                .collect();
+            assert_eq!(buckets.len(), 16, "{name}");
+            assert_eq!((buckets[0], buckets[14], buckets[15]), ("0.001", "16.384", "+Inf"), "{name}");
+            assert_eq!(exp.value(&format!("{name}_count"), &v4), Some("0"), "{name}");
+        }
         let np_buckets =
             exp.samples.iter().filter(|(n, _, _)| n == &format!("{NETWORK_PROGRAMMING}_bucket")).count();
         assert_eq!(np_buckets, 81);
-        assert_eq!(exp.value(&format!("{SYNC_DURATION}_count"), &[]), Some("0"));
-        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &[]), Some("0"));
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &v4), Some("0"));
+        for policy in ["internal", "external"] {
+            assert_eq!(exp.value(NO_LOCAL_ENDPOINTS, &[v4[0], ("traffic_policy", policy)]), Some("0"));
+        }
+        assert_eq!(exp.value(CT_RECONCILER_DELETED, &v4), Some("0"));
+        assert_eq!(
+            exp.value(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION")), ("commit", BUILD_COMMIT)]),
+            Some("1")
+        );
+        assert!(!BUILD_COMMIT.is_empty());
+        // Families without ip_family in kube-proxy 1.34 have none here either.
+        assert_eq!(exp.value(ENDPOINT_CHANGES_TOTAL, &[]), Some("0"));
+        assert_eq!(exp.value(SERVICE_CHANGES_PENDING, &[]), Some("0"));
+    }
+
+    fn frontend(name: &str, port_name: &str, vip: [u8; 4], scope: Scope, no_local: bool) -> Frontend {
+        let service = crate::model::ServiceName { namespace: "default".into(), name: name.into() };
+        let mut frontend =
+            Frontend::new(service, port_name, vip.into(), 80, crate::model::Protocol::Tcp, Vec::new());
+        frontend.scope = scope;
+        frontend.local_only = no_local;
+        frontend.no_local_endpoints = no_local;
+        frontend
+    }
+
+    #[test]
+    fn no_local_endpoints_counts_service_ports_by_policy() {
+        let m = Metrics::new();
+        m.set_no_local_endpoints(&[
+            // internalTrafficPolicy: Local, endpoints elsewhere: two ports, two cluster IPs each.
+            frontend("itp", "http", [10, 96, 0, 1], Scope::Internal, true),
+            frontend("itp", "http", [10, 96, 0, 2], Scope::Internal, true),
+            frontend("itp", "https", [10, 96, 0, 1], Scope::Internal, true),
+            // externalTrafficPolicy: Local, endpoints elsewhere: one port on a node port and an external IP;
+            // its internal entries ignore the policy and have endpoints.
+            frontend("etp", "http", [192, 168, 1, 10], Scope::External, true),
+            frontend("etp", "http", [203, 0, 113, 7], Scope::External, true),
+            frontend("etp", "http", [192, 168, 1, 10], Scope::Internal, false),
+            // Served here, or by nobody (refused, not dropped): not counted.
+            frontend("fine", "http", [10, 96, 0, 3], Scope::Internal, false),
+        ]);
+        let exp = parse(&m.render());
+        let value =
+            |policy| exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", "IPv4"), ("traffic_policy", policy)]);
+        assert_eq!((value("internal"), value("external")), (Some("2"), Some("1")));
+
+        // Recounted at each sync, as kube-proxy sets the gauge.
+        m.set_no_local_endpoints(&[]);
+        let exp = parse(&m.render());
+        let value =
+            |policy| exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", "IPv4"), ("traffic_policy", policy)]);
+        assert_eq!((value("internal"), value("external")), (Some("0"), Some("0")));
+    }
+
+    #[test]
+    fn health_answers_are_counted_by_code() {
+        // Process-wide counters, shared with the health server's own tests: codes no answer uses.
+        count_probe(Probe::Healthz, 591);
+        count_probe(Probe::Healthz, 591);
+        count_probe(Probe::Healthz, 592);
+        count_probe(Probe::Livez, 593);
+        let exp = parse(&Metrics::new().render());
+        assert_eq!(exp.value(HEALTHZ_TOTAL, &[("code", "591")]), Some("2"));
+        assert_eq!(exp.value(HEALTHZ_TOTAL, &[("code", "592")]), Some("1"));
+        assert_eq!(exp.value(HEALTHZ_TOTAL, &[("code", "593")]), None);
+        assert_eq!(exp.value(LIVEZ_TOTAL, &[("code", "593")]), Some("1"));
+    }
+
+    #[test]
+    fn conntrack_reconciler_reports_the_purge() {
+        let m = Metrics::new();
+        m.add_conntrack_purged(4);
+        m.observe_conntrack_reconcile(Duration::from_micros(1500));
+        m.add_conntrack_purged(0);
+        m.observe_conntrack_reconcile(Duration::from_millis(40));
+        let exp = parse(&m.render());
+        let v4 = [("ip_family", "IPv4")];
+        assert_eq!(exp.value(CT_RECONCILER_DELETED, &v4), Some("4"));
+        assert_eq!(exp.value(&format!("{CT_RECONCILER_DURATION}_count"), &v4), Some("2"));
+        let bucket =
+            |le| exp.value(&format!("{CT_RECONCILER_DURATION}_bucket"), &[("ip_family", "IPv4"), ("le", le)]);
+        assert_eq!((bucket("0.001"), bucket("0.002"), bucket("0.064")), (Some("0"), Some("1"), Some("2")));
+    }
+
+    #[test]
+    fn process_stats_from_proc() {
+        // A comm with spaces and parentheses; fields as proc(5) numbers them.
+        let stat = "4242 (kproxy (a) b) S 1 4242 4242 0 -1 4194560 900 0 0 0 \
+                    250 130 0 0 20 0 3 0 1234500 987654321 2048 18446744073709551615 0 0";
+        let stats = parse_stat(stat, 100.0, 4096, Some(1_700_000_000.0)).unwrap();
+        assert_eq!(stats.cpu_seconds, Some(3.8));
+        assert_eq!(stats.start_time_seconds, Some(1_700_012_345.0));
+        assert_eq!(stats.virtual_bytes, Some(987_654_321));
+        assert_eq!(stats.resident_bytes, Some(2048 * 4096));
+        assert_eq!(parse_stat("4242 (truncated", 100.0, 4096, None), None);
+
+        assert_eq!(boot_time_seconds("cpu  1 2 3\nbtime 1700000000\nprocesses 7\n"), Some(1_700_000_000.0));
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max address space         unlimited            unlimited            bytes     \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(limit(limits, "Max open files"), Some(1024));
+        assert_eq!(limit(limits, "Max address space"), Some(u64::MAX));
+
+        // This test process, read for real.
+        let live = ProcessStats::read();
+        let now = unix_seconds(SystemTime::now());
+        let started = live.start_time_seconds.expect("start time");
+        assert!(started <= now + 1.0 && started > now - 86_400.0 * 365.0, "{started} vs {now}");
+        assert!(
+            live.resident_bytes.unwrap() > 0 && live.virtual_bytes.unwrap() >= live.resident_bytes.unwrap()
+        );
+        assert!(live.open_fds.unwrap() >= 3 && live.max_fds.unwrap() >= live.open_fds.unwrap());
+        assert!(live.cpu_seconds.unwrap() >= 0.0);
+        let exp = parse(&Metrics::new().render());
+        assert!(exp.value(PROCESS_RESIDENT, &[]).unwrap().parse::<u64>().unwrap() > 0);
     }
 
     #[test]
     fn rendered_text_reflects_updates() {
         let m = Metrics::new();
         let finished = UNIX_EPOCH + Duration::from_millis(1_700_000_000_500);
-        m.observe_sync(Duration::from_millis(3), finished);
-        m.observe_sync(Duration::from_millis(20), finished);
-        m.observe_sync(Duration::from_secs(60), finished);
+        m.observe_sync(Duration::from_millis(3), finished, true);
+        m.observe_sync(Duration::from_millis(20), finished, false);
+        m.observe_sync(Duration::from_secs(60), finished, false);
         m.observe_network_programming(Duration::from_millis(700));
         m.observe_network_programming(Duration::from_secs(400));
         m.set_changes_pending(4, 1);
@@ -801,16 +1238,25 @@ mod tests {
         let exp = parse(&text);
 
         // Sync duration: 3 ms lands in le=0.004, 20 ms in le=0.032, 60 s only in +Inf.
-        let bucket = |name: &str, le: &str| exp.value(&format!("{name}_bucket"), &[("le", le)]);
+        let v4 = [("ip_family", "IPv4")];
+        let bucket =
+            |name: &str, le: &str| exp.value(&format!("{name}_bucket"), &[("ip_family", "IPv4"), ("le", le)]);
         assert_eq!(bucket(SYNC_DURATION, "0.002"), Some("0"));
         assert_eq!(bucket(SYNC_DURATION, "0.004"), Some("1"));
         assert_eq!(bucket(SYNC_DURATION, "0.016"), Some("1"));
         assert_eq!(bucket(SYNC_DURATION, "0.032"), Some("2"));
         assert_eq!(bucket(SYNC_DURATION, "16.384"), Some("2"));
         assert_eq!(bucket(SYNC_DURATION, "+Inf"), Some("3"));
-        assert_eq!(exp.value(&format!("{SYNC_DURATION}_count"), &[]), Some("3"));
-        let sum: f64 = exp.value(&format!("{SYNC_DURATION}_sum"), &[]).unwrap().parse().unwrap();
+        assert_eq!(exp.value(&format!("{SYNC_DURATION}_count"), &v4), Some("3"));
+        let sum: f64 = exp.value(&format!("{SYNC_DURATION}_sum"), &v4).unwrap().parse().unwrap();
         assert!((sum - 60.023).abs() < 1e-9, "{sum}");
+        // The first sync was full, the other two partial; each is also in the overall histogram.
+        assert_eq!(bucket(SYNC_FULL_DURATION, "0.004"), Some("1"));
+        assert_eq!(exp.value(&format!("{SYNC_FULL_DURATION}_count"), &v4), Some("1"));
+        assert_eq!(bucket(SYNC_PARTIAL_DURATION, "0.004"), Some("0"));
+        assert_eq!(bucket(SYNC_PARTIAL_DURATION, "0.032"), Some("1"));
+        assert_eq!(bucket(SYNC_PARTIAL_DURATION, "+Inf"), Some("2"));
+        assert_eq!(exp.value(&format!("{SYNC_PARTIAL_DURATION}_count"), &v4), Some("2"));
 
         assert_eq!(bucket(NETWORK_PROGRAMMING, "0.5"), Some("0"));
         assert_eq!(bucket(NETWORK_PROGRAMMING, "1"), Some("1"));
@@ -818,16 +1264,19 @@ mod tests {
         assert_eq!(bucket(NETWORK_PROGRAMMING, "+Inf"), Some("2"));
 
         // Buckets are cumulative (non-decreasing) and end with +Inf == count.
-        for name in [SYNC_DURATION, NETWORK_PROGRAMMING] {
+        for name in [SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION, NETWORK_PROGRAMMING] {
             let series: Vec<_> =
                 exp.samples.iter().filter(|(n, _, _)| n == &format!("{name}_bucket")).collect();
             let counts: Vec<u64> = series.iter().map(|(_, _, v)| v.parse().unwrap()).collect();
             assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{name}");
-            assert_eq!(series.last().unwrap().1, vec![("le".into(), "+Inf".into())]);
+            assert_eq!(
+                series.last().unwrap().1,
+                vec![("ip_family".into(), "IPv4".into()), ("le".into(), "+Inf".into())]
+            );
         }
 
-        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &[]), Some("1700000000.5"));
-        assert_eq!(exp.value(LAST_QUEUED_TIMESTAMP, &[]), Some("1700000100"));
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &v4), Some("1700000000.5"));
+        assert_eq!(exp.value(LAST_QUEUED_TIMESTAMP, &v4), Some("1700000100"));
         assert_eq!(exp.value(ENDPOINT_CHANGES_PENDING, &[]), Some("4"));
         assert_eq!(exp.value(SERVICE_CHANGES_PENDING, &[]), Some("1"));
         assert_eq!(exp.value(ENDPOINT_CHANGES_TOTAL, &[]), Some("5"));
