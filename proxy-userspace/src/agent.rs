@@ -48,6 +48,9 @@ pub struct AgentConfig {
     pub sync_period: Duration,
     pub healthz_bind: Option<SocketAddr>,
     pub metrics_bind: Option<SocketAddr>,
+    /// `--bind-address-hard-fail`: a port that cannot be bound stops the agent instead of being
+    /// retried.
+    pub bind_address_hard_fail: bool,
     pub model: ModelOptions,
     pub conntrack: ConntrackOptions,
     pub north_south: NorthSouthOptions,
@@ -190,6 +193,12 @@ pub fn run(config: AgentConfig) -> Result<()> {
 
 async fn run_async(config: AgentConfig) -> Result<()> {
     let selector = InterfaceSelector::new(&config.interfaces)?;
+    // Without a Node object, `primary` is the default route's interface address, read once as
+    // kube-proxy reads the node IP once; with the API server it follows the Node.
+    let fixed_primary = match (&config.source, &config.north_south.nodeport_addresses) {
+        (Source::Files(_), nodeport::NodePortAddresses::Primary) => Some(nodeport::default_route_address()?),
+        _ => None,
+    };
     let capacities = Capacities {
         conntrack: config.conntrack.max,
         maglev_tables: config.maglev.map_or(1, |m| m.tables),
@@ -245,24 +254,23 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     let changes = Arc::new(Changes::with_health(health.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
-    if let (Some(health_addr), Some(metrics_addr)) = (config.healthz_bind, config.metrics_bind) {
-        let bound = health::bind(health_addr, metrics_addr).await?;
-        tracing::info!(healthz = %bound.health_addr(), metrics = %bound.metrics_addr(), "serving health and metrics");
-        let mut stop = stop_rx.clone();
-        let shutdown = async move {
-            loop {
-                let stopping = *stop.borrow_and_update();
-                if stopping || stop.changed().await.is_err() {
-                    break;
-                }
+    for (server, addr) in
+        [(health::Server::Health, config.healthz_bind), (health::Server::Metrics, config.metrics_bind)]
+    {
+        let Some(addr) = addr else { continue };
+        let first = match health::bind_server(server, addr).await {
+            Ok(listener) => Some(listener),
+            Err(e) if config.bind_address_hard_fail => return Err(e.context("--bind-address-hard-fail")),
+            Err(e) => {
+                tracing::error!(
+                    error = %format!("{e:#}"),
+                    "binding failed; retrying every 5s (--bind-address-hard-fail exits instead)"
+                );
+                None
             }
         };
-        let (health, metrics) = (health.clone(), metrics.clone());
-        tokio::spawn(async move {
-            if let Err(e) = bound.serve(health, metrics, shutdown).await {
-                tracing::error!(error = %format!("{e:#}"), "health/metrics server stopped");
-            }
-        });
+        let (health, metrics, stop) = (health.clone(), metrics.clone(), stop_rx.clone());
+        tokio::spawn(health::serve_retrying(server, addr, first, health, metrics, stop));
     }
 
     match &config.source {
@@ -297,6 +305,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut loop_state = SyncLoop {
+        fixed_primary,
         syncer: &mut syncer,
         metrics: &metrics,
         health: &health,
@@ -353,6 +362,8 @@ async fn run_async(config: AgentConfig) -> Result<()> {
 }
 
 struct SyncLoop<'a> {
+    /// `--nodeport-addresses primary` with `--manifests`: the default route's address.
+    fixed_primary: Option<std::net::Ipv4Addr>,
     syncer: &'a mut Syncer,
     metrics: &'a Metrics,
     health: &'a Health,
@@ -377,9 +388,10 @@ impl SyncLoop<'_> {
     /// The node's NodePort addresses and external interfaces, read again at
     /// every sync (addresses come and go with DHCP and operators); the
     /// datapath's view is updated when they change.
-    fn refresh_node_addresses(&mut self) -> Vec<std::net::Ipv4Addr> {
+    fn refresh_node_addresses(&mut self, primary: Option<std::net::Ipv4Addr>) -> Vec<std::net::Ipv4Addr> {
+        let primary = self.fixed_primary.or(primary);
         let addresses = match nodeport::local_addresses() {
-            Ok(local) => nodeport::select(&self.north_south, &local, &self.pod_interfaces),
+            Ok(local) => nodeport::select(&self.north_south, &local, &self.pod_interfaces, primary),
             Err(e) => {
                 tracing::warn!(error = %format!("{e:#}"), "reading the node's addresses failed");
                 return self.node_addresses.as_ref().map(|a| a.nodeport.clone()).unwrap_or_default();
@@ -409,7 +421,7 @@ impl SyncLoop<'_> {
         let pending = changes.take_pending();
         let snapshot = changes.objects();
         let options = &ModelOptions {
-            node_addresses: self.refresh_node_addresses(),
+            node_addresses: self.refresh_node_addresses(changes.node_primary_ipv4()),
             // --node-zone wins over the Node object's label.
             zone: options.zone.clone().or_else(|| changes.node_zone()),
             ..options.clone()
@@ -532,7 +544,7 @@ async fn attach_loop(
     loop {
         let (p, s, ns) = (pins.clone(), selector.clone(), north_south.clone());
         let attach = move || -> Result<datapath::AttachReport> {
-            let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s).interface_names();
+            let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s, None).interface_names();
             datapath::attach_all(&p, &s, &external, ns.xdp)
         };
         match tokio::task::spawn_blocking(attach).await {

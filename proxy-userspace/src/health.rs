@@ -350,6 +350,75 @@ impl Bound {
     }
 }
 
+/// One of the two servers, for those started apart ([`serve_retrying`]): an empty
+/// `--metrics-bind-address` turns off the metrics server only, as in kube-proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Server {
+    /// `/healthz` and `/livez` on `--healthz-bind-address`.
+    Health,
+    /// `/metrics` and `/proxyMode` on `--metrics-bind-address`.
+    Metrics,
+}
+
+/// How often a server whose port is taken tries again (kube-proxy's `wait.Until` period).
+pub const BIND_RETRY: Duration = Duration::from_secs(5);
+
+impl Server {
+    fn flag(self) -> &'static str {
+        match self {
+            Server::Health => "--healthz-bind-address",
+            Server::Metrics => "--metrics-bind-address",
+        }
+    }
+}
+
+/// Binds `server`'s listener; the error names the flag and address.
+pub async fn bind_server(server: Server, addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    Ok(listen(server.flag(), addr).await?.0)
+}
+
+/// Serves `server` until `stop` turns true, on `first` if the caller bound it, else binding
+/// `addr` every [`BIND_RETRY`] with an error line each time it fails: while kube-proxy still
+/// holds the port during a migration, the agent works and takes the port when it is free (kube-proxy
+/// with `--bind-address-hard-fail=false`, the default).
+pub async fn serve_retrying(
+    server: Server,
+    addr: SocketAddr,
+    first: Option<TcpListener>,
+    health: Health,
+    metrics: Metrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut listener = first;
+    let listener = loop {
+        if let Some(listener) = listener.take() {
+            break listener;
+        }
+        tokio::select! {
+            _ = stopped(&mut stop) => return,
+            _ = tokio::time::sleep(BIND_RETRY) => {}
+        }
+        match bind_server(server, addr).await {
+            Ok(bound) => {
+                tracing::info!(%addr, "bound {} after retrying", server.flag());
+                listener = Some(bound);
+            }
+            Err(e) => tracing::error!(error = %format!("{e:#}"), "binding failed; retrying in 5s"),
+        }
+    };
+    let address = listener.local_addr().unwrap_or(addr);
+    match server {
+        Server::Health => {
+            tracing::info!(%address, "serving /healthz and /livez");
+            accept_loop(listener, Router::Health(health), stop).await;
+        }
+        Server::Metrics => {
+            tracing::info!(%address, "serving /metrics and /proxyMode");
+            accept_loop(listener, Router::Metrics(metrics), stop).await;
+        }
+    }
+}
+
 #[derive(Clone)]
 enum Router {
     Health(Health),
@@ -938,6 +1007,38 @@ mod tests {
         drop(idle);
         assert!(TcpStream::connect(health_addr).await.is_err());
         assert!(TcpStream::connect(metrics_addr).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_taken_port_is_retried_until_free_and_each_server_stands_alone() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let err = bind_server(Server::Metrics, addr).await.expect_err("the port is taken");
+        assert!(err.to_string().starts_with(&format!("--metrics-bind-address {addr}: ")), "{err}");
+
+        // Only the metrics server, started while the port is held: it answers once freed.
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let server = tokio::spawn(serve_retrying(
+            Server::Metrics,
+            addr,
+            None,
+            Health::new(Duration::from_secs(60)),
+            Metrics::new(),
+            stop_rx,
+        ));
+        drop(taken);
+        let deadline = tokio::time::Instant::now() + BIND_RETRY * 3;
+        let response = loop {
+            if TcpStream::connect(addr).await.is_ok() {
+                break get(addr, "/proxyMode").await;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{addr} never bound");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(response.body, PROXY_MODE);
+        assert_eq!(get(addr, "/healthz").await.status, 404, "the health server is not on the metrics port");
+        stop_tx.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(3), server).await.unwrap().unwrap();
     }
 
     #[tokio::test]

@@ -8,8 +8,10 @@
 //! every field, most of them zero). Fields with no kproxy meaning (the proxy mode, IPVS, masquerade
 //! bits, Windows) are collected in [`FileSettings::ignored`] when set, for one warning.
 //!
-//! Pure: the caller reads the file and merges the settings under its flags (flags win, as in
-//! kube-proxy).
+//! [`read`] reads the file; the caller merges the settings under its flags (a flag given wins;
+//! kube-proxy lets only its logging flags and `--hostname-override` win and ignores the others
+//! when `--config` is given). [`to_yaml`] writes settings back as a KubeProxyConfiguration
+//! (`--write-config-to`).
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 
@@ -108,6 +110,7 @@ pub struct Conntrack {
 }
 
 /// What the file sets that `kproxy agent` honours; `None`: not set (zero), the flag's default holds.
+/// [`to_yaml`] writes effective settings of the same shape.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FileSettings {
     pub kubeconfig: Option<String>,
@@ -118,7 +121,7 @@ pub struct FileSettings {
     /// `clusterCIDR`, comma-separated as kube-proxy takes it (one per family).
     pub cluster_cidrs: Vec<String>,
     /// `detectLocal.interfaceNamePrefix` (with `detectLocalMode: InterfaceNamePrefix`) as a glob for
-    /// `--interfaces`.
+    /// `--interfaces` (in effective settings, `--interfaces`' globs, space-separated).
     pub interfaces: Option<String>,
     pub nodeport_addresses: Vec<String>,
     pub min_sync_period: Option<Duration>,
@@ -139,6 +142,26 @@ pub struct FileSettings {
 pub struct ConfigError {
     pub file: String,
     pub message: String,
+}
+
+/// Reads the KubeProxyConfiguration in `file`.
+pub fn read(file: &Path) -> Result<FileSettings, ConfigError> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| ConfigError { file: file.display().to_string(), message: e.to_string() })?;
+    parse(file, &text, usable_cpus())
+}
+
+/// The CPUs this process may run on, as Go's `runtime.NumCPU` (kube-proxy's `maxPerCore` factor).
+fn usable_cpus() -> u32 {
+    // SAFETY: sched_getaffinity fills the zeroed set we own; CPU_COUNT only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+            u32::try_from(libc::CPU_COUNT(&set)).unwrap_or(1).max(1)
+        } else {
+            1
+        }
+    }
 }
 
 /// Reads a KubeProxyConfiguration from `text` (the contents of `file`, for messages).
@@ -204,6 +227,10 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
     if !matches!(mode, "iptables" | "nftables") {
         out.ignored.push(format!("mode ({mode}: kproxy is its own datapath)"));
     }
+    // kube-proxy's nftables mode answers NodePorts on the node's primary IPs unless told otherwise.
+    if mode == "nftables" && out.nodeport_addresses.is_empty() {
+        out.nodeport_addresses = vec![crate::nodeport::PRIMARY.to_string()];
+    }
     // The mode's own section sets the sync periods (the top-level fields, where present, win).
     let section = if mode == "nftables" { &config.nftables } else { &config.iptables };
     let section_name = if mode == "nftables" { "nftables" } else { "iptables" };
@@ -246,7 +273,8 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
         }
         let per_core = u64::from(conntrack.max_per_core.unwrap_or(0)) * u64::from(cpus.max(1));
         let flows = per_core.max(u64::from(conntrack.min.unwrap_or(0)));
-        if flows > 0 {
+        // maxPerCore 0 is kube-proxy's "leave the table size as it is" (conntrack.min ignored).
+        if flows > 0 && conntrack.max_per_core != Some(0) {
             out.conntrack_max = Some(u32::try_from(flows * 2).unwrap_or(u32::MAX));
         }
     }
@@ -313,6 +341,115 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
     }
     out.ignored.extend(unused.into_iter().map(str::to_string));
     Ok(out)
+}
+
+/// `settings` as a KubeProxyConfiguration (`--write-config-to`): the fields kproxy honours, at
+/// the values given, and comments for what the file format cannot say.
+pub fn to_yaml(settings: &FileSettings) -> String {
+    let mut notes = vec![
+        "kproxy's effective configuration (kproxy agent --write-config-to): the KubeProxyConfiguration"
+            .to_owned(),
+        "fields kproxy honours, from the flags and the --config file; kproxy's other flags are not here."
+            .to_owned(),
+    ];
+    let globs: Vec<&str> = settings.interfaces.as_deref().unwrap_or_default().split_whitespace().collect();
+    let prefix = match globs.as_slice() {
+        [glob] => glob.strip_suffix('*').filter(|p| !p.is_empty() && !p.contains(['*', '?', '['])),
+        _ => None,
+    };
+    if prefix.is_none() && !globs.is_empty() {
+        notes.push(format!(
+            "--interfaces {}: not one NAME* glob, so not a detectLocal.interfaceNamePrefix",
+            globs.join(" ")
+        ));
+    }
+    for (field, value) in [
+        ("healthzBindAddress", &settings.healthz_bind_address),
+        ("metricsBindAddress", &settings.metrics_bind_address),
+    ] {
+        if value.as_deref() == Some("") {
+            notes.push(format!("{field}: disabled (an empty flag); in a file, empty means the default"));
+        }
+    }
+    let config = KubeProxyConfiguration {
+        api_version: Some(API_VERSION.to_owned()),
+        kind: Some(KIND.to_owned()),
+        client_connection: Some(ClientConnection {
+            kubeconfig: Some(settings.kubeconfig.clone().unwrap_or_default()),
+            ..Default::default()
+        }),
+        logging: Some(Logging {
+            format: settings.log_format.clone(),
+            verbosity: settings.verbosity,
+            ..Default::default()
+        }),
+        hostname_override: Some(settings.hostname_override.clone().unwrap_or_default()),
+        healthz_bind_address: settings.healthz_bind_address.clone(),
+        metrics_bind_address: settings.metrics_bind_address.clone(),
+        bind_address_hard_fail: settings.bind_address_hard_fail,
+        detect_local_mode: prefix.map(|_| "InterfaceNamePrefix".to_owned()),
+        detect_local: prefix
+            .map(|p| DetectLocal { interface_name_prefix: Some(p.to_owned()), ..Default::default() }),
+        cluster_cidr: Some(settings.cluster_cidrs.join(",")),
+        node_port_addresses: Some(settings.nodeport_addresses.clone()),
+        conntrack: Some(Conntrack {
+            // Exactly this many flows: kproxy's entries are two per flow.
+            min: settings.conntrack_max.map(|entries| entries.div_ceil(2)),
+            tcp_established_timeout: settings.conntrack_tcp_timeout_established.map(go_duration),
+            udp_stream_timeout: settings.conntrack_udp_timeout.map(go_duration),
+            ..Default::default()
+        }),
+        sync_period: settings.sync_period.map(go_duration),
+        min_sync_period: settings.min_sync_period.map(go_duration),
+        ..Default::default()
+    };
+    let mut value = serde_yaml::to_value(&config).expect("a KubeProxyConfiguration serialises");
+    strip_nulls(&mut value);
+    let yaml = serde_yaml::to_string(&value).expect("YAML serialises");
+    notes.iter().map(|n| format!("# {n}\n")).collect::<String>() + &yaml
+}
+
+/// Drops the unset fields (and sections left empty) from a serialised configuration.
+fn strip_nulls(value: &mut serde_yaml::Value) {
+    if let serde_yaml::Value::Mapping(map) = value {
+        for (_, field) in map.iter_mut() {
+            strip_nulls(field);
+        }
+        map.retain(|_, field| {
+            !(field.is_null() || field.as_mapping().is_some_and(serde_yaml::Mapping::is_empty))
+        });
+    }
+}
+
+/// A duration as Go's `time.Duration.String` writes it (`1s`, `50ms`, `6h0m0s`): what
+/// `metav1.Duration` fields hold.
+pub fn go_duration(duration: Duration) -> String {
+    let nanos = duration.as_nanos();
+    // `value / scale` with the fraction's trailing zeros dropped.
+    let decimal = |value: u128, scale: u128, digits: usize| {
+        let (whole, fraction) = (value / scale, value % scale);
+        if fraction == 0 {
+            whole.to_string()
+        } else {
+            format!("{whole}.{}", format!("{fraction:0digits$}").trim_end_matches('0'))
+        }
+    };
+    match nanos {
+        0 => "0s".to_owned(),
+        1..1_000 => format!("{nanos}ns"),
+        1_000..1_000_000 => format!("{}µs", decimal(nanos, 1_000, 3)),
+        1_000_000..1_000_000_000 => format!("{}ms", decimal(nanos, 1_000_000, 6)),
+        _ => {
+            let (hours, rest) = (nanos / 3_600_000_000_000, nanos % 3_600_000_000_000);
+            let (minutes, rest) = (rest / 60_000_000_000, rest % 60_000_000_000);
+            let seconds = format!("{}s", decimal(rest, 1_000_000_000, 9));
+            match (hours, minutes) {
+                (0, 0) => seconds,
+                (0, m) => format!("{m}m{seconds}"),
+                (h, m) => format!("{h}h{m}m{seconds}"),
+            }
+        }
+    }
 }
 
 /// Whether a free-form section holds anything but zero values (kubeadm writes them all out).
@@ -400,6 +537,75 @@ mod tests {
                 ignored: vec![],
             }
         );
+    }
+
+    #[test]
+    fn effective_settings_written_read_back_are_the_same() {
+        let settings = FileSettings {
+            kubeconfig: Some("/var/lib/kube-proxy/kubeconfig.conf".into()),
+            hostname_override: Some("worker-3".into()),
+            healthz_bind_address: Some("0.0.0.0:10256".into()),
+            metrics_bind_address: Some("127.0.0.1:10249".into()),
+            bind_address_hard_fail: Some(true),
+            cluster_cidrs: vec!["10.244.0.0/16".into(), "fd00:10:244::/56".into()],
+            interfaces: Some("cali*".into()),
+            nodeport_addresses: vec!["primary".into()],
+            min_sync_period: Some(Duration::from_secs(1)),
+            sync_period: Some(Duration::from_secs(30)),
+            conntrack_tcp_timeout_established: Some(Duration::from_secs(6 * 3600)),
+            conntrack_udp_timeout: Some(Duration::from_secs(60)),
+            conntrack_max: Some(524_288),
+            log_format: Some("json".into()),
+            verbosity: Some(4),
+            ignored: vec![],
+        };
+        let yaml = to_yaml(&settings);
+        assert!(yaml.contains("\nminSyncPeriod: 1s\n"), "{yaml}");
+        assert!(yaml.contains("  tcpEstablishedTimeout: 6h0m0s\n"), "{yaml}");
+        assert!(yaml.contains("detectLocalMode: InterfaceNamePrefix\n"), "{yaml}");
+        assert_eq!(parse_text(&yaml).unwrap(), settings);
+
+        // Two globs are no prefix: said in a comment, not written as one.
+        let veths = FileSettings { interfaces: Some("veth* lxc*".into()), ..settings };
+        let yaml = to_yaml(&veths);
+        assert!(yaml.contains("# --interfaces veth* lxc*: not one NAME* glob"), "{yaml}");
+        assert_eq!(parse_text(&yaml).unwrap().interfaces, None);
+    }
+
+    #[test]
+    fn go_durations() {
+        let d = |s: f64| go_duration(Duration::from_secs_f64(s));
+        assert_eq!(go_duration(Duration::ZERO), "0s");
+        assert_eq!(d(0.05), "50ms");
+        assert_eq!(d(0.0015), "1.5ms");
+        assert_eq!(go_duration(Duration::from_micros(100)), "100µs");
+        assert_eq!(go_duration(Duration::from_nanos(7)), "7ns");
+        assert_eq!(d(1.0), "1s");
+        assert_eq!(d(1.5), "1.5s");
+        assert_eq!(d(90.0), "1m30s");
+        assert_eq!(d(3600.0), "1h0m0s");
+        assert_eq!(d(86400.0), "24h0m0s");
+        for text in ["50ms", "1.5s", "1m30s", "24h0m0s", "100µs"] {
+            assert_eq!(go_duration(crate::agent::parse_duration(text).unwrap()), text);
+        }
+    }
+
+    #[test]
+    fn max_per_core_zero_leaves_the_table_size_alone_as_in_kube_proxy() {
+        let text = KUBEADM_CONFIG_CONF
+            .replace("  maxPerCore: null", "  maxPerCore: 0")
+            .replace("  min: null", "  min: 131072");
+        assert_eq!(parse_text(&text).unwrap().conntrack_max, None);
+        let text = KUBEADM_CONFIG_CONF.replace("  min: null", "  min: 131072");
+        assert_eq!(parse_text(&text).unwrap().conntrack_max, Some(262_144));
+    }
+
+    #[test]
+    fn the_nftables_mode_means_primary_nodeport_addresses_unless_set() {
+        let nftables = KUBEADM_CONFIG_CONF.replace("mode: \"\"", "mode: nftables");
+        assert_eq!(parse_text(&nftables).unwrap().nodeport_addresses, ["primary"]);
+        let cidrs = nftables.replace("nodePortAddresses: null", "nodePortAddresses: [10.0.0.0/8]");
+        assert_eq!(parse_text(&cidrs).unwrap().nodeport_addresses, ["10.0.0.0/8"]);
     }
 
     #[test]

@@ -112,6 +112,8 @@ pub struct Changes {
     health: Option<crate::health::Health>,
     /// This node's `topology.kubernetes.io/zone` label, from the Node watch.
     node_zone: Mutex<Option<String>>,
+    /// This node's primary IPv4 address, from the Node watch (`--nodeport-addresses primary`).
+    node_primary_ipv4: Mutex<Option<std::net::Ipv4Addr>>,
 }
 
 impl Changes {
@@ -172,6 +174,22 @@ impl Changes {
         if *current != zone {
             tracing::info!(zone = zone.as_deref().unwrap_or("(none)"), "this node's zone");
             *current = zone;
+            drop(current);
+            self.queue(1, 0, None);
+        }
+    }
+
+    /// This node's primary IPv4 address as its Node object says; `None` until seen.
+    pub fn node_primary_ipv4(&self) -> Option<std::net::Ipv4Addr> {
+        *self.node_primary_ipv4.lock().expect("poisoned")
+    }
+
+    /// Takes the Node object's primary IPv4 address; a change re-syncs (NodePorts may follow it).
+    fn node_address_seen(&self, primary: Option<std::net::Ipv4Addr>) {
+        let mut current = self.node_primary_ipv4.lock().expect("poisoned");
+        if *current != primary {
+            tracing::info!(address = ?primary, "this node's primary IPv4 address (its Node object)");
+            *current = primary;
             drop(current);
             self.queue(1, 0, None);
         }
@@ -443,8 +461,19 @@ async fn watch_node(client: Client, node_name: Option<String>, changes: Arc<Chan
                 && !n.spec.iter().flat_map(|s| s.taints.iter().flatten()).any(|t| t.key == AUTOSCALER_TAINT)
         });
         changes.node_seen(zone, eligible || node.is_none() && !seen);
+        changes.node_address_seen(node.as_ref().and_then(node_primary_ipv4));
     })
     .await
+}
+
+/// The node's primary IPv4 address as kube-proxy reads it (`GetNodeHostIPs`): the first IPv4
+/// address among its InternalIPs, then its ExternalIPs.
+pub fn node_primary_ipv4(node: &k8s_openapi::api::core::v1::Node) -> Option<std::net::Ipv4Addr> {
+    let addresses = node.status.as_ref()?.addresses.as_ref()?;
+    ["InternalIP", "ExternalIP"]
+        .into_iter()
+        .flat_map(|kind| addresses.iter().filter(move |a| a.type_ == kind))
+        .find_map(|a| a.address.trim().parse().ok())
 }
 
 /// Logs when the API watches turn blind and when they see again (`/healthz`
@@ -816,5 +845,30 @@ mod tests {
         assert_eq!(at("2026-13-01T00:00:00Z"), None);
         assert_eq!(at("yesterday"), None);
         assert_eq!(at("2026-11-29 14:00:00Z"), None);
+    }
+
+    #[test]
+    fn the_node_primary_ipv4_is_the_first_internal_then_external_one() {
+        let node = |addresses: &str| -> k8s_openapi::api::core::v1::Node {
+            serde_json::from_str(&format!(
+                r#"{{"metadata":{{"name":"n"}},"status":{{"addresses":[{addresses}]}}}}"#
+            ))
+            .unwrap()
+        };
+        let address = |kind: &str, ip: &str| format!(r#"{{"type":"{kind}","address":"{ip}"}}"#);
+        let dual = node(
+            &[
+                address("Hostname", "n"),
+                address("ExternalIP", "203.0.113.5"),
+                address("InternalIP", "fd00::5"),
+                address("InternalIP", "192.168.1.5"),
+            ]
+            .join(","),
+        );
+        assert_eq!(node_primary_ipv4(&dual), Some("192.168.1.5".parse().unwrap()));
+        let external_only = node(&address("ExternalIP", "203.0.113.5"));
+        assert_eq!(node_primary_ipv4(&external_only), Some("203.0.113.5".parse().unwrap()));
+        assert_eq!(node_primary_ipv4(&node(&address("InternalIP", "fd00::5"))), None);
+        assert_eq!(node_primary_ipv4(&node("")), None);
     }
 }
