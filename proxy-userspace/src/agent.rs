@@ -317,6 +317,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         socket_lb: socket_lb.mode,
         pod_interfaces: selector,
         node_addresses: None,
+        last_good: Default::default(),
     };
     // healthCheckNodePorts answer on every address, as kube-proxy's do when
     // --nodeport-addresses is not restricted.
@@ -382,6 +383,8 @@ struct SyncLoop<'a> {
     pod_interfaces: InterfaceSelector,
     /// As last written to the maps.
     node_addresses: Option<NodeAddresses>,
+    /// Objects whose new version is invalid keep their last valid one.
+    last_good: crate::last_good::LastGood,
 }
 
 impl SyncLoop<'_> {
@@ -419,13 +422,13 @@ impl SyncLoop<'_> {
     fn sync(&mut self, changes: &Changes, options: &ModelOptions) -> Vec<model::HealthCheck> {
         let started = Instant::now();
         let pending = changes.take_pending();
-        let snapshot = changes.objects();
         let options = &ModelOptions {
             node_addresses: self.refresh_node_addresses(changes.node_primary_ipv4()),
             // --node-zone wins over the Node object's label.
             zone: options.zone.clone().or_else(|| changes.node_zone()),
             ..options.clone()
         };
+        let snapshot = self.last_good.admit(changes.objects(), options);
         let (desired, model_errors) = match &mut self.cache {
             Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
             None => model::build_with(&snapshot.services, &snapshot.slices, options),

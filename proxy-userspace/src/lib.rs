@@ -9,6 +9,7 @@ pub mod dump;
 pub mod gc;
 pub mod health;
 pub mod kube_proxy_config;
+pub mod last_good;
 pub mod manifest;
 pub mod manifest_watch;
 pub mod metrics;

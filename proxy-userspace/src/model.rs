@@ -618,6 +618,38 @@ impl ModelStats {
     }
 }
 
+/// What is wrong with one Service on its own (its fields, not its conflicts with other Services):
+/// the errors [`build_with`] would report for it. Empty for a valid Service, and for one kproxy skips
+/// without an error (headless, ExternalName, another proxy's).
+pub fn service_problems(svc: &Sourced<Service>, options: &ModelOptions) -> Vec<ManifestError> {
+    let mut errors = Vec::new();
+    let filter = filter_of(options);
+    plan_service(
+        svc,
+        &filter,
+        &mut errors,
+        &mut ModelStats::default(),
+        &mut HashSet::new(),
+        &mut HashMap::new(),
+    );
+    errors
+}
+
+/// What is wrong with one EndpointSlice on its own; see [`service_problems`].
+pub fn slice_problems(slice: &Sourced<EndpointSlice>, options: &ModelOptions) -> Vec<ManifestError> {
+    let mut errors = Vec::new();
+    use_slice(slice, &filter_of(options), &HashSet::new(), &mut errors, &mut HashMap::new());
+    errors
+}
+
+fn filter_of(options: &ModelOptions) -> Filter<'_> {
+    Filter {
+        node_name: options.node_name.as_deref().filter(|n| !n.is_empty()),
+        proxy_name: options.service_proxy_name.as_deref().filter(|n| !n.is_empty()),
+        zone: options.zone.as_deref().filter(|z| !z.is_empty()),
+    }
+}
+
 /// Validates the Services and EndpointSlices and builds each Service's candidate frontends.
 pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<EndpointSlice>>>(
     services: &[S],
@@ -626,11 +658,7 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
 ) -> Parts {
     let mut errors = Vec::new();
     let mut stats = ModelStats { services_seen: services.len(), ..Default::default() };
-    let filter = Filter {
-        node_name: options.node_name.as_deref().filter(|n| !n.is_empty()),
-        proxy_name: options.service_proxy_name.as_deref().filter(|n| !n.is_empty()),
-        zone: options.zone.as_deref().filter(|z| !z.is_empty()),
-    };
+    let filter = filter_of(options);
     // A repeated address would only make a Service collide with itself.
     let mut node_addresses = options.node_addresses.clone();
     node_addresses.sort();

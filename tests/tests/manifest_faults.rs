@@ -216,6 +216,46 @@ fn a_type_error_in_an_endpoint_slice_keeps_its_backends() {
     assert_eq!(gauge(&cluster, "kproxy_manifest_objects_kept_last_good"), Some(1));
 }
 
+/// Validation, not parsing: the documents parse, but the new versions have a cluster IP that is no
+/// address (the whole Service would be skipped) and endpoints whose addresses are not addresses (every
+/// backend would go). Both keep their last valid version (`last_good.rs`), for the API server source
+/// too; the fixed versions are applied.
+#[test]
+fn an_invalid_new_version_keeps_the_last_valid_one() {
+    let cluster = Cluster::start("mf-invalid");
+    let before = programmed(&cluster);
+    let web = cluster.manifest("web.yaml");
+    replace_in(&web, "  clusterIP: 10.96.0.100\n", "  clusterIP: 10.96.0.300\n");
+    for i in 11..=13 {
+        replace_in(&web, &format!("  - 10.244.0.{i}\n"), &format!("  - 10.244.0.{}\n", i + 290));
+    }
+
+    let service = logged_line(
+        &cluster,
+        &["Service default/web", "spec.clusterIP", "last good version stays programmed"],
+    );
+    assert!(service.contains("\"10.96.0.300\" is not an IP address"), "{service}");
+    let slice = logged_line(
+        &cluster,
+        &[
+            "EndpointSlice default/web-7x2kq",
+            "endpoints[0].addresses[0]",
+            "last good version stays programmed",
+        ],
+    );
+    assert!(slice.contains("10.244.0.301"), "{slice}");
+    holds_for(&cluster, &before, FAULT_WINDOW);
+
+    // Fixed, with a change: the new version is programmed.
+    replace_in(&web, "  clusterIP: 10.96.0.300\n", "  clusterIP: 10.96.0.100\n");
+    for i in 11..=13 {
+        replace_in(&web, &format!("  - 10.244.0.{}\n", i + 290), &format!("  - 10.244.0.{i}\n"));
+    }
+    replace_in(&web, "  - 10.244.0.13\n", "  - 10.244.0.12\n");
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 2)]);
+    web_answers(&cluster);
+}
+
 #[test]
 fn the_manifests_directory_vanishing_changes_nothing() {
     let cluster = Cluster::start("mf-vanish");
