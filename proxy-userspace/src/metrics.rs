@@ -606,7 +606,7 @@ impl Metrics {
             );
         }
         header(&mut out, BUILD_INFO, "kproxy's version and the commit it was built from; always 1", "gauge");
-        sample(&mut out, BUILD_INFO, &[("version", BUILD_VERSION), ("commit", BUILD_COMMIT)], "1");
+        sample(&mut out, BUILD_INFO, &[("commit", BUILD_COMMIT), ("version", BUILD_VERSION)], "1");
         render_process(&mut out, &ProcessStats::read());
         out
     }
@@ -1101,7 +1101,7 @@ mod tests {
         }
         assert_eq!(exp.value(CT_RECONCILER_DELETED, &v4), Some("0"));
         assert_eq!(
-            exp.value(BUILD_INFO, &[("version", env!("CARGO_PKG_VERSION")), ("commit", BUILD_COMMIT)]),
+            exp.value(BUILD_INFO, &[("commit", BUILD_COMMIT), ("version", env!("CARGO_PKG_VERSION"))]),
             Some("1")
         );
         assert!(!BUILD_COMMIT.is_empty());
