@@ -51,8 +51,8 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Failed lists in a row after which a watched kind counts as blind before its
 /// progress timeout: it needs a list (it never had one, or the server said its
 /// resourceVersion is gone, so changes are being missed) and cannot get one.
-/// With kube-runtime's default backoff (0.8 s doubling) that is about 25 s
-/// after the need arose.
+/// With kube-runtime's default backoff (0.8 s doubling, up to twice that with
+/// its jitter) the fifth failure comes 12 to 24 s after the first.
 pub const LIST_FAILURES_BLIND: u32 = 5;
 
 /// Shared proxier health state; cheap to clone.
@@ -86,6 +86,8 @@ struct SourceState {
     last_list_error: String,
     /// What went wrong since the last progress, if anything.
     last_error: Option<String>,
+    /// When the list under way was asked for.
+    listing_since: Option<SystemTime>,
 }
 
 impl SourceState {
@@ -106,6 +108,10 @@ impl SourceState {
             seconds(silent),
             seconds(self.progress_timeout)
         );
+        if let Some(asked) = self.listing_since {
+            let waited = now.duration_since(asked).unwrap_or_default();
+            reason.push_str(&format!("; a list has waited {} for an answer", seconds(waited)));
+        }
         if let Some(error) = &self.last_error {
             reason.push_str("; last error: ");
             reason.push_str(error);
@@ -199,6 +205,7 @@ impl Health {
             list_failures: 0,
             last_list_error: String::new(),
             last_error: None,
+            listing_since: None,
         };
         self.lock().sources.insert(name, source);
         SourceHealth { health: self.clone(), name }
@@ -260,15 +267,24 @@ impl SourceHealth {
         });
     }
 
+    /// A list was asked for at `at`.
+    pub fn listing(&self, at: SystemTime) {
+        self.update(|source| source.listing_since = Some(at));
+    }
+
     /// A complete list at `at`: the snapshot was replaced.
     pub fn listed(&self, at: SystemTime) {
         self.progress(at);
-        self.update(|source| source.list_failures = 0);
+        self.update(|source| {
+            source.list_failures = 0;
+            source.listing_since = None;
+        });
     }
 
     /// A list failed with `error`.
     pub fn list_failed(&self, error: &str) {
         self.update(|source| {
+            source.listing_since = None;
             source.list_failures += 1;
             source.last_list_error = error.to_owned();
             source.last_error = Some(format!("list failed: {error}"));
@@ -802,6 +818,10 @@ mod tests {
         assert!(health.blind(t0 + Duration::from_secs(2)).is_some());
         services.listed(t0 + Duration::from_secs(3));
         assert_eq!(health.blind(t0 + Duration::from_secs(3)), None);
+        // A list under way is named.
+        services.listing(t0 + Duration::from_secs(195));
+        let reason = health.blind(t0 + Duration::from_secs(200)).unwrap();
+        assert!(reason.contains("(limit 120s); a list has waited 5s for an answer"), "{reason}");
         // Past the timeout the last list error is named.
         services.list_failed(error);
         let reason = health.blind(t0 + Duration::from_secs(200)).unwrap();

@@ -553,26 +553,33 @@ async fn reflect<K>(
     };
     let mut backoff = DefaultBackoff::default();
     let mut resume: Option<String> = None;
+    let mut last_listed: Option<tokio::time::Instant> = None;
     loop {
         let error = match resume.take() {
-            None => match list_all(&api, &list_params).await {
-                Ok((objects, version)) => {
-                    tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
-                    if let Some(health) = &health {
-                        health.listed(SystemTime::now());
-                    }
-                    apply(Update::Listed(objects));
-                    backoff.reset();
-                    resume = Some(version);
-                    continue;
+            None => {
+                if let Some(health) = &health {
+                    health.listing(SystemTime::now());
                 }
-                Err(error) => {
-                    if let Some(health) = &health {
-                        health.list_failed(&error);
+                match list_all(&api, &list_params).await {
+                    Ok((objects, version)) => {
+                        tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
+                        if let Some(health) = &health {
+                            health.listed(SystemTime::now());
+                        }
+                        apply(Update::Listed(objects));
+                        backoff.reset();
+                        resume = Some(version);
+                        last_listed = Some(tokio::time::Instant::now());
+                        continue;
                     }
-                    format!("list failed: {error}")
+                    Err(error) => {
+                        if let Some(health) = &health {
+                            health.list_failed(&error);
+                        }
+                        format!("list failed: {error}")
+                    }
                 }
-            },
+            }
             Some(version) => {
                 let request = WatchRequest {
                     client: &client,
@@ -591,6 +598,13 @@ async fn reflect<K>(
                             health.failed(&error);
                         }
                         resume = next;
+                        // A 410 or a lost change: the server answers, the view is stale, so list
+                        // at once; unless the last list was just now (a server that fails every
+                        // watch that way is backed off like any failure).
+                        if resume.is_none() && last_listed.is_none_or(|at| at.elapsed() >= SHORT_WATCH) {
+                            tracing::warn!(%kind, %error, "watch failed; listing again");
+                            continue;
+                        }
                         error
                     }
                 }

@@ -29,6 +29,16 @@
 //! - errors are `Status` objects (`404 NotFound`, `400 BadRequest`, `405 MethodNotAllowed`,
 //!   `500 InternalError` from [`ApiServer::fail_next`]).
 //!
+//! Faults, for testing how a client copes (each as a real server or the network between shows it):
+//! [`ApiServer::expire_watches_with_410`] (an expired watch answered `410 Gone` itself rather than
+//! with an ERROR event), [`ApiServer::cut_next_events`] (half an event line, then the connection
+//! closes), [`ApiServer::garble_next_events`] (a line that is not an event in place of one),
+//! [`ApiServer::truncate_next_events`] (half an event line, then the stream goes on),
+//! [`ApiServer::fail_lists`] (`500` on every list), [`ApiServer::delay_lists`],
+//! [`ApiServer::hold_watches`] (`timeoutSeconds` ignored, so only bookmarks show the watch is
+//! alive), [`ApiServer::stop_answering`] (requests read but not answered, open watches silent) and
+//! [`ApiServer::refuse_connections`] (nothing listening: connections refused).
+//!
 //! Not implemented: writes over HTTP (tests change state through [`ApiServer::apply`] and
 //! friends), defaulting/validation/allocation (objects are stored as given), other kinds,
 //! authentication, TLS, protobuf, gzip.
@@ -38,11 +48,11 @@ use std::fs::File;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize;
@@ -155,12 +165,46 @@ struct State {
     /// Bumped by `send_bookmarks`.
     bookmark_epoch: u64,
     fail_next: usize,
+    faults: Faults,
+    /// Bookmarks written on watches, oldest first.
+    bookmarks: Vec<BookmarkSent>,
+    /// Bumped by `refuse_connections`: the accept thread of an older epoch stops.
+    listen_epoch: u64,
     requests: Vec<String>,
     /// Open connections (clones, to shut them down on drop).
     conns: HashMap<u64, TcpStream>,
     next_conn: u64,
     threads: Vec<JoinHandle<()>>,
     stopping: bool,
+}
+
+/// What the server is told to get wrong (see the fault methods of [`ApiServer`]).
+#[derive(Default)]
+struct Faults {
+    /// A watch from an expired resourceVersion gets an HTTP `410` answer, not a stream with an ERROR.
+    expired_watch_as_status: bool,
+    /// The next this many event lines any watch sends are cut in half, then the connection closes.
+    cut_events: usize,
+    /// The next this many event lines any watch sends are replaced by [`GARBAGE_LINE`].
+    garble_events: usize,
+    /// The next this many event lines any watch sends lose their second half (the stream goes on).
+    truncate_events: usize,
+    lists_fail: bool,
+    list_delay: Duration,
+    hold_watches: bool,
+    silent: bool,
+}
+
+/// What a garbled event line is replaced by: a proxy's error page, one line of it.
+pub const GARBAGE_LINE: &str = "<html><body><h1>502 Bad Gateway</h1></body></html>";
+
+/// A `BOOKMARK` the server wrote on a watch.
+#[derive(Clone, Debug)]
+pub struct BookmarkSent {
+    /// The watched kind (`Service`, `EndpointSlice`, `Node`).
+    pub kind: &'static str,
+    pub resource_version: u64,
+    pub at: Instant,
 }
 
 struct Shared {
@@ -179,16 +223,24 @@ impl Shared {
 pub struct ApiServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
-    /// A clone of the listening socket, shut down on drop to wake the accept thread.
+    /// The network namespace it listens in (None: the caller's), to listen again after
+    /// [`ApiServer::refuse_connections`].
+    netns: Option<PathBuf>,
+    listening: Mutex<Option<Listening>>,
+}
+
+/// The listening socket and its accept thread.
+struct Listening {
+    /// A clone of the listening socket, shut down to wake the accept thread.
     listener: TcpListener,
-    accept: Option<JoinHandle<()>>,
+    accept: JoinHandle<()>,
 }
 
 impl ApiServer {
     /// Listens on 127.0.0.1:<ephemeral> in the caller's network namespace.
     pub fn start() -> Result<ApiServer> {
         let listener = TcpListener::bind("127.0.0.1:0").context("binding the API server on 127.0.0.1")?;
-        Self::serve(listener)
+        Self::serve(listener, None)
     }
 
     /// Listens on 127.0.0.1:<ephemeral> inside the network namespace at `netns_path` (e.g.
@@ -197,24 +249,11 @@ impl ApiServer {
     /// running there (`nsenter --net=…`) can reach it. Brings the namespace's `lo` up if it is down
     /// (as in a fresh `ip netns add` namespace).
     pub fn start_in_netns(netns_path: &Path) -> Result<ApiServer> {
-        let path = netns_path.to_path_buf();
-        let listener = std::thread::spawn(move || -> Result<TcpListener> {
-            let ns = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-            // SAFETY: plain syscall on a valid fd; it only changes this (helper) thread.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error()).context(format!("setns({})", path.display()));
-            }
-            // A fresh namespace has lo down: bind() works but nothing can connect.
-            bring_lo_up().context("bringing lo up")?;
-            Ok(TcpListener::bind("127.0.0.1:0")?)
-        })
-        .join()
-        .map_err(|_| anyhow!("the netns helper thread panicked"))?
-        .with_context(|| format!("listening on 127.0.0.1 in {}", netns_path.display()))?;
-        Self::serve(listener)
+        let listener = listen_in_netns(netns_path, "127.0.0.1:0".parse()?)?;
+        Self::serve(listener, Some(netns_path.to_path_buf()))
     }
 
-    fn serve(listener: TcpListener) -> Result<ApiServer> {
+    fn serve(listener: TcpListener, netns: Option<PathBuf>) -> Result<ApiServer> {
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -225,6 +264,9 @@ impl ApiServer {
                 watch_epoch: 0,
                 bookmark_epoch: 0,
                 fail_next: 0,
+                faults: Faults::default(),
+                bookmarks: Vec::new(),
+                listen_epoch: 0,
                 requests: Vec::new(),
                 conns: HashMap::new(),
                 next_conn: 0,
@@ -233,12 +275,54 @@ impl ApiServer {
             }),
             changed: Condvar::new(),
         });
+        let listening = Self::accept_on(&shared, listener, 0)?;
+        Ok(ApiServer { shared, addr, netns, listening: Mutex::new(Some(listening)) })
+    }
+
+    fn accept_on(shared: &Arc<Shared>, listener: TcpListener, epoch: u64) -> Result<Listening> {
         let accept_listener = listener.try_clone()?;
         let accept_shared = shared.clone();
         let accept = std::thread::Builder::new()
             .name("apiserver-accept".into())
-            .spawn(move || serve::accept_loop(&accept_shared, &accept_listener))?;
-        Ok(ApiServer { shared, addr, listener, accept: Some(accept) })
+            .spawn(move || serve::accept_loop(&accept_shared, &accept_listener, epoch))?;
+        Ok(Listening { listener, accept })
+    }
+
+    /// Closes the listening socket and every connection (clients see their watches end and then
+    /// `connection refused`) until [`ApiServer::accept_connections`].
+    pub fn refuse_connections(&self) {
+        let listening = self.listening.lock().unwrap_or_else(|p| p.into_inner()).take();
+        {
+            let mut st = self.shared.lock();
+            st.listen_epoch += 1;
+            for conn in st.conns.values() {
+                let _ = conn.shutdown(Shutdown::Both);
+            }
+        }
+        self.shared.changed.notify_all();
+        if let Some(listening) = listening {
+            // Wakes the blocked accept() (EINVAL on Linux); the thread sees the new epoch and ends.
+            // SAFETY: plain syscall on a valid fd we own.
+            unsafe { libc::shutdown(listening.listener.as_raw_fd(), libc::SHUT_RDWR) };
+            let _ = listening.accept.join();
+        }
+    }
+
+    /// Listens again, on the same address, after [`ApiServer::refuse_connections`].
+    pub fn accept_connections(&self) -> Result<()> {
+        let mut listening = self.listening.lock().unwrap_or_else(|p| p.into_inner());
+        if listening.is_some() {
+            return Ok(());
+        }
+        let listener = match &self.netns {
+            Some(path) => listen_in_netns(path, self.addr)?,
+            None => {
+                TcpListener::bind(self.addr).with_context(|| format!("listening on {} again", self.addr))?
+            }
+        };
+        let epoch = self.shared.lock().listen_epoch;
+        *listening = Some(Self::accept_on(&self.shared, listener, epoch)?);
+        Ok(())
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -381,6 +465,84 @@ impl ApiServer {
     pub fn fail_next(&self, n: usize) {
         self.shared.lock().fail_next = n;
     }
+
+    fn set_fault(&self, set: impl FnOnce(&mut Faults)) {
+        set(&mut self.shared.lock().faults);
+        self.shared.changed.notify_all();
+    }
+
+    /// While on, a watch from a resourceVersion older than the last [`ApiServer::compact`] is
+    /// answered `410 Gone` with an `Expired` Status (the HTTP status of the watch request itself),
+    /// instead of a `200` stream holding one ERROR event.
+    pub fn expire_watches_with_410(&self, on: bool) {
+        self.set_fault(|f| f.expired_watch_as_status = on);
+    }
+
+    /// The next `n` event lines (ADDED/MODIFIED/DELETED, on any watch) are cut: the first half of
+    /// the line is written (inside a chunk announced at full length), then the connection closes.
+    pub fn cut_next_events(&self, n: usize) {
+        self.set_fault(|f| f.cut_events = n);
+    }
+
+    /// The next `n` event lines (on any watch) are replaced by [`GARBAGE_LINE`]; the stream goes
+    /// on, so the change each carried is lost to that watch.
+    pub fn garble_next_events(&self, n: usize) {
+        self.set_fault(|f| f.garble_events = n);
+    }
+
+    /// The next `n` event lines (on any watch) lose their second half: a JSON object cut short,
+    /// then a newline, and the stream goes on.
+    pub fn truncate_next_events(&self, n: usize) {
+        self.set_fault(|f| f.truncate_events = n);
+    }
+
+    /// Event lines still to be cut, garbled or truncated (0 once those faults have struck).
+    pub fn faults_pending(&self) -> usize {
+        let st = self.shared.lock();
+        st.faults.cut_events + st.faults.garble_events + st.faults.truncate_events
+    }
+
+    /// While on, every list (a collection `GET` without `watch`) fails with `500 InternalError`.
+    pub fn fail_lists(&self, on: bool) {
+        self.set_fault(|f| f.lists_fail = on);
+    }
+
+    /// Lists are answered `delay` late (with the objects as they are then).
+    pub fn delay_lists(&self, delay: Duration) {
+        self.set_fault(|f| f.list_delay = delay);
+    }
+
+    /// While on, watches ignore `timeoutSeconds` and stay open until dropped (or the server stops),
+    /// so bookmarks are the only sign of life of a quiet watch.
+    pub fn hold_watches(&self, on: bool) {
+        self.set_fault(|f| f.hold_watches = on);
+    }
+
+    /// From now until [`ApiServer::answer_again`] requests are read but not answered and open
+    /// watches send nothing (no events, no bookmarks, no end), as a server that hangs or a network
+    /// that drops everything; held requests are then answered, held watches carry on.
+    pub fn stop_answering(&self) {
+        self.set_fault(|f| f.silent = true);
+    }
+
+    /// Ends [`ApiServer::stop_answering`].
+    pub fn answer_again(&self) {
+        self.set_fault(|f| f.silent = false);
+    }
+
+    /// Forgets the event history up to the current resourceVersion without taking a new one or
+    /// ending any watch: a client that is up to date (through an event or a bookmark) can still
+    /// resume from its resourceVersion, an older one gets `410 Expired`.
+    pub fn forget_history(&self) {
+        let mut st = self.shared.lock();
+        st.compacted = st.rv;
+        st.events.clear();
+    }
+
+    /// Every `BOOKMARK` written so far, oldest first.
+    pub fn bookmarks_sent(&self) -> Vec<BookmarkSent> {
+        self.shared.lock().bookmarks.clone()
+    }
 }
 
 impl Drop for ApiServer {
@@ -393,11 +555,11 @@ impl Drop for ApiServer {
             }
         }
         self.shared.changed.notify_all();
-        // Wakes the blocked accept() (EINVAL on Linux).
-        // SAFETY: plain syscall on a valid fd we own.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        if let Some(accept) = self.accept.take() {
-            let _ = accept.join();
+        if let Some(listening) = self.listening.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            // Wakes the blocked accept() (EINVAL on Linux).
+            // SAFETY: plain syscall on a valid fd we own.
+            unsafe { libc::shutdown(listening.listener.as_raw_fd(), libc::SHUT_RDWR) };
+            let _ = listening.accept.join();
         }
         let threads = std::mem::take(&mut self.shared.lock().threads);
         for thread in threads {
@@ -435,6 +597,26 @@ fn identify(object: &mut Value) -> Result<(Kind, Key)> {
         String::new()
     };
     Ok((kind, (kind, ns, name)))
+}
+
+/// A listening socket on `addr` inside the network namespace at `netns_path`: a helper thread
+/// enters the namespace and creates it (the socket stays in that namespace), bringing `lo` up first
+/// if it is down.
+fn listen_in_netns(netns_path: &Path, addr: SocketAddr) -> Result<TcpListener> {
+    let path = netns_path.to_path_buf();
+    std::thread::spawn(move || -> Result<TcpListener> {
+        let ns = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: plain syscall on a valid fd; it only changes this (helper) thread.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error()).context(format!("setns({})", path.display()));
+        }
+        // A fresh namespace has lo down: bind() works but nothing can connect.
+        bring_lo_up().context("bringing lo up")?;
+        Ok(TcpListener::bind(addr)?)
+    })
+    .join()
+    .map_err(|_| anyhow!("the netns helper thread panicked"))?
+    .with_context(|| format!("listening on {addr} in {}", netns_path.display()))
 }
 
 /// Sets IFF_UP on `lo` in the calling thread's network namespace.

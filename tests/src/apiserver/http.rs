@@ -168,6 +168,14 @@ pub(super) fn write_chunks(mut out: &TcpStream, lines: &[String]) -> io::Result<
     out.write_all(&buf)
 }
 
+/// Announces a chunk of `line`'s length and writes only the first half of it: a stream cut in the
+/// middle of an event.
+pub(super) fn write_half_chunk(mut out: &TcpStream, line: &str) -> io::Result<()> {
+    let mut buf = format!("{:x}\r\n", line.len()).into_bytes();
+    buf.extend_from_slice(&line.as_bytes()[..line.len() / 2]);
+    out.write_all(&buf)
+}
+
 /// Ends a chunked stream cleanly.
 pub(super) fn write_stream_end(mut out: &TcpStream) -> io::Result<()> {
     out.write_all(b"0\r\n\r\n")

@@ -1,7 +1,7 @@
 //! Connections, routing, list/get and watch.
 
 use std::io::{self, BufReader};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,16 +10,17 @@ use serde_json::{Value, json};
 
 use super::http::{self, Request};
 use super::selector::{FieldSelector, LabelSelector};
-use super::{BOOKMARK_INTERVAL, EventType, Kind, Shared, State, status};
+use super::{BOOKMARK_INTERVAL, BookmarkSent, EventType, GARBAGE_LINE, Kind, Shared, State, status};
 
 /// A watch without `timeoutSeconds` ends after this long (the real server picks 30–60 min).
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 
-pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+/// Accepts until the server stops or stops listening (`listen_epoch` moves past `epoch`).
+pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, epoch: u64) {
     loop {
         let accepted = listener.accept();
         let mut st = shared.lock();
-        if st.stopping {
+        if st.stopping || st.listen_epoch != epoch {
             return;
         }
         let stream = match accepted {
@@ -98,6 +99,17 @@ fn handle(shared: &Shared, stream: &TcpStream, req: &Request) -> io::Result<()> 
     {
         let mut st = shared.lock();
         st.requests.push(format!("{} {}", req.method, req.target));
+        // Not answering: hold the request until told to answer again, or the client gives up.
+        while st.faults.silent && !st.stopping {
+            if peer_closed(stream) {
+                return Err(io::ErrorKind::ConnectionAborted.into());
+            }
+            st = shared
+                .changed
+                .wait_timeout(st, Duration::from_millis(200))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
         if st.fail_next > 0 {
             st.fail_next -= 1;
             drop(st);
@@ -128,6 +140,21 @@ fn handle(shared: &Shared, stream: &TcpStream, req: &Request) -> io::Result<()> 
     };
     if matches!(req.param("watch"), Some("true" | "1")) {
         return watch(shared, stream, req, &filter);
+    }
+    if route.name.is_none() {
+        let (fail, delay) = {
+            let st = shared.lock();
+            (st.faults.lists_fail, st.faults.list_delay)
+        };
+        if fail {
+            let body = status(
+                500,
+                "InternalError",
+                "an error on the server (\"lists fail, as the test asked\") has prevented the request from succeeding",
+            );
+            return http::write_json(stream, 500, &body, keep);
+        }
+        pause(shared, delay);
     }
     let (code, body) = match &route.name {
         Some(name) => get(&shared.lock(), &route, name),
@@ -268,6 +295,19 @@ fn bookmark_line(kind: Kind, rv: u64, initial_events_end: bool) -> String {
     )
 }
 
+/// Waits `delay`, or less if the server stops.
+fn pause(shared: &Shared, delay: Duration) {
+    let until = Instant::now() + delay;
+    let mut st = shared.lock();
+    while !st.stopping {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        st = shared.changed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
+
 /// True once the client has closed (or reset) its side of the connection.
 fn peer_closed(stream: &TcpStream) -> bool {
     let mut fds = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
@@ -304,6 +344,11 @@ fn watch(shared: &Shared, stream: &TcpStream, req: &Request, filter: &Filter) ->
     let mut bookmark_epoch = st.bookmark_epoch;
     let mut first = Vec::new();
     let mut cursor = match since {
+        Some(rv) if rv < st.compacted && !initial_events && st.faults.expired_watch_as_status => {
+            let message = format!("too old resource version: {rv} ({})", st.compacted);
+            drop(st);
+            return http::write_json(stream, 410, &status(410, "Expired", &message), req.keep_alive);
+        }
         Some(rv) if rv < st.compacted && !initial_events => {
             let message = format!("too old resource version: {rv} ({})", st.compacted);
             drop(st);
@@ -327,41 +372,71 @@ fn watch(shared: &Shared, stream: &TcpStream, req: &Request, filter: &Filter) ->
 
     loop {
         let mut lines = Vec::new();
+        // An event line to write only half of before closing the connection.
+        let mut cut = None;
         let mut st = shared.lock();
         loop {
             let now = Instant::now();
-            if st.stopping || st.watch_epoch != epoch || now >= deadline {
+            let silent = st.faults.silent;
+            let held = st.faults.hold_watches || silent;
+            if st.stopping || st.watch_epoch != epoch || (now >= deadline && !held) {
                 drop(st);
                 return http::write_stream_end(stream);
             }
-            let start = st.events.partition_point(|e| e.rv <= cursor);
-            for event in st.events.range(start..).filter(|e| e.kind == filter.kind) {
-                let now_matches = filter.matches(&event.object);
-                let line = match (event.etype, event.prev.as_ref().map(|prev| filter.matches(prev))) {
-                    (EventType::Modified, Some(true)) if !now_matches => {
-                        // Stopped matching: DELETED with the old state at the new resourceVersion.
-                        let mut old = event.prev.clone().unwrap_or_default();
-                        old["metadata"]["resourceVersion"] = event.rv.to_string().into();
-                        Some(event_line("DELETED", &old))
-                    }
-                    (EventType::Modified, Some(false)) if now_matches => {
-                        Some(event_line("ADDED", &event.object))
-                    }
-                    (EventType::Modified, Some(false)) => None,
-                    (etype, _) if now_matches => Some(event_line(etype.as_str(), &event.object)),
-                    _ => None,
-                };
-                lines.extend(line);
-            }
-            cursor = cursor.max(st.rv);
-            if st.bookmark_epoch != bookmark_epoch {
-                bookmark_epoch = st.bookmark_epoch;
-                if bookmarks {
-                    lines.push(bookmark_line(filter.kind, cursor, false));
+            if !silent {
+                let start = st.events.partition_point(|e| e.rv <= cursor);
+                let mut event_lines = Vec::new();
+                for event in st.events.range(start..).filter(|e| e.kind == filter.kind) {
+                    let now_matches = filter.matches(&event.object);
+                    let line = match (event.etype, event.prev.as_ref().map(|prev| filter.matches(prev))) {
+                        (EventType::Modified, Some(true)) if !now_matches => {
+                            // Stopped matching: DELETED with the old state at the new resourceVersion.
+                            let mut old = event.prev.clone().unwrap_or_default();
+                            old["metadata"]["resourceVersion"] = event.rv.to_string().into();
+                            Some(event_line("DELETED", &old))
+                        }
+                        (EventType::Modified, Some(false)) if now_matches => {
+                            Some(event_line("ADDED", &event.object))
+                        }
+                        (EventType::Modified, Some(false)) => None,
+                        (etype, _) if now_matches => Some(event_line(etype.as_str(), &event.object)),
+                        _ => None,
+                    };
+                    event_lines.extend(line);
                 }
-            }
-            if bookmarks && lines.is_empty() && now >= last_sent + BOOKMARK_INTERVAL {
-                lines.push(bookmark_line(filter.kind, cursor, false));
+                cursor = cursor.max(st.rv);
+                for line in event_lines {
+                    if st.faults.cut_events > 0 {
+                        st.faults.cut_events -= 1;
+                        cut = Some(line);
+                        break;
+                    }
+                    if st.faults.garble_events > 0 {
+                        st.faults.garble_events -= 1;
+                        lines.push(format!("{GARBAGE_LINE}\n"));
+                    } else if st.faults.truncate_events > 0 {
+                        st.faults.truncate_events -= 1;
+                        lines.push(format!("{}\n", &line[..line.len() / 2]));
+                    } else {
+                        lines.push(line);
+                    }
+                }
+                if cut.is_some() {
+                    break;
+                }
+                let mut bookmark = false;
+                if st.bookmark_epoch != bookmark_epoch {
+                    bookmark_epoch = st.bookmark_epoch;
+                    bookmark = bookmarks;
+                }
+                if bookmarks && lines.is_empty() && now >= last_sent + BOOKMARK_INTERVAL {
+                    bookmark = true;
+                }
+                if bookmark {
+                    lines.push(bookmark_line(filter.kind, cursor, false));
+                    let sent = BookmarkSent { kind: filter.kind.name(), resource_version: cursor, at: now };
+                    st.bookmarks.push(sent);
+                }
             }
             if !lines.is_empty() {
                 break;
@@ -370,8 +445,10 @@ fn watch(shared: &Shared, stream: &TcpStream, req: &Request, filter: &Filter) ->
             if peer_closed(stream) {
                 return Ok(());
             }
-            let mut wait = deadline.saturating_duration_since(now).min(Duration::from_secs(1));
-            if bookmarks {
+            let mut wait =
+                if held { Duration::from_secs(1) } else { deadline.saturating_duration_since(now) };
+            wait = wait.min(Duration::from_secs(1));
+            if bookmarks && !silent {
                 wait = wait.min((last_sent + BOOKMARK_INTERVAL).saturating_duration_since(now));
             }
             st = shared.lock();
@@ -380,6 +457,7 @@ fn watch(shared: &Shared, stream: &TcpStream, req: &Request, filter: &Filter) ->
                 || st.bookmark_epoch != bookmark_epoch
                 || st.watch_epoch != epoch
                 || st.stopping
+                || st.faults.silent != silent
             {
                 continue;
             }
@@ -387,6 +465,11 @@ fn watch(shared: &Shared, stream: &TcpStream, req: &Request, filter: &Filter) ->
         }
         drop(st);
         http::write_chunks(stream, &lines)?;
+        if let Some(line) = cut {
+            http::write_half_chunk(stream, &line)?;
+            let _ = stream.shutdown(Shutdown::Both);
+            return Ok(());
+        }
         last_sent = Instant::now();
     }
 }

@@ -500,6 +500,137 @@ fn injected_failures_and_drop_close_connections() {
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 }
 
+#[test]
+fn an_expired_watch_can_be_answered_410_itself() {
+    let server = ApiServer::start().unwrap();
+    server.apply(service("a", "one", json!({}), 1));
+    server.compact();
+    server.expire_watches_with_410(true);
+    let mut c = Client::connect(server.addr());
+    let (code, status) = c.get("/api/v1/services?watch=true&resourceVersion=1");
+    assert_eq!(
+        (code, status["kind"].as_str(), status["reason"].as_str()),
+        (410, Some("Status"), Some("Expired"))
+    );
+    assert_eq!(status["message"], "too old resource version: 1 (2)");
+    // A watch from the compaction point is a stream as before, on the same connection.
+    c.watch("/api/v1/services?watch=true&resourceVersion=2");
+    server.apply(service("a", "two", json!({}), 2));
+    assert_eq!(summary(&c.change().unwrap()), ("ADDED".into(), "two".into(), "3".into()));
+    // Off again: the ERROR event.
+    server.expire_watches_with_410(false);
+    let mut e = Client::connect(server.addr());
+    e.watch("/api/v1/services?watch=true&resourceVersion=1");
+    assert_eq!(e.event().unwrap()["type"], "ERROR");
+}
+
+#[test]
+fn event_lines_can_be_cut_or_garbled() {
+    let server = ApiServer::start().unwrap();
+    let mut c = Client::connect(server.addr());
+    c.watch("/api/v1/services?watch=true&resourceVersion=0");
+    server.garble_next_events(1);
+    server.apply(service("a", "one", json!({}), 1));
+    server.apply(service("a", "two", json!({}), 2));
+    assert_eq!(c.read_chunk().unwrap(), format!("{GARBAGE_LINE}\n"));
+    assert_eq!(summary(&c.change().unwrap()), ("ADDED".into(), "two".into(), "2".into()));
+    assert_eq!(server.faults_pending(), 0);
+    server.truncate_next_events(1);
+    server.apply(service("a", "one", json!({}), 11));
+    server.apply(service("a", "two", json!({}), 12));
+    let half = c.read_chunk().unwrap();
+    assert!(
+        half.starts_with(r#"{"object":"#)
+            && half.ends_with('\n')
+            && serde_json::from_str::<Value>(&half).is_err()
+    );
+    assert_eq!(summary(&c.change().unwrap()), ("MODIFIED".into(), "two".into(), "4".into()));
+
+    // Cut: a chunk announced at the line's length, half of it, then the connection closes.
+    server.cut_next_events(1);
+    server.apply(service("a", "three", json!({}), 3));
+    let size = usize::from_str_radix(c.read_line().trim_end(), 16).unwrap();
+    let mut rest = Vec::new();
+    c.reader.read_to_end(&mut rest).unwrap();
+    assert_eq!(rest.len(), size / 2);
+    assert!(String::from_utf8(rest).unwrap().starts_with(r#"{"object":"#));
+    // The event itself is intact: a watch from before it gets it whole.
+    let mut again = Client::connect(server.addr());
+    again.watch("/api/v1/services?watch=true&resourceVersion=4");
+    assert_eq!(summary(&again.change().unwrap()), ("ADDED".into(), "three".into(), "5".into()));
+}
+
+#[test]
+fn lists_can_fail_or_be_slow_and_watches_held_open() {
+    let server = ApiServer::start().unwrap();
+    server.apply(service("a", "one", json!({}), 1));
+    let mut c = Client::connect(server.addr());
+    server.fail_lists(true);
+    let (code, status) = c.get("/api/v1/services?limit=500");
+    assert_eq!((code, status["reason"].as_str()), (500, Some("InternalError")));
+    assert_eq!(c.get("/api/v1/namespaces/a/services/one").0, 200, "a get is not a list");
+    server.fail_lists(false);
+    server.delay_lists(Duration::from_millis(300));
+    let started = Instant::now();
+    assert_eq!(names(&c.get("/api/v1/services").1), ["a/one"]);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    server.delay_lists(Duration::ZERO);
+
+    // Held: timeoutSeconds=1 is ignored, bookmarks keep coming, and each is recorded.
+    server.hold_watches(true);
+    let mut w = Client::connect(server.addr());
+    w.watch("/api/v1/services?watch=true&allowWatchBookmarks=true&timeoutSeconds=1&resourceVersion=1");
+    let started = Instant::now();
+    let mut marks = 0;
+    while started.elapsed() < Duration::from_millis(2500) {
+        assert_eq!(w.event().unwrap()["type"], "BOOKMARK");
+        marks += 1;
+    }
+    assert!(marks >= 2);
+    let sent = server.bookmarks_sent();
+    assert!(
+        sent.len() >= marks && sent.iter().all(|b| b.kind == "Service" && b.resource_version == 1),
+        "{sent:?}"
+    );
+    server.hold_watches(false);
+    assert_eq!(w.change(), None, "released, the watch ends (its timeout has passed)");
+}
+
+#[test]
+fn a_server_can_stop_answering_and_refuse_connections() {
+    let server = ApiServer::start().unwrap();
+    server.apply(service("a", "one", json!({}), 1));
+    let mut w = Client::connect(server.addr());
+    w.watch("/api/v1/services?watch=true&allowWatchBookmarks=true&resourceVersion=1");
+    server.stop_answering();
+    let mut c = Client::connect(server.addr());
+    c.stream.set_read_timeout(Some(Duration::from_millis(1500))).unwrap();
+    c.send("/api/v1/services");
+    let mut byte = [0u8; 1];
+    let err = c.reader.read(&mut byte).unwrap_err();
+    assert!(matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{err:?}");
+    // Silent watch: no bookmark although over a second passed; a change waits too.
+    server.apply(service("a", "two", json!({}), 2));
+    w.stream.set_read_timeout(Some(Duration::from_millis(1500))).unwrap();
+    assert!(w.reader.read(&mut byte).is_err(), "the held watch sent something");
+    server.answer_again();
+    c.stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (code, headers) = c.read_head();
+    assert_eq!(code, 200);
+    let mut body = vec![0; headers["content-length"].parse().unwrap()];
+    c.reader.read_exact(&mut body).unwrap();
+    w.stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(summary(&w.change().unwrap()), ("ADDED".into(), "two".into(), "2".into()));
+
+    server.refuse_connections();
+    let mut rest = Vec::new();
+    w.reader.read_to_end(&mut rest).expect("open connections are closed");
+    let refused = TcpStream::connect(server.addr()).unwrap_err();
+    assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+    server.accept_connections().unwrap();
+    assert_eq!(names(&Client::connect(server.addr()).get("/api/v1/services").1), ["a/one", "a/two"]);
+}
+
 /// A network namespace that is deleted on drop (panics included).
 struct TestNetns(String);
 
