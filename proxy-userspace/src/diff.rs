@@ -17,11 +17,19 @@
 //! | `name` | the names map does not hold `namespace/name:port` for the frontend |
 //! | `orphan-backend` | a backend no slot points at |
 //! | `orphan-rev-nat`, `orphan-name` | entries of no frontend |
-//! | `vip` | VIPS_V4 does not count the frontends the services map holds on a VIP |
+//! | `vip` | VIPS_V4 does not count the cluster-IP frontends the services map holds on a VIP |
+//! | `source-ranges` | the source ranges of a LoadBalancer frontend differ: missing / extra ranges |
+//! | `orphan-source-range` | a source range of no frontend |
+//! | `maglev` | the Maglev table slot 0 names does not hold the table of its active backends |
 //!
-//! VIPS_V4 is checked against the services map (what the datapath refuses
-//! must match what it translates), so a missing frontend is reported once,
-//! not again as a VIP count.
+//! Frontends are keyed as the syncer keys them ([`FrontendKey::of`]: the
+//! `externalTrafficPolicy: Local` entry of a north–south address has its own
+//! scope), and flags are compared with [`frontend_flags`]; the Maglev bit is
+//! the syncer's choice (it depends on free tables) and is checked through
+//! the table it points at. VIPS_V4 is checked against the services map (what
+//! the datapath refuses must match what it translates) and, as the syncer
+//! writes it, counts cluster-IP frontends only, so a missing frontend is
+//! reported once, not again as a VIP count.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -33,17 +41,18 @@ use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData, MapError};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::maps::{
-    BACKEND_FLAG_TERMINATING, BackendV4, FrontendNameV4, RevNatV4, SCOPE_CLUSTER_IP, ServiceKeyV4,
-    ServiceValueV4,
+    BACKEND_FLAG_TERMINATING, BackendV4, FrontendNameV4, RevNatV4, SCOPE_CLUSTER_IP, SVC_FLAG_EXTERNAL_ADDR,
+    SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4,
 };
 use serde::Serialize;
 
 use crate::{
     datapath::Maps,
     manifest::{self, ManifestError, Sourced},
+    model::Cidr4,
     model::{self, BackendAddr, Desired, Frontend, ModelOptions, Protocol},
     source::KubeOptions,
-    sync::{desired_backend_flags, frontend_flags},
+    sync::{FrontendKey, build_maglev_table, desired_backend_flags, frontend_flags},
 };
 
 /// Where the desired state comes from (as `kproxy agent` would read it).
@@ -87,6 +96,12 @@ pub struct MapState {
     pub names: BTreeMap<u16, String>,
     /// VIP → the number of frontends VIPS_V4 counts on it.
     pub vips: BTreeMap<Ipv4Addr, u32>,
+    /// rev-NAT id → its source ranges.
+    pub source_ranges: BTreeMap<u16, BTreeSet<Cidr4>>,
+    /// Maglev table number → its entries (backend ids), for the tables slot 0s name.
+    pub maglev: BTreeMap<u32, Vec<u32>>,
+    /// NODEPORT_CONFIG's Maglev seed (every table is built with it).
+    pub maglev_seed: u32,
 }
 
 impl MapState {
@@ -103,7 +118,43 @@ impl MapState {
                 .into_iter()
                 .map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends))
                 .collect(),
-        })
+            source_ranges: BTreeMap::new(),
+            maglev: BTreeMap::new(),
+            maglev_seed: maps.nodeport_config.get(&0, 0).map(|c| c.maglev_seed).unwrap_or(0),
+        }
+        .with_source_ranges(maps)?
+        .with_maglev_tables(maps))
+    }
+
+    fn with_source_ranges(mut self, maps: &Maps) -> Result<Self> {
+        for key in maps.source_ranges.keys() {
+            let key = key.context("reading the source ranges map")?;
+            let data = key.data();
+            let prefix_len = key.prefix_len().saturating_sub(proxy_common::maps::SOURCE_RANGE_ID_BITS) as u8;
+            if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
+                self.source_ranges.entry(u16::from_be_bytes(data.rev_nat_id)).or_default().insert(range);
+            }
+        }
+        Ok(self)
+    }
+
+    /// Reads the tables slot 0s point at (unreadable entries are left out: the diff reports them).
+    fn with_maglev_tables(mut self, maps: &Maps) -> Self {
+        let size = proxy_common::maglev::MAGLEV_TABLE_SIZE;
+        let tables: BTreeSet<u32> = self
+            .services
+            .iter()
+            .filter(|(k, v)| k.slot == 0 && v.flags & SVC_FLAG_MAGLEV != 0 && v.backend_id > 0)
+            .map(|(_, v)| v.backend_id - 1)
+            .collect();
+        for table in tables {
+            let entries: Option<Vec<u32>> =
+                (0..size).map(|i| maps.maglev.get(&(table * size + i), 0).ok()).collect();
+            if let Some(entries) = entries {
+                self.maglev.insert(table, entries);
+            }
+        }
+        self
     }
 }
 
@@ -275,7 +326,7 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     // Frontends with slot 0 per VIP, for VIPS_V4 (before anything is taken out).
     let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
     for (key, slots) in &grouped {
-        if slots.contains_key(&0) {
+        if slots.get(&0).is_some_and(|master| master.flags & SVC_FLAG_EXTERNAL_ADDR == 0) {
             *per_vip.entry(key.0).or_default() += 1;
         }
     }
@@ -285,7 +336,8 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     let mut used_rev_nat: BTreeSet<u16> = BTreeSet::new();
 
     for frontend in &desired.frontends {
-        let key: Key = (frontend.vip, frontend.port, frontend.proto.number(), SCOPE_CLUSTER_IP);
+        let key: Key =
+            (frontend.vip, frontend.port, frontend.proto.number(), FrontendKey::of(frontend).scope);
         let label = frontend_label(&key);
         let service = wanted_name(frontend);
         let slots = grouped.remove(&key).unwrap_or_default();
@@ -379,8 +431,53 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
 
         let mut slot0 = Vec::new();
         let flags = frontend_flags(frontend);
-        if master.flags != flags {
-            slot0.push(format!("flags {:#x}, want {flags:#x}", master.flags));
+        if master.flags & !SVC_FLAG_MAGLEV != flags {
+            slot0.push(format!("flags {:#x}, want {flags:#x}", master.flags & !SVC_FLAG_MAGLEV));
+        }
+        if master.flags & SVC_FLAG_MAGLEV != 0 {
+            let pairs: Vec<(BackendAddr, u32)> = (1..=master.count)
+                .filter_map(|s| slots.get(&s))
+                .filter_map(|v| state.backends.get(&v.backend_id).map(|b| (b, v.backend_id)))
+                .map(|(b, id)| {
+                    (BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) }, id)
+                })
+                .collect();
+            let table = master.backend_id.saturating_sub(1);
+            let detail = match (
+                state.maglev.get(&table),
+                build_maglev_table(&pairs, frontend.proto, state.maglev_seed),
+            ) {
+                (None, _) => Some(format!("slot 0 names Maglev table {table}, which cannot be read")),
+                (Some(_), Err(e)) => Some(format!("the table of its backends cannot be built: {e:#}")),
+                (Some(have), Ok(want)) => {
+                    let differ = have.iter().zip(&want).filter(|(h, w)| h != w).count();
+                    (differ > 0).then(|| {
+                        format!(
+                            "{differ} of {} entries of Maglev table {table} differ from the table of its {} active backends (seed {:#x})",
+                            want.len(),
+                            pairs.len(),
+                            state.maglev_seed
+                        )
+                    })
+                }
+            };
+            if let Some(detail) = detail {
+                push("maglev", label.clone(), service.clone(), detail);
+            }
+        }
+        let want_ranges: BTreeSet<Cidr4> = frontend.source_ranges.iter().copied().collect();
+        let have_ranges = state.source_ranges.get(&master.rev_nat_id).cloned().unwrap_or_default();
+        if want_ranges != have_ranges {
+            let mut parts = Vec::new();
+            let missing: Vec<_> = want_ranges.difference(&have_ranges).collect();
+            let extra: Vec<_> = have_ranges.difference(&want_ranges).collect();
+            if !missing.is_empty() {
+                parts.push(format!("missing {}", list(missing)));
+            }
+            if !extra.is_empty() {
+                parts.push(format!("extra {}", list(extra)));
+            }
+            push("source-ranges", label.clone(), service.clone(), parts.join("; "));
         }
         let timeout = frontend.session_affinity_timeout.unwrap_or(0);
         if master.affinity_timeout_s != timeout {
@@ -517,6 +614,16 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
             );
         }
     }
+    for (id, ranges) in &state.source_ranges {
+        if !used_rev_nat.contains(id) {
+            push(
+                "orphan-source-range",
+                String::new(),
+                state.names.get(id).cloned().unwrap_or_default(),
+                format!("source ranges {} of rev-NAT id {id}, which belongs to no frontend", list(ranges)),
+            );
+        }
+    }
     for (id, name) in &state.names {
         if !used_rev_nat.contains(id) && !state.rev_nat.contains_key(id) {
             push(
@@ -566,8 +673,27 @@ mod tests {
             rev_nat: mem.rev_nat.clone(),
             names: mem.names.clone(),
             vips: mem.vips.iter().map(|(k, v)| (Ipv4Addr::from(*k), v.frontends)).collect(),
+            source_ranges: mem.read_source_ranges().unwrap().into_iter().fold(
+                BTreeMap::new(),
+                |mut m, (id, r)| {
+                    m.entry(id).or_insert_with(BTreeSet::new).insert(r);
+                    m
+                },
+            ),
+            maglev: {
+                let size = proxy_common::maglev::MAGLEV_TABLE_SIZE;
+                let mut tables: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+                for (index, id) in &mem.maglev {
+                    let entries = tables.entry(index / size).or_insert_with(|| vec![0; size as usize]);
+                    entries[(index % size) as usize] = *id;
+                }
+                tables
+            },
+            maglev_seed: MAGLEV_SEED,
         }
     }
+
+    const MAGLEV_SEED: u32 = 0x6b70_726f;
 
     fn b(last: u8, port: u16) -> BackendAddr {
         BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last), port }
@@ -611,6 +737,70 @@ mod tests {
         let mem = programmed(&desired);
         assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
         assert_eq!(table(&[]), "no differences\n");
+    }
+
+    /// A NodePort on two node addresses with `externalTrafficPolicy: Local` (its own external-scope
+    /// entry), a LoadBalancer IP with source ranges, and Maglev tables for both internal entries.
+    fn north_south() -> Desired {
+        let mut frontends = Vec::new();
+        for vip in [Ipv4Addr::new(192, 168, 1, 10), Ipv4Addr::new(10, 0, 0, 5)] {
+            let mut internal = web(vec![b(11, 80), b(12, 80)]);
+            (internal.vip, internal.port, internal.kind) = (vip, 30080, model::FrontendKind::NodePort);
+            internal.external_local = true;
+            let mut external = internal.clone();
+            external.scope = model::Scope::External;
+            (external.backends, external.local_only) = (vec![b(11, 80)], true);
+            frontends.extend([internal, external]);
+        }
+        let mut lb = web(vec![b(11, 80), b(12, 80)]);
+        (lb.vip, lb.kind) = (Ipv4Addr::new(203, 0, 113, 7), model::FrontendKind::LoadBalancer);
+        lb.source_ranges = vec!["10.0.0.0/8".parse().unwrap(), "192.168.0.0/16".parse().unwrap()];
+        frontends.extend([web(vec![b(11, 80), b(12, 80)]), lb]);
+        Desired::new(frontends)
+    }
+
+    fn programmed_north_south(desired: &Desired) -> Mem {
+        let settings = crate::sync::MaglevSettings { seed: MAGLEV_SEED, tables: 8 };
+        let mut syncer = Syncer::with_store(Mem::default()).unwrap().with_maglev_settings(settings);
+        let report = syncer.apply(desired);
+        assert!(report.errors.is_empty(), "{report:?}");
+        syncer.store().clone()
+    }
+
+    #[test]
+    fn north_south_frontends_as_the_syncer_programs_them_have_no_difference() {
+        let desired = north_south();
+        let mem = programmed_north_south(&desired);
+        assert!(
+            mem.services.keys().any(|k| k.3 == proxy_common::maps::SCOPE_EXTERNAL),
+            "an external-scope entry"
+        );
+        assert!(!mem.source_ranges.is_empty() && !mem.maglev.is_empty());
+        // Before: every ETP=Local external entry was missing (keyed at scope 0) and extra, every NodePort and
+        // LB frontend a VIPS_V4 difference, and every Maglev slot 0 a flags difference.
+        assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
+    }
+
+    #[test]
+    fn source_ranges_and_maglev_tables_that_drifted_are_named() {
+        let desired = north_south();
+        let mut mem = programmed_north_south(&desired);
+        let lb = mem.services.iter().find(|(k, _)| k.0 == [203, 0, 113, 7] && k.4 == 0).unwrap().1.rev_nat_id;
+        mem.source_ranges.remove(&(lb, "10.0.0.0/8".parse().unwrap()));
+        mem.source_ranges.insert((lb, "0.0.0.0/0".parse().unwrap()));
+        mem.source_ranges.insert((999, "172.16.0.0/12".parse().unwrap()));
+        let first_table_entry = *mem.maglev.keys().next().unwrap();
+        let stale = mem.maglev[&first_table_entry];
+        let other = mem.backends.keys().copied().find(|id| *id != stale).unwrap();
+        mem.maglev.insert(first_table_entry, other);
+
+        let diff = compare(&desired, &state_of(&mem));
+        let kinds: Vec<&str> = diff.iter().map(|d| d.kind).collect();
+        assert_eq!(kinds, ["maglev", "source-ranges", "orphan-source-range"], "{diff:#?}");
+        assert!(diff[0].detail.starts_with("1 of "), "{}", diff[0].detail);
+        assert_eq!(diff[1].frontend, "203.0.113.7:80/TCP");
+        assert_eq!(diff[1].detail, "missing 10.0.0.0/8; extra 0.0.0.0/0");
+        assert!(diff[2].detail.contains("172.16.0.0/12"), "{}", diff[2].detail);
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! An in-memory [`Store`] for unit tests: the maps as BTreeMaps, so a real [`crate::sync::Syncer`]
 //! programs them without BPF. Every write is logged (the apply order is what the syncer's tests
 //! check), and backend inserts can be made to fail as on a full map.
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
 
 use anyhow::Result;
 use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
 
-use crate::sync::Store;
+use crate::{model::Cidr4, sync::Store};
 
 /// ServiceKeyV4 has no Ord: (vip, port, proto, scope, slot).
 pub type ServiceKeyOrd = ([u8; 4], u16, u8, u8, u16);
@@ -22,6 +25,9 @@ pub struct MemStore {
     pub rev_nat: BTreeMap<u16, RevNatV4>,
     pub names: BTreeMap<u16, String>,
     pub vips: BTreeMap<[u8; 4], VipV4>,
+    pub source_ranges: BTreeSet<(u16, Cidr4)>,
+    /// MAGLEV_V4 entries written (index → backend id).
+    pub maglev: BTreeMap<u32, u32>,
     pub log: Vec<String>,
     /// Refuse inserting new backends once this many exist.
     pub backend_capacity: Option<usize>,
@@ -104,6 +110,21 @@ impl Store for MemStore {
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
         self.log.push(format!("del vip {}", ip(vip)));
         self.vips.remove(&vip);
+        Ok(())
+    }
+    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+        Ok(self.source_ranges.iter().copied().collect())
+    }
+    fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        self.source_ranges.insert((rev_nat_id, range));
+        Ok(())
+    }
+    fn del_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        self.source_ranges.remove(&(rev_nat_id, range));
+        Ok(())
+    }
+    fn put_maglev(&mut self, index: u32, backend_id: u32) -> Result<()> {
+        self.maglev.insert(index, backend_id);
         Ok(())
     }
 }

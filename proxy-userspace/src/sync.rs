@@ -468,6 +468,13 @@ impl Syncer<BpfStore> {
 }
 
 impl<S: Store> Syncer<S> {
+    /// Maglev tables in a store that keeps them itself (tests' in-memory store).
+    #[cfg(test)]
+    pub fn with_maglev_settings(mut self, settings: MaglevSettings) -> Self {
+        self.maglev = Some(settings);
+        self
+    }
+
     pub fn with_store(store: S) -> Result<Self> {
         let mut syncer = Self {
             store,
