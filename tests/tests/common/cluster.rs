@@ -182,6 +182,11 @@ impl Cluster {
         if !self.extra_agent_args.iter().any(|a| a == "--cgroup-root" || a.starts_with("--cgroup-root=")) {
             args.extend(["--cgroup-root".into(), self.cgroup.path().into()]);
         }
+        // Tests change objects one after the other and watch each change land (some within a
+        // second): syncs 50 ms apart at most, not kube-proxy's default 1 s.
+        if !self.extra_agent_args.iter().any(|a| a.starts_with("--min-sync-period")) {
+            args.extend(["--min-sync-period".into(), "50ms".into()]);
+        }
         args.extend(self.extra_agent_args.iter().map(Into::into));
         self.agent = Some(self.sandbox.node_spawn(args).unwrap());
     }

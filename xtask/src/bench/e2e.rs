@@ -297,6 +297,8 @@ impl Bench<'_> {
             "veth*",
             "--healthz-bind-address",
             "",
+            "--metrics-bind-address",
+            "",
             "--socket-lb",
             if socket_lb.is_some() { "on" } else { "off" },
             "--cgroup-root",

@@ -439,15 +439,16 @@ fn control_section(doc: &mut Doc, dir: &Path, part: &Part<ControlResult>) {
     let _ = writeln!(
         doc.md,
         "{n} Services × 3 endpoints. The release agent runs in a sandbox node namespace with `--interfaces nomatch \
-         --healthz-bind-address \"\" --pin-dir /sys/fs/bpf/kproxy-bench-cp`, starting on empty pins each run. \
+         --healthz-bind-address \"\" --metrics-bind-address \"\" --min-sync-period 50ms --pin-dir \
+         /sys/fs/bpf/kproxy-bench-cp`, starting on empty pins each run. \
          **Initial sync**: from spawning the agent until slot 0 of the last frontend (the highest key, which the \
          Syncer writes last) is in the pinned services map, read with `Maps::from_pins` and a key lookup every \
          0.2 ms. (a) `--manifests DIR` (one JSON `List`); (b) `--master` the in-process API server \
          (`sandbox::apiserver`, real list/watch over HTTP on 127.0.0.1 in the node namespace). **One endpoint \
          change**: `api.apply` of one EndpointSlice (3 ↔ 2 endpoints), timed until that frontend's slot-0 count \
-         changes, 100 ms apart (more than the agent's 50 ms `--min-sync-period`). **RSS**: `VmHWM` of the agent \
-         after the sync (and, for the API server, after the changes). **Baseline**: `iptables-restore` of the \
-         equivalent kube-proxy nat ruleset in the sandbox's node namespace (emptied before each run). Median of \
+         changes, 100 ms apart (more than the `--min-sync-period` of 50 ms given; the default is kube-proxy's \
+         1 s). **RSS**: `VmHWM` of the agent after the sync (and, for the API server, after the changes). \
+         **Baseline**: `iptables-restore` of the equivalent kube-proxy nat ruleset in the sandbox's node namespace (emptied before each run). Median of \
          {runs} runs (min–max).\n",
         n = c.services,
         runs = c.runs
