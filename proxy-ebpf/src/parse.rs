@@ -8,21 +8,33 @@ use proxy_common::{
 use crate::{maps::FRAGMENTS_V4, stats};
 
 /// The parts of an IPv4 TCP/UDP packet the datapath reads and rewrites.
+///
+/// Every byte is a field, padding included: a `Flow` is returned by value and
+/// copied between stack frames, and the verifier lets only CAP_PERFMON
+/// holders read stack bytes the program never wrote ("invalid read from
+/// stack"), which is what a copy of implicit padding is.
+#[repr(C)]
 pub struct Flow {
+    /// Offset of the L4 header from the start of the frame.
+    pub l4_offset: usize,
+    /// Offset of the L4 checksum field from the start of the frame.
+    pub l4_check_offset: usize,
     pub saddr: [u8; 4],
     pub daddr: [u8; 4],
     pub sport: [u8; 2],
     pub dport: [u8; 2],
     pub proto: u8,
     pub tcp_flags: u8,
-    /// Offset of the L4 header from the start of the frame.
-    pub l4_offset: usize,
-    /// Offset of the L4 checksum field from the start of the frame.
-    pub l4_check_offset: usize,
     pub ip_total_len: u16,
     /// Later fragments have no L4 header: their ports come from the first
     /// fragment, and only their addresses are rewritten.
     pub fragment: Fragment,
+    /// The padding up to the struct's alignment, as scalars: a byte array
+    /// would be zeroed by a memset loop, whose pointer arithmetic the
+    /// verifier refuses to programs without CAP_PERFMON.
+    pub _pad1: u8,
+    pub _pad2: u16,
+    pub _pad4: u32,
 }
 
 impl Flow {
@@ -115,6 +127,9 @@ pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
         l4_check_offset: ETH_HLEN + (loc.checksum_offset() & 0x7f),
         ip_total_len: total_len,
         fragment: loc.fragment,
+        _pad1: 0,
+        _pad2: 0,
+        _pad4: 0,
     })
 }
 

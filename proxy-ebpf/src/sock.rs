@@ -109,6 +109,9 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         l4_check_offset: 0,
         ip_total_len: 0,
         fragment: Fragment::Whole,
+        _pad1: 0,
+        _pad2: 0,
+        _pad4: 0,
     };
     let Some(found) = lb::lookup_frontend(&flow) else {
         if lb::is_vip(&flow.daddr) {

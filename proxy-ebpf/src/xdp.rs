@@ -92,6 +92,9 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
         l4_check_offset: check,
         ip_total_len: total_len,
         fragment: Fragment::Whole,
+        _pad1: 0,
+        _pad2: 0,
+        _pad4: 0,
     })
 }
 
