@@ -31,7 +31,8 @@ fn deploy_dir() -> PathBuf {
 }
 
 /// The kustomizations an operator applies.
-const ENTRY_POINTS: &[&str] = &["overlays/privileged", "overlays/capabilities", "uninstall"];
+const ENTRY_POINTS: &[&str] =
+    &["overlays/privileged", "overlays/capabilities", "overlays/kubeadm", "uninstall"];
 
 fn read_docs(path: &Path) -> Result<Vec<Value>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -248,7 +249,7 @@ fn yaml_files(dir: &Path, out: &mut BTreeSet<PathBuf>) {
 #[test]
 fn every_object_roundtrips_through_k8s_openapi() {
     let mut errors = Vec::new();
-    for entry in ["base", "overlays/privileged", "overlays/capabilities", "uninstall"] {
+    for entry in ["base", "overlays/privileged", "overlays/capabilities", "overlays/kubeadm", "uninstall"] {
         for doc in built(entry).objects {
             if let Err(e) = check_object(&doc) {
                 errors.push(format!("deploy/{entry}: {:?}: {e:#}", object_id(&doc)));
@@ -359,6 +360,10 @@ fn agent_daemonset_runs_on_every_node_in_the_host_network() {
     assert_eq!(pod.host_network, Some(true));
     assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
     assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
+    // Linux nodes only: eBPF tc and the kproxy image do not exist on Windows nodes, which the
+    // tolerations would otherwise admit.
+    let linux = BTreeMap::from([("kubernetes.io/os".to_string(), "linux".to_string())]);
+    assert_eq!(pod.node_selector.as_ref(), Some(&linux));
     let tolerations = pod.tolerations.as_ref().unwrap();
     assert_eq!(tolerations.len(), 1);
     assert_eq!(tolerations[0].operator.as_deref(), Some("Exists"));
@@ -457,6 +462,72 @@ fn agent_flags_come_from_the_config_map() {
     );
 }
 
+/// Every DaemonSet of every kustomization an operator applies selects Linux nodes (the uninstall
+/// one too: a pod on a Windows node would keep its rollout from ever completing).
+#[test]
+fn every_daemonset_selects_linux_nodes() {
+    for entry in ENTRY_POINTS {
+        for doc in built(entry).objects.iter().filter(|o| object_id(o).0 == "DaemonSet") {
+            let ds: DaemonSet = roundtrip(doc).unwrap();
+            let pod = ds.spec.unwrap().template.spec.unwrap();
+            let os = pod.node_selector.as_ref().and_then(|s| s.get("kubernetes.io/os"));
+            assert_eq!(os.map(String::as_str), Some("linux"), "deploy/{entry}: {:?}", ds.metadata.name);
+        }
+    }
+}
+
+/// The kubeadm overlay: `--config` on kube-proxy's config.conf, mounted from the ConfigMap
+/// `kube-proxy` (kubeadm's, copied into kproxy-system) with the kubeconfig.conf that
+/// config.conf names; no flag for a setting config.conf holds (a flag would win over the file);
+/// the rest as the privileged overlay.
+#[test]
+fn kubeadm_overlay_runs_the_agent_on_kube_proxys_config() {
+    const FILE_SETTINGS: [&str; 5] =
+        ["min-sync-period", "sync-period", "healthz-bind-address", "metrics-bind-address", "log-format"];
+    let kubeadm = agent_daemonset(&built("overlays/kubeadm"));
+    let privileged = agent_daemonset(&built("overlays/privileged"));
+    let agent = container(&kubeadm, "kproxy");
+    let args = agent.args.as_ref().unwrap();
+    assert_eq!(args[0], "agent");
+    assert!(args.contains(&"--config=/var/lib/kube-proxy/config.conf".to_string()), "{args:?}");
+    assert!(args.contains(&"--hostname-override=$(NODE_NAME)".to_string()), "{args:?}");
+    for flag in FILE_SETTINGS {
+        assert!(
+            !args.iter().any(|a| a.starts_with(&format!("--{flag}"))),
+            "--{flag} would win over the file"
+        );
+    }
+    // Every other flag of the base is still passed, and every $(VAR) is still an env var.
+    let base_args = container(&privileged, "kproxy").args.clone().unwrap();
+    for arg in &base_args {
+        let flag = arg.split('=').next().unwrap().trim_start_matches('-');
+        assert!(FILE_SETTINGS.contains(&flag) || args.contains(arg), "{arg} is missing");
+    }
+    let env: BTreeSet<&str> = agent.env.iter().flatten().map(|e| e.name.as_str()).collect();
+    for arg in args {
+        for var in arg.split("$(").skip(1).filter_map(|rest| rest.split_once(')')).map(|(v, _)| v) {
+            assert!(env.contains(var), "{arg} uses $({var}), which is not an env var");
+        }
+    }
+    assert!(!env.iter().any(|v| v.ends_with("_BIND_ADDRESS")), "unused env vars left: {env:?}");
+
+    let mount = agent.volume_mounts.iter().flatten().find(|m| m.mount_path == "/var/lib/kube-proxy").unwrap();
+    assert_eq!(mount.read_only, Some(true));
+    let pod = kubeadm.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let volume = pod.volumes.iter().flatten().find(|v| v.name == mount.name).unwrap();
+    let config_map = volume.config_map.as_ref().unwrap();
+    assert_eq!(config_map.name, "kube-proxy");
+    assert!(config_map.items.is_none(), "both config.conf and kubeconfig.conf are needed");
+    assert_ne!(config_map.optional, Some(true));
+
+    // Otherwise the privileged overlay's agent.
+    let theirs = container(&privileged, "kproxy");
+    assert_eq!(agent.security_context, theirs.security_context);
+    assert_eq!(agent.resources, theirs.resources);
+    assert_eq!(agent.readiness_probe, theirs.readiness_probe);
+    assert_eq!(agent.volume_mounts.as_ref().unwrap().len(), theirs.volume_mounts.as_ref().unwrap().len() + 1);
+}
+
 #[test]
 fn overlays_set_the_agent_security_context() {
     let privileged = agent_daemonset(&built("overlays/privileged"));
@@ -550,7 +621,7 @@ fn bytes(quantity: &Quantity) -> u64 {
 /// A CPU limit would only slow syncs, so there is none.
 #[test]
 fn agent_has_a_memory_request_and_limit_in_every_overlay() {
-    for entry in ["overlays/privileged", "overlays/capabilities"] {
+    for entry in ["overlays/privileged", "overlays/capabilities", "overlays/kubeadm"] {
         let ds = agent_daemonset(&built(entry));
         let resources = container(&ds, "kproxy").resources.clone().unwrap();
         let requests = resources.requests.unwrap();

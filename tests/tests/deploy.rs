@@ -66,6 +66,16 @@ fn deployed_flags_exist_in_kproxy_agent() {
             unknown.push(format!("DaemonSet arg {arg}"));
         }
     }
+    // The kubeadm overlay's args replace the base's.
+    let patch = deploy_file("overlays/kubeadm/kube-proxy-config.yaml");
+    let kubeadm_args = strings(&patch["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert_eq!(kubeadm_args[0], "agent");
+    for arg in &kubeadm_args[1..] {
+        let name = arg.strip_prefix("--").and_then(|a| a.split('=').next()).unwrap_or(arg);
+        if !flags.contains(name) {
+            unknown.push(format!("kubeadm overlay arg {arg}"));
+        }
+    }
     let config = deploy_file("base/configmap.yaml");
     for key in config["data"].as_mapping().unwrap().keys() {
         let key = key.as_str().unwrap();
@@ -74,6 +84,76 @@ fn deployed_flags_exist_in_kproxy_agent() {
         }
     }
     assert!(unknown.is_empty(), "not flags of `kproxy agent` ({flags:?}):\n{}", unknown.join("\n"));
+}
+
+/// `args` with each `$(VAR)` replaced as the base DaemonSet's env defines it (ConfigMap keys,
+/// `NODE_NAME` as `node-1`).
+fn substituted(args: &[String]) -> Vec<String> {
+    let ds = deploy_file("base/daemonset.yaml");
+    let config = deploy_file("base/configmap.yaml");
+    let agent = &ds["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(agent["name"].as_str(), Some("kproxy"));
+    let mut env = Vec::new();
+    for var in agent["env"].as_sequence().unwrap() {
+        let value = match var["valueFrom"]["configMapKeyRef"]["key"].as_str() {
+            Some(key) => config["data"][key].as_str().unwrap().to_owned(),
+            None => "node-1".to_owned(),
+        };
+        env.push((format!("$({})", var["name"].as_str().unwrap()), value));
+    }
+    args.iter().map(|arg| env.iter().fold(arg.clone(), |arg, (var, value)| arg.replace(var, value))).collect()
+}
+
+/// The kubeadm overlay runs `kproxy agent` on kube-proxy's config.conf, and the settings the file
+/// holds are the file's: the overlay passes no flag that would win over them (the base's args
+/// would). The real binary with the overlay's arguments, its effective configuration read back
+/// with `--write-config-to`.
+#[test]
+fn the_kubeadm_overlay_leaves_config_conf_its_settings() {
+    let dir = std::env::temp_dir().join(format!("kproxy-deploy-kubeadm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf_path = dir.join("config.conf");
+    let testdata = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../proxy-userspace/testdata/kubeadm-kube-proxy-config.conf");
+    // kubeadm's rendering with settings an operator changed, none of them kproxy-config's values.
+    let conf = std::fs::read_to_string(testdata)
+        .unwrap()
+        .replace("metricsBindAddress: \"\"", "metricsBindAddress: 0.0.0.0:10249")
+        .replacen("  minSyncPeriod: 0s", "  minSyncPeriod: 2s", 1)
+        .replacen("  syncPeriod: 0s", "  syncPeriod: 45s", 1)
+        .replace("logging:\n", "logging:\n  format: json\n");
+    std::fs::write(&conf_path, conf).unwrap();
+    let effective = |args: &[String]| -> String {
+        let out_path = dir.join("effective.yaml");
+        let mut args: Vec<String> = substituted(args)
+            .into_iter()
+            .map(|a| if a.starts_with("--config=") { format!("--config={}", conf_path.display()) } else { a })
+            .collect();
+        args.extend(["--write-config-to".to_owned(), out_path.display().to_string()]);
+        let out = Command::new(kproxy_bin()).args(&args).env_remove("NODE_NAME").output().unwrap();
+        assert!(out.status.success(), "kproxy {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read_to_string(&out_path).unwrap()
+    };
+    let patch = deploy_file("overlays/kubeadm/kube-proxy-config.yaml");
+    let kubeadm_args = strings(&patch["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(kubeadm_args.iter().any(|a| a.starts_with("--config=")), "{kubeadm_args:?}");
+    let written = effective(&kubeadm_args);
+    for setting in [
+        "\nmetricsBindAddress: 0.0.0.0:10249\n",
+        "\nminSyncPeriod: 2s\n",
+        "\nsyncPeriod: 45s\n",
+        "  format: json\n",
+    ] {
+        assert!(written.contains(setting), "{setting:?} lost:\n{written}");
+    }
+    assert!(written.contains("\nhostnameOverride: node-1\n"), "{written}");
+    assert!(written.contains("\nclusterCIDR: 10.244.0.0/16\n"), "{written}");
+    // The base's flags on the same file would have overridden them.
+    let ds = deploy_file("base/daemonset.yaml");
+    let mut base_args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    base_args.push("--config=x".into());
+    assert!(effective(&base_args).contains("\nmetricsBindAddress: 127.0.0.1:10249\n"));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
