@@ -9,12 +9,12 @@ use proxy_common::{
 };
 
 use crate::{
-    Verdict,
     config::Config,
     lb::Choice,
     maps::{CONNTRACK_V4, SNAT_V4},
     parse::Flow,
     snat, stats,
+    verdict::Verdict,
 };
 
 #[inline(always)]

@@ -6,10 +6,11 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams},
     helpers::generated::bpf_fib_lookup,
+    programs::TcContext,
 };
 use proxy_common::stats::Stat;
 
-use crate::{Verdict, maps::FIB_SCRATCH};
+use crate::{maps::FIB_SCRATCH, verdict::Verdict};
 
 const AF_INET: u8 = 2;
 
@@ -71,4 +72,11 @@ pub fn route<C: EbpfContext>(
         }
         _ => Err(Verdict::Drop(Stat::FibLookupFailed)),
     }
+}
+
+/// The interface a tc program's packet arrived on.
+#[inline(always)]
+pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: reading the context field the kernel filled in.
+    unsafe { (*ctx.skb.skb).ifindex }
 }

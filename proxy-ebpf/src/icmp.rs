@@ -20,7 +20,10 @@ use proxy_common::{
     trace::EV_ICMP_UNNAT,
 };
 
-use crate::{Done, Verdict, conntrack, events, fib, snat, stats};
+use crate::{
+    conntrack, events, fib, snat, stats,
+    verdict::{Done, Verdict},
+};
 
 /// An ICMP error's outer header, where its message starts, and what it quotes.
 struct Error {
@@ -188,6 +191,6 @@ pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     outer_addr(ctx, IP_OFF_DADDR, outer_daddr(&error), client.addr)?;
     stats::count(Stat::IcmpErrorUnnat);
     trace(&quote, entry, (client.addr, client.port), (frontend, frontend_port));
-    let route = fib::route(ctx, crate::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
+    let route = fib::route(ctx, fib::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
     Ok(Done::Redirect(route))
 }

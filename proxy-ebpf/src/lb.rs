@@ -11,10 +11,11 @@ use proxy_common::{
 };
 
 use crate::{
-    Verdict, config,
+    config,
     maps::{AFFINITY_V4, BACKENDS_V4, MAGLEV_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
     parse::Flow,
     stats,
+    verdict::Verdict,
 };
 
 /// A frontend's slot 0 and the scope it was found in (its slots share it).

@@ -12,7 +12,7 @@ use proxy_common::{
     stats::Stat,
 };
 
-use crate::{Verdict, parse::Flow};
+use crate::{parse::Flow, verdict::Verdict};
 
 #[inline(always)]
 fn l4_flags(flow: &Flow) -> u64 {

@@ -9,7 +9,11 @@ use proxy_common::{
     stats::Stat,
 };
 
-use crate::{Done, Verdict, parse::Flow, stats};
+use crate::{
+    parse::Flow,
+    stats,
+    verdict::{Done, Verdict},
+};
 
 #[inline(always)]
 fn resize(ctx: &TcContext, len: usize) -> Result<(), Verdict> {

@@ -13,9 +13,10 @@ use proxy_common::{
 };
 
 use crate::{
-    Verdict, config,
+    config,
     maps::{CONNTRACK_V4, SNAT_V4},
     parse::Flow,
+    verdict::Verdict,
 };
 
 /// Takes a port for `flow` (its original tuple is `forward_key`), sent to

@@ -1,0 +1,54 @@
+//! The tc egress stage (`kproxy_egress`, packets entering a pod): a reply of
+//! a translated flow comes from the Service again, and an ICMP error about
+//! one quotes what the client sent.
+use aya_ebpf::programs::TcContext;
+use proxy_common::{
+    maps::{CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_REMAP},
+    stats::Stat,
+};
+
+use crate::{
+    conntrack, events, icmp, nat, parse, snat, stats,
+    verdict::{Done, Verdict},
+};
+
+pub fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
+    let flow = match parse::flow(ctx) {
+        Ok(flow) => flow,
+        Err(Stat::PassNotTcpUdp) => return icmp::unnat_error(ctx),
+        Err(stat) => return Err(Verdict::Pass(stat)),
+    };
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let now = conntrack::now();
+    // SAFETY: as in `ingress`.
+    let reply = unsafe { *entry };
+    // Where the client sent the flow, and from which port (a remapped flow's
+    // is in SNAT_V4).
+    let client_port = if reply.flags & CT_FLAG_REMAP != 0 {
+        snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?.port
+    } else {
+        flow.dport
+    };
+    // SAFETY: as in `ingress`.
+    unsafe {
+        conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
+        conntrack::track_reply(entry, &flow, (flow.daddr, client_port), (reply.nat_addr, reply.nat_port));
+    }
+    nat::rewrite_source(ctx, &flow, reply.nat_addr, reply.nat_port)?;
+    nat::rewrite_destination_port(ctx, &flow, client_port)?;
+    if reply.flags & CT_FLAG_DIRECT == 0 {
+        stats::count(Stat::ReverseNat);
+    }
+    if events::enabled() {
+        // SAFETY: as in `ingress`.
+        events::emit_unnat(
+            &flow,
+            unsafe { &*entry },
+            (reply.nat_addr, reply.nat_port),
+            (flow.daddr, client_port),
+            now,
+        );
+    }
+    Ok(Done::Next)
+}
