@@ -301,7 +301,11 @@ fn a_list_slower_than_the_progress_timeout_is_503_until_it_answers() {
     api.delay_lists(Duration::from_secs(12));
     api.compact();
     change_objects(api);
-    seen.wait_for_blind(&cluster, &["Service watch: no list, event or bookmark for", "a list has waited"], 30);
+    seen.wait_for_blind(
+        &cluster,
+        &["Service watch: no list, event or bookmark for", "a list has waited"],
+        30,
+    );
     // Only lists asked from now on are quick; the agent's pending one answers at its 12 s.
     api.delay_lists(Duration::ZERO);
     seen.wait_caught_up(&cluster, 60);
