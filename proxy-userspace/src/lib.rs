@@ -1,30 +1,21 @@
-//! The `kproxy` agent and operator commands.
+//! The `kproxy` agent and operator commands, in folders by role. Imports run downward only:
+//! `cmd` and `agent` never import each other, `bpf` imports nothing of the crate but `net`, and
+//! `model` does no I/O.
 
+/// The daemon: reconcile what the cluster says into the maps, clean up conntrack, serve health and metrics.
 pub mod agent;
-pub mod cleanup;
-pub mod datapath;
-pub mod diff;
-pub mod doctor;
-pub mod dump;
-pub mod gc;
-pub mod health;
-pub mod kube_proxy_config;
-pub mod last_good;
-pub mod manifest;
-pub mod manifest_watch;
-pub mod metrics;
+/// The kernel boundary: loading, pinning and attaching the programs, and the maps as typed handles.
+pub mod bpf;
+/// Operator commands: dump, diff, trace, conntrack flush, cleanup, doctor.
+pub mod cmd;
+/// What the cluster says: manifests, API and manifest watchers, object errors.
+pub mod k8s;
+/// Pure: Services and EndpointSlices → the desired frontends.
 pub mod model;
-pub mod model_cache;
-pub mod nodeport;
-pub mod service_health;
-pub mod sockdiag;
-pub mod source;
+/// Protocol and IPv4 prefix, the leaf every module may use.
+pub mod net;
+/// The desired frontends → the service maps, and what the maps should hold (`sync::image`).
 pub mod sync;
-pub mod trace;
 
 #[cfg(test)]
-mod deploy_manifests;
-#[cfg(test)]
-mod mem_store;
-#[cfg(test)]
-mod test_http;
+mod testutil;

@@ -5,13 +5,14 @@ use clap::{
     ArgMatches, CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum, parser::ValueSource,
 };
 use kproxy::{
+    agent::gc,
+    agent::kube_proxy_config::{self, FileSettings},
+    agent::nodeport::{ClusterCidrs, NodePortAddresses},
     agent::{self, AgentConfig, ConntrackOptions, Source},
-    datapath::{self, InterfaceSelector, Maps, PinDir},
-    dump, gc,
-    kube_proxy_config::{self, FileSettings},
+    bpf::{self, InterfaceSelector, Maps, PinDir},
+    cmd::dump,
+    k8s::api_watch::KubeOptions,
     model::ModelOptions,
-    nodeport::{ClusterCidrs, NodePortAddresses},
-    source::KubeOptions,
 };
 
 /// `kproxy --version`: the release and the commit it was built from.
@@ -22,13 +23,13 @@ const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("KPRO
 #[command(name = "kproxy", version = VERSION, about)]
 struct Cli {
     /// Where programs, maps and links are pinned.
-    #[arg(long, global = true, env = "KPROXY_PIN_DIR", default_value = datapath::DEFAULT_PIN_DIR)]
+    #[arg(long, global = true, env = "KPROXY_PIN_DIR", default_value = bpf::DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     /// Log verbosity, as kube-proxy's -v: below 4 info, 4 and 5 debug, 6 and above trace.
-    /// KPROXY_LOG, a tracing filter (e.g. `info,kproxy::source=debug`), overrides it.
+    /// KPROXY_LOG, a tracing filter (e.g. `info,kproxy::k8s::api_watch=debug`), overrides it.
     #[arg(short = 'v', long = "v", global = true, value_name = "N", default_value_t = 0)]
     verbosity: u32,
     /// Load the datapath with its debug log on (aya-log; the agent prints the
@@ -87,12 +88,12 @@ enum Command {
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        diff: kproxy::diff::DiffArgs,
+        diff: kproxy::cmd::diff::DiffArgs,
     },
     /// Follow the NAT of live flows: every step that changed a packet.
-    Trace(kproxy::trace::TraceArgs),
+    Trace(kproxy::cmd::trace::TraceArgs),
     /// Check this node for what breaks a service proxy (exit status 1 on FAIL).
-    Doctor(kproxy::doctor::DoctorArgs),
+    Doctor(kproxy::cmd::doctor::DoctorArgs),
     /// Print a shell completion script (e.g. `kproxy completion bash > /etc/bash_completion.d/kproxy`).
     Completion {
         #[arg(value_enum)]
@@ -219,11 +220,11 @@ struct AgentArgs {
     #[arg(long, num_args = 1.., value_delimiter = ',')]
     external_interfaces: Vec<String>,
     /// Source ports for flows SNATed to the node address (MIN-MAX).
-    #[arg(long, default_value = "61000-65535", value_parser = kproxy::nodeport::parse_port_range)]
+    #[arg(long, default_value = "61000-65535", value_parser = kproxy::agent::nodeport::parse_port_range)]
     snat_port_range: (u16, u16),
     /// XDP on the external interfaces for NodePort/LB flows to remote backends.
     #[arg(long, value_enum, default_value = "native")]
-    xdp: kproxy::datapath::XdpSetting,
+    xdp: kproxy::bpf::XdpSetting,
     /// Socket-level load balancing: translate connect()/sendmsg() to Services
     /// for the processes of --cgroup-root (on), only for those in the host's
     /// network namespace (host-only: hostNetwork pods, the kubelet and node
@@ -321,7 +322,7 @@ fn main() {
         }
     };
     init_logging(cli.log_format, cli.verbosity, cli.bpf_debug_log);
-    datapath::set_bpf_debug_log(cli.bpf_debug_log);
+    bpf::set_bpf_debug_log(cli.bpf_debug_log);
     if let Command::Agent(args) = &cli.command {
         log_start(args);
     }
@@ -386,9 +387,9 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Load { interfaces, allow_private_bpffs } => {
             let selector = InterfaceSelector::new(&interfaces)?;
-            let options = datapath::ClaimOptions { lock_wait: Duration::ZERO, allow_private_bpffs };
-            let _held = datapath::claim(&pins, &options)?;
-            if datapath::load(&pins)? {
+            let options = bpf::ClaimOptions { lock_wait: Duration::ZERO, allow_private_bpffs };
+            let _held = bpf::claim(&pins, &options)?;
+            if bpf::load(&pins)? {
                 println!("loaded and pinned under {}", pins.root().display());
             } else {
                 println!(
@@ -396,7 +397,7 @@ fn run(cli: Cli) -> Result<()> {
                     pins.root().display()
                 );
             }
-            let report = datapath::attach_matching(&pins, &selector)?;
+            let report = bpf::attach_matching(&pins, &selector)?;
             for label in &report.attached {
                 println!("attached {label}");
             }
@@ -413,7 +414,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Unload { force } => {
-            let report = datapath::unload_with(&pins, force)?;
+            let report = bpf::unload_with(&pins, force)?;
             if let Some(holder) = &report.forced_under {
                 eprintln!("kproxy: unloading under {holder} (--force)");
             }
@@ -446,7 +447,7 @@ fn run(cli: Cli) -> Result<()> {
                 min_sync_period: args.min_sync_period,
                 sync_period: args.sync_period,
                 healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
-                watch: kproxy::source::WatchOptions { progress_timeout: args.api_progress_timeout },
+                watch: kproxy::k8s::api_watch::WatchOptions { progress_timeout: args.api_progress_timeout },
                 metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
                 bind_address_hard_fail: args.bind_address_hard_fail,
                 model: ModelOptions {
@@ -461,7 +462,7 @@ fn run(cli: Cli) -> Result<()> {
                     ..Default::default()
                 },
                 conntrack,
-                north_south: kproxy::nodeport::NorthSouthOptions {
+                north_south: kproxy::agent::nodeport::NorthSouthOptions {
                     nodeport_addresses,
                     cluster_cidr: cluster_cidrs.ipv4,
                     external_interfaces: args.external_interfaces,
@@ -473,20 +474,20 @@ fn run(cli: Cli) -> Result<()> {
                     seed: args.maglev_seed,
                     tables: args.maglev_tables,
                 }),
-                claim: datapath::ClaimOptions {
+                claim: bpf::ClaimOptions {
                     lock_wait: args.lock_timeout,
                     allow_private_bpffs: args.allow_private_bpffs,
                 },
                 socket_lb: kproxy::agent::SocketLbOptions {
                     mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
-                    cgroup: args.cgroup_root.or_else(kproxy::datapath::cgroup2_mount),
+                    cgroup: args.cgroup_root.or_else(kproxy::bpf::cgroup2_mount),
                     asked: args.socket_lb.is_some(),
                 },
             };
             agent::run(config)?;
         }
         Command::CleanupKubeProxy { apply } => {
-            print!("{}", kproxy::cleanup::run(apply)?);
+            print!("{}", kproxy::cmd::cleanup::run(apply)?);
         }
         Command::Conntrack { action: ConntrackAction::Flush { service } } => {
             let mut maps = Maps::from_pins(&pins)?;
@@ -497,16 +498,16 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Completion { .. } => unreachable!("handled in main"),
-        Command::Trace(args) => kproxy::trace::run(&pins, &args)?,
+        Command::Trace(args) => kproxy::cmd::trace::run(&pins, &args)?,
         Command::Doctor(args) => {
-            let code = kproxy::doctor::run(&pins, &args)?;
+            let code = kproxy::cmd::doctor::run(&pins, &args)?;
             if code != 0 {
                 std::process::exit(code);
             }
         }
         Command::Dump { what: DumpWhat::Diff, json, diff } => {
             let maps = Maps::from_pins(&pins)?;
-            let (text, differs) = kproxy::diff::run(&maps, &diff, json)?;
+            let (text, differs) = kproxy::cmd::diff::run(&maps, &diff, json)?;
             print!("{text}");
             if differs {
                 std::process::exit(1);

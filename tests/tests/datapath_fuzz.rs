@@ -57,7 +57,7 @@ use aya::{
 use common::harness::test_run;
 use frame::{Fields, Kind};
 use generate::{Action, Entry, Generator, Packet};
-use kproxy::{datapath, sync::Syncer};
+use kproxy::{bpf, sync::Syncer};
 use oracle::{Fail, Hop, Observed, Oracle, Verdict};
 use proxy_common::maps::{
     AffinityKeyV4, AffinityValueV4, ConfigV4, CtEntryV4, CtKeyV4, ExternalIfaceV4, FragmentKeyV4,
@@ -119,7 +119,7 @@ fn in_private_netns(test: impl FnOnce(u32, u32) + Send + 'static) {
         }
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
         let index =
-            |name: &str| datapath::interfaces().unwrap().into_iter().find(|i| i.name == name).unwrap().index;
+            |name: &str| bpf::interfaces().unwrap().into_iter().find(|i| i.name == name).unwrap().index;
         test(index("ext0"), index("pod0"));
     })
     .join();
@@ -146,8 +146,8 @@ struct World {
 impl World {
     fn new(ext: u32, pod: u32) -> Self {
         let mut ebpf =
-            datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
-        let mut maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+            bpf::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
+        let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ext, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
         // No flow expires during a run: what a flow may do must not depend on the clock.
         let hour = 3_600_000_000_000;

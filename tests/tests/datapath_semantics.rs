@@ -12,7 +12,8 @@ use common::{
         BOUNCE, CLIENT, DNS_VIP, DROP, Harness, PASS, WEB_BACKENDS, WEB_VIP, ct_key, desired, frontend,
     },
 };
-use kproxy::model::{Desired, Protocol};
+use kproxy::model::Desired;
+use kproxy::net::Protocol;
 use proxy_common::{
     checksum,
     conntrack::CtState,

@@ -14,7 +14,7 @@ use common::{
     harness::{CLIENT, DNS_BACKEND, DNS_VIP, desired},
 };
 use kproxy::{
-    datapath::{self, Maps, PinDir},
+    bpf::{self, Maps, PinDir},
     sync::Syncer,
 };
 
@@ -23,7 +23,7 @@ struct Pinned(PinDir);
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let _ = datapath::unload(&self.0);
+        let _ = bpf::unload(&self.0);
     }
 }
 
@@ -42,7 +42,7 @@ fn kproxy(pins: &PinDir, args: &[&str]) -> String {
 fn every_dump_shows_exactly_the_programmed_state() {
     let pins =
         Pinned(PinDir::new(PathBuf::from(format!("/sys/fs/bpf/kproxy-test-dump-{}", std::process::id()))));
-    datapath::load(&pins.0).expect("loading needs root");
+    bpf::load(&pins.0).expect("loading needs root");
     let mut syncer = Syncer::from_maps(Maps::from_pins(&pins.0).unwrap()).unwrap();
     let report = syncer.apply(&desired());
     assert!(report.errors.is_empty(), "{:?}", report.errors);

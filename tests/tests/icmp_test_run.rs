@@ -23,8 +23,9 @@ use common::{
     icmp_error,
 };
 use kproxy::{
-    datapath,
-    model::{BackendAddr, Frontend, FrontendKind, Protocol, ServiceName},
+    bpf,
+    model::{BackendAddr, Frontend, FrontendKind, ServiceName},
+    net::Protocol,
     sync::Syncer,
 };
 use proxy_common::{checksum, maps::ExternalIfaceV4, packet::TCP_SYN, stats::Stat};
@@ -68,8 +69,8 @@ struct External {
 
 impl External {
     fn new(ingress: u32) -> Self {
-        let mut ebpf = datapath::load_unpinned().expect("loading the datapath needs root");
-        let mut maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+        let mut ebpf = bpf::load_unpinned().expect("loading the datapath needs root");
+        let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
         let mut web = Frontend::new(
             ServiceName { namespace: "default".into(), name: "web".into() },

@@ -10,8 +10,9 @@ use aya::{
     programs::SchedClassifier,
 };
 use kproxy::{
-    datapath,
-    model::{BackendAddr, Desired, Frontend, FrontendKind, Protocol, ServiceName},
+    bpf,
+    model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName},
+    net::Protocol,
     sync::{MaglevSettings, Syncer},
 };
 use proxy_common::{
@@ -53,9 +54,9 @@ fn desired(backends: Vec<BackendAddr>) -> Desired {
 
 impl Node {
     fn new(seed: u32, backends: Vec<BackendAddr>) -> Self {
-        let capacities = datapath::Capacities { maglev_tables: 4, ..Default::default() };
-        let mut ebpf = datapath::load_unpinned_with(&capacities).expect("loading the datapath needs root");
-        let maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+        let capacities = bpf::Capacities { maglev_tables: 4, ..Default::default() };
+        let mut ebpf = bpf::load_unpinned_with(&capacities).expect("loading the datapath needs root");
+        let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         let (conntrack, stats, maglev) = (maps.conntrack, maps.stats, maps.maglev);
         let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .unwrap()

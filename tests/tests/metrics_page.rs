@@ -351,7 +351,7 @@ fn the_metrics_page_parses_and_carries_kube_proxys_families() {
     // Build info: this crate's version, and a commit of this repository (or "unknown" outside one).
     let build = labels_of(&page.families["kproxy_build_info"]);
     let [(labels, _)] = build.as_slice() else { panic!("one kproxy_build_info series: {build:?}") };
-    assert_eq!(labels["version"], kproxy::metrics::BUILD_VERSION);
+    assert_eq!(labels["version"], kproxy::agent::http::metrics::BUILD_VERSION);
     let commit = &labels["commit"];
     if commit != "unknown" {
         let repo = concat!(env!("CARGO_MANIFEST_DIR"), "/..");

@@ -11,8 +11,9 @@ use std::net::Ipv4Addr;
 
 use aya::programs::Xdp;
 use kproxy::{
-    datapath,
-    model::{BackendAddr, Cidr4, Frontend, FrontendKind, Protocol, Scope, ServiceName},
+    bpf,
+    model::{BackendAddr, Frontend, FrontendKind, Scope, ServiceName},
+    net::{Cidr4, Protocol},
     sync::Syncer,
 };
 use proxy_common::{
@@ -62,8 +63,8 @@ struct Xdp0 {
 
 impl Xdp0 {
     fn new(ingress: u32, frontends: Vec<Frontend>) -> Self {
-        let mut ebpf = datapath::load_unpinned().expect("loading the datapath needs root");
-        let mut maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+        let mut ebpf = bpf::load_unpinned().expect("loading the datapath needs root");
+        let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
         let (conntrack, stats) = (maps.conntrack, maps.stats);
         let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)

@@ -10,7 +10,7 @@
 //! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`],
 //! [`plan_flush`], [`Interval::next`]) are pure and unit-tested; [`run`],
 //! [`purge_backends`] and [`flush`] do the map I/O. All times are
-//! CLOCK_MONOTONIC nanoseconds ([`crate::dump::monotonic_ns`]), the clock of
+//! CLOCK_MONOTONIC nanoseconds ([`crate::cmd::dump::monotonic_ns`]), the clock of
 //! `bpf_ktime_get_ns`.
 
 use std::{
@@ -29,7 +29,7 @@ use proxy_common::{
     },
 };
 
-use crate::{datapath::Maps, dump::monotonic_ns};
+use crate::{bpf::Maps, cmd::dump::monotonic_ns};
 
 const SECOND_NS: u64 = 1_000_000_000;
 

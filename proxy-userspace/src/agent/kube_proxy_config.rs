@@ -229,7 +229,7 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
     }
     // kube-proxy's nftables mode answers NodePorts on the node's primary IPs unless told otherwise.
     if mode == "nftables" && out.nodeport_addresses.is_empty() {
-        out.nodeport_addresses = vec![crate::nodeport::PRIMARY.to_string()];
+        out.nodeport_addresses = vec![crate::agent::nodeport::PRIMARY.to_string()];
     }
     // The mode's own section sets the sync periods (the top-level fields, where present, win).
     let section = if mode == "nftables" { &config.nftables } else { &config.iptables };
@@ -476,7 +476,8 @@ mod tests {
     /// kube-proxy's config.conf as `kubeadm init` (v1.31–1.34) renders it into ConfigMap
     /// kube-system/kube-proxy: every field written, most at their zero value, with the pod subnet
     /// kubeadm was given.
-    pub(crate) const KUBEADM_CONFIG_CONF: &str = include_str!("../testdata/kubeadm-kube-proxy-config.conf");
+    pub(crate) const KUBEADM_CONFIG_CONF: &str =
+        include_str!("../../testdata/kubeadm-kube-proxy-config.conf");
 
     fn parse_text(text: &str) -> Result<FileSettings, ConfigError> {
         parse(Path::new("config.conf"), text, 4)

@@ -2,6 +2,12 @@
 //! disk) and attached to every pod-facing interface, with kube-proxy's health
 //! and metrics endpoints, until SIGTERM or Ctrl-C.
 
+pub mod gc;
+pub mod http;
+pub mod kube_proxy_config;
+pub mod nodeport;
+pub mod sockdiag;
+
 use std::{
     collections::BTreeSet,
     net::SocketAddr,
@@ -19,13 +25,13 @@ use proxy_common::{
 };
 
 use crate::{
-    datapath::{self, Capacities, InterfaceSelector, Maps, PinDir, open_sock_revnat},
-    gc,
-    health::{self, Health},
-    metrics::Metrics,
-    model::{self, ModelOptions, Protocol},
-    nodeport::{self, NodeAddresses, NorthSouthOptions},
-    source::{self, Changes, KubeOptions},
+    agent::http::health::{self, Health},
+    agent::http::metrics::Metrics,
+    agent::nodeport::{NodeAddresses, NorthSouthOptions},
+    bpf::{self, Capacities, InterfaceSelector, Maps, PinDir, open_sock_revnat},
+    k8s::api_watch::{self, Changes, KubeOptions},
+    model::{self, ModelOptions},
+    net::Protocol,
     sync::{SyncReport, Syncer},
 };
 
@@ -58,9 +64,9 @@ pub struct AgentConfig {
     /// `--lb-algorithm=maglev`: tables for NodePort, ExternalIP and LB frontends.
     pub maglev: Option<crate::sync::MaglevSettings>,
     /// How long the API watches may show no progress before /healthz is 503.
-    pub watch: source::WatchOptions,
+    pub watch: api_watch::WatchOptions,
     /// Taking the pin directory: how long to wait for another agent, a private bpffs allowed.
-    pub claim: datapath::ClaimOptions,
+    pub claim: bpf::ClaimOptions,
 }
 
 /// `--socket-lb` and where its programs attach.
@@ -121,7 +127,8 @@ impl SocketLbOptions {
 fn own_netns_cookie() -> Result<u64> {
     const SO_NETNS_COOKIE: i32 = 71;
     let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("a socket to read the netns cookie")?;
-    crate::sockdiag::socket_cookie_option(&socket, SO_NETNS_COOKIE).context("getsockopt(SO_NETNS_COOKIE)")
+    crate::agent::sockdiag::socket_cookie_option(&socket, SO_NETNS_COOKIE)
+        .context("getsockopt(SO_NETNS_COOKIE)")
 }
 
 /// Conntrack timeouts, table size and garbage collection.
@@ -182,7 +189,7 @@ pub fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Resul
 
 pub fn run(config: AgentConfig) -> Result<()> {
     // Held until the agent returns: one agent per pin directory.
-    let _pins_held = datapath::claim(&config.pins, &config.claim)?;
+    let _pins_held = bpf::claim(&config.pins, &config.claim)?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -204,7 +211,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         maglev_tables: config.maglev.map_or(1, |m| m.tables),
         ..Default::default()
     };
-    if datapath::load_with(&config.pins, &capacities)? {
+    if bpf::load_with(&config.pins, &capacities)? {
         tracing::info!(pins = %config.pins.root().display(), "loaded and pinned the datapath");
     } else {
         tracing::info!(pins = %config.pins.root().display(), "reloaded the programs; reusing the pinned maps and links");
@@ -229,14 +236,14 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     drop(maps);
     match (&socket_lb.mode, &socket_lb.cgroup) {
         (SocketLbMode::Off, _) => {
-            let detached = datapath::detach_socket_lb(&config.pins)?;
+            let detached = bpf::detach_socket_lb(&config.pins)?;
             if !detached.is_empty() {
                 tracing::info!(cgroups = ?detached, "socket-level load balancing off: detached");
             }
         }
         (_, None) => anyhow::bail!("--socket-lb needs a cgroup2 hierarchy: mount one or pass --cgroup-root"),
         (mode, Some(cgroup)) => {
-            let attached = datapath::attach_socket_lb(&config.pins, cgroup)?;
+            let attached = bpf::attach_socket_lb(&config.pins, cgroup)?;
             tracing::info!(cgroup = %cgroup.display(), ?mode, hooks = attached.len(), "socket-level load balancing on");
         }
     }
@@ -275,14 +282,18 @@ async fn run_async(config: AgentConfig) -> Result<()> {
 
     match &config.source {
         Source::Files(path) => {
-            tokio::spawn(crate::manifest_watch::watch_files(path.clone(), config.poll, Arc::clone(&changes)));
+            tokio::spawn(crate::k8s::manifest_watch::watch_files(
+                path.clone(),
+                config.poll,
+                Arc::clone(&changes),
+            ));
         }
         Source::Cluster(options) => {
-            let client = source::client(options).await?;
+            let client = api_watch::client(options).await?;
             let (changes, node, watch) = (Arc::clone(&changes), config.model.node_name.clone(), config.watch);
             let proxy_name = config.model.service_proxy_name.clone();
             tokio::spawn(async move {
-                if let Err(e) = source::watch_cluster(client, node, proxy_name, changes, watch).await {
+                if let Err(e) = api_watch::watch_cluster(client, node, proxy_name, changes, watch).await {
                     tracing::error!(error = %format!("{e:#}"), "watching the API server stopped");
                 }
             });
@@ -293,7 +304,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     {
         let (pins, stop) = (config.pins.clone(), Arc::clone(&stop_logs));
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = datapath::forward_bpf_logs(&pins, &stop) {
+            if let Err(e) = bpf::forward_bpf_logs(&pins, &stop) {
                 tracing::debug!(error = %format!("{e:#}"), "datapath log not forwarded");
             }
         });
@@ -312,7 +323,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         full_sync_due: true,
         logged: BTreeSet::new(),
         pins: config.pins.clone(),
-        cache: matches!(config.source, Source::Cluster(_)).then(crate::model_cache::ModelCache::default),
+        cache: matches!(config.source, Source::Cluster(_)).then(crate::model::cache::ModelCache::default),
         north_south: config.north_south.clone(),
         socket_lb: socket_lb.mode,
         pod_interfaces: selector,
@@ -322,7 +333,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     // healthCheckNodePorts answer on every address, as kube-proxy's do when
     // --nodeport-addresses is not restricted.
     let mut service_health =
-        crate::service_health::ServiceHealthServers::new(std::net::Ipv4Addr::UNSPECIFIED);
+        crate::agent::http::service_health::ServiceHealthServers::new(std::net::Ipv4Addr::UNSPECIFIED);
     let mut last_sync: Option<Instant> = None;
     let mut next_full_resync = Instant::now() + config.sync_period;
     loop {
@@ -377,14 +388,14 @@ struct SyncLoop<'a> {
     /// Per-Service model results, for the API-server source (where
     /// namespace/name is unique); manifests are always modelled whole, which
     /// also reports a Service defined twice.
-    cache: Option<crate::model_cache::ModelCache>,
+    cache: Option<crate::model::cache::ModelCache>,
     north_south: NorthSouthOptions,
     socket_lb: SocketLbMode,
     pod_interfaces: InterfaceSelector,
     /// As last written to the maps.
     node_addresses: Option<NodeAddresses>,
     /// Objects whose new version is invalid keep their last valid one.
-    last_good: crate::last_good::LastGood,
+    last_good: crate::model::last_good::LastGood,
 }
 
 impl SyncLoop<'_> {
@@ -437,15 +448,15 @@ impl SyncLoop<'_> {
         self.metrics.set_no_local_endpoints(&desired.frontends);
         // Only UDP sockets: a TCP connection to a backend that left the slice carries on while
         // the pod answers, as kube-proxy leaves established TCP flows alone.
-        let peers: Vec<crate::sockdiag::Peer> = report
+        let peers: Vec<crate::agent::sockdiag::Peer> = report
             .removed_backend_addrs
             .iter()
             .filter(|(_, proto)| *proto == Protocol::Udp)
-            .map(|(b, _)| crate::sockdiag::Peer { addr: b.addr, port: b.port })
+            .map(|(b, _)| crate::agent::sockdiag::Peer { addr: b.addr, port: b.port })
             .collect();
         if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
             let destroyed = open_sock_revnat(&self.pins).and_then(|sock_revnat| {
-                let translated = |cookie: u64, peer: &crate::sockdiag::Peer| {
+                let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| {
                     let key = SockRevNatKeyV4 {
                         cookie,
                         addr: peer.addr.octets(),
@@ -454,7 +465,7 @@ impl SyncLoop<'_> {
                     };
                     sock_revnat.get(&key, 0).is_ok()
                 };
-                crate::sockdiag::destroy_everywhere(&peers, &translated)
+                crate::agent::sockdiag::destroy_everywhere(&peers, &translated)
             });
             match destroyed {
                 Ok(0) => {}
@@ -546,9 +557,9 @@ async fn attach_loop(
 ) {
     loop {
         let (p, s, ns) = (pins.clone(), selector.clone(), north_south.clone());
-        let attach = move || -> Result<datapath::AttachReport> {
+        let attach = move || -> Result<bpf::AttachReport> {
             let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s, None).interface_names();
-            datapath::attach_all(&p, &s, &external, ns.xdp)
+            bpf::attach_all(&p, &s, &external, ns.xdp)
         };
         match tokio::task::spawn_blocking(attach).await {
             Ok(Ok(report)) => {
@@ -576,10 +587,10 @@ async fn datapath_metrics_loop(pins: PinDir, metrics: Metrics) {
         let (p, m) = (pins.clone(), metrics.clone());
         let _ = tokio::task::spawn_blocking(move || -> Result<()> {
             let maps = Maps::from_pins(&p)?;
-            for (name, entries, capacity) in crate::dump::map_usage(&maps) {
+            for (name, entries, capacity) in crate::cmd::dump::map_usage(&maps) {
                 m.set_map_usage(name, entries, capacity);
             }
-            let counters = crate::dump::stats(&maps)?;
+            let counters = crate::cmd::dump::stats(&maps)?;
             let pairs: Vec<(&str, u64)> = counters.iter().map(|r| (r.reason, r.packets)).collect();
             m.set_datapath_counters(&pairs);
             Ok(())

@@ -13,8 +13,8 @@ use anyhow::{Context as _, Result};
 use proxy_common::maps::{DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, ExternalIfaceV4, NodePortConfigV4};
 
 use crate::{
-    datapath::{InterfaceSelector, Maps},
-    model::Cidr4,
+    bpf::{InterfaceSelector, Maps},
+    net::Cidr4,
 };
 
 /// The north–south flags of `kproxy agent`.
@@ -31,7 +31,7 @@ pub struct NorthSouthOptions {
     /// `--snat-port-range`, inclusive.
     pub snat_ports: (u16, u16),
     /// `--xdp`.
-    pub xdp: crate::datapath::XdpSetting,
+    pub xdp: crate::bpf::XdpSetting,
     /// `--maglev-seed`.
     pub maglev_seed: u32,
 }
@@ -43,7 +43,7 @@ impl Default for NorthSouthOptions {
             cluster_cidr: None,
             external_interfaces: Vec::new(),
             snat_ports: (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX),
-            xdp: crate::datapath::XdpSetting::Native,
+            xdp: crate::bpf::XdpSetting::Native,
             maglev_seed: 0,
         }
     }

@@ -47,11 +47,12 @@ use proxy_common::maps::{
 use serde::Serialize;
 
 use crate::{
-    datapath::Maps,
-    manifest::{self, ManifestError, Sourced},
-    model::Cidr4,
-    model::{self, BackendAddr, Desired, Frontend, ModelOptions, Protocol},
-    source::KubeOptions,
+    bpf::Maps,
+    k8s::api_watch::KubeOptions,
+    k8s::manifest::{self, ManifestError, Sourced},
+    model::{self, BackendAddr, Desired, Frontend, ModelOptions},
+    net::Cidr4,
+    net::Protocol,
     sync::{FrontendKey, build_maglev_table, desired_backend_flags, frontend_flags},
 };
 
@@ -189,7 +190,7 @@ pub fn table(differences: &[Difference]) -> String {
         .iter()
         .map(|d| vec![d.kind.to_owned(), d.frontend.clone(), d.service.clone(), d.detail.clone()])
         .collect();
-    let mut out = crate::dump::table(&["KIND", "FRONTEND", "SERVICE", "DETAIL"], &rows);
+    let mut out = crate::cmd::dump::table(&["KIND", "FRONTEND", "SERVICE", "DETAIL"], &rows);
     let n = differences.len();
     out.push_str(&format!("{n} difference{}\n", if n == 1 { "" } else { "s" }));
     out
@@ -253,8 +254,8 @@ fn from_cluster(options: &KubeOptions, service_proxy_name: Option<&str>) -> Resu
         .build()
         .context("building the tokio runtime")?;
     runtime.block_on(async {
-        let client = crate::source::client(options).await?;
-        let params = ListParams::default().labels(&crate::source::label_selector(service_proxy_name));
+        let client = crate::k8s::api_watch::client(options).await?;
+        let params = ListParams::default().labels(&crate::k8s::api_watch::label_selector(service_proxy_name));
         let services = Api::<Service>::all(client.clone()).list(&params).await.context("listing Services")?;
         let slices =
             Api::<EndpointSlice>::all(client).list(&params).await.context("listing EndpointSlices")?;
@@ -664,7 +665,7 @@ mod tests {
     };
 
     /// The maps in memory, so a real [`Syncer`] programs them.
-    type Mem = crate::mem_store::MemStore;
+    type Mem = crate::sync::mem_store::MemStore;
 
     fn state_of(mem: &Mem) -> MapState {
         MapState {
@@ -843,12 +844,12 @@ mod tests {
             ServiceKeyV4::new([10, 96, 0, 100], 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, slot)
         };
         // Slot 0: affinity flag set behind the agent's back; a stale slot 3.
-        let mut master = mem.services[&crate::mem_store::ord(&web_key(0))];
+        let mut master = mem.services[&crate::sync::mem_store::ord(&web_key(0))];
         master.flags = SVC_FLAG_AFFINITY;
         master.affinity_timeout_s = 60;
-        mem.services.insert(crate::mem_store::ord(&web_key(0)), master);
-        let slot1 = mem.services[&crate::mem_store::ord(&web_key(1))];
-        mem.services.insert(crate::mem_store::ord(&web_key(3)), slot1);
+        mem.services.insert(crate::sync::mem_store::ord(&web_key(0)), master);
+        let slot1 = mem.services[&crate::sync::mem_store::ord(&web_key(1))];
+        mem.services.insert(crate::sync::mem_store::ord(&web_key(3)), slot1);
         // Names and rev-NAT entries lost or wrong, an orphan backend, a wrong VIP count.
         let rev = master.rev_nat_id;
         mem.names.insert(rev, "default/other:http".into());

@@ -13,7 +13,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::{datapath::Maps, model::Protocol};
+use crate::{bpf::Maps, net::Protocol};
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct ServiceRow {
@@ -190,7 +190,7 @@ pub fn monotonic_ns() -> u64 {
 
 pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let names = names(maps);
-    let config = crate::gc::read_config(maps);
+    let config = crate::agent::gc::read_config(maps);
     let now = monotonic_ns();
     let mut entries = Vec::new();
     for entry in maps.conntrack.iter() {
@@ -200,7 +200,7 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             Err(e) => return Err(e).context("reading the conntrack map"),
         }
     }
-    Ok(conntrack_rows(&entries, &names, &config, &crate::gc::snat_index(maps), now))
+    Ok(conntrack_rows(&entries, &names, &config, &crate::agent::gc::snat_index(maps), now))
 }
 
 /// The rows of `kproxy dump conntrack`: one per forward entry, with its reply
@@ -209,21 +209,22 @@ pub fn conntrack_rows(
     entries: &[(CtKeyV4, CtEntryV4)],
     names: &BTreeMap<u16, String>,
     config: &ConfigV4,
-    snat: &crate::gc::SnatIndex,
+    snat: &crate::agent::gc::SnatIndex,
     now: u64,
 ) -> Vec<ConntrackRow> {
     let timeouts = Timeouts::from_config(config);
-    let hairpin_addr = crate::gc::hairpin_addr(config);
+    let hairpin_addr = crate::agent::gc::hairpin_addr(config);
     let reply: std::collections::HashMap<CtKeyV4, &CtEntryV4> =
         entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
     let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
     let mut rows = Vec::new();
     for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let back = reply.get(&crate::gc::reply_key(key, fwd, hairpin_addr, snat)).copied();
+        let back = reply.get(&crate::agent::gc::reply_key(key, fwd, hairpin_addr, snat)).copied();
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
         let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
         if proxy_common::maps::reply_key_in_snat(fwd.flags)
-            && let Some(to_node) = snat.get(&crate::gc::key_ord(&proxy_common::maps::snat_forward_key(key)))
+            && let Some(to_node) =
+                snat.get(&crate::agent::gc::key_ord(&proxy_common::maps::snat_forward_key(key)))
         {
             source = (to_node.addr, to_node.port);
         }
@@ -239,12 +240,12 @@ pub fn conntrack_rows(
             backend_id: fwd.backend_id,
             state: CtState::from_u8(fwd.state).map_or("?", CtState::name),
             age_seconds: seconds(fwd.created_ns),
-            idle_seconds: seconds(crate::gc::pair_last_seen(fwd, back)),
+            idle_seconds: seconds(crate::agent::gc::pair_last_seen(fwd, back)),
             packets_out: fwd.packets,
             bytes_out: fwd.bytes,
             packets_reply: back.map_or(0, |r| r.packets),
             bytes_reply: back.map_or(0, |r| r.bytes),
-            time_left_seconds: crate::gc::time_left_ns(&timeouts, fwd, back, now) as f64 / 1e9,
+            time_left_seconds: crate::agent::gc::time_left_ns(&timeouts, fwd, back, now) as f64 / 1e9,
             hairpin,
         });
     }
@@ -560,7 +561,7 @@ mod tests {
             &[(fkey, fwd), (rkey, reply), (okey, other)],
             &names,
             &config,
-            &crate::gc::NO_SNAT,
+            &crate::agent::gc::NO_SNAT,
             now,
         );
         assert_eq!(rows.len(), 2);

@@ -23,7 +23,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::{datapath::PinDir, dump::monotonic_ns};
+use crate::{bpf::PinDir, cmd::dump::monotonic_ns};
 
 #[derive(clap::Args, Debug, Default)]
 pub struct TraceArgs {
@@ -84,7 +84,7 @@ pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: Syste
     let wall = now_wall
         .checked_sub(Duration::from_nanos(now_mono.saturating_sub(event.timestamp_ns)))
         .unwrap_or(now_wall);
-    let time = crate::health::rfc3339(wall);
+    let time = crate::agent::http::health::rfc3339(wall);
     let proto = protocol(event.proto);
     let before_src = endpoint(event.before_saddr, event.before_sport);
     let before_dst = endpoint(event.before_daddr, event.before_dport);
@@ -216,7 +216,7 @@ impl Listening {
         let dir = pins.maps_dir();
         let sessions = std::fs::File::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
         // Waits only while a leaving last session clears the flag.
-        crate::datapath::flock(&sessions, libc::LOCK_SH)
+        crate::bpf::flock(&sessions, libc::LOCK_SH)
             .with_context(|| format!("joining the trace sessions on {}", dir.display()))?;
         flag.set(0, TraceConfig { enabled: 1 }, 0).context("switching tracing on")?;
         Ok(Self { flag, sessions })
@@ -226,7 +226,7 @@ impl Listening {
 impl Drop for Listening {
     /// Clears the flag, however tracing ends, unless another session still listens.
     fn drop(&mut self) {
-        if crate::datapath::flock(&self.sessions, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+        if crate::bpf::flock(&self.sessions, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
             let _ = self.flag.set(0, TraceConfig { enabled: 0 }, 0);
         }
     }

@@ -20,9 +20,9 @@ use kube::{
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
-use crate::health::SourceHealth;
-use crate::manifest::{ManifestError, Sourced};
-use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use crate::agent::http::health::SourceHealth;
+use crate::k8s::manifest::{ManifestError, Sourced};
+use crate::k8s::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 
 /// The label selector of the Services and EndpointSlices this agent lists: kube-proxy's
 /// (`!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`: those that name
@@ -109,7 +109,7 @@ pub struct Changes {
     /// before would delete what a previous agent programmed.
     ready: Mutex<(bool, bool)>,
     pub notify: Notify,
-    health: Option<crate::health::Health>,
+    health: Option<crate::agent::http::health::Health>,
     /// This node's `topology.kubernetes.io/zone` label, from the Node watch.
     node_zone: Mutex<Option<String>>,
     /// This node's primary IPv4 address, from the Node watch (`--nodeport-addresses primary`).
@@ -118,7 +118,7 @@ pub struct Changes {
 
 impl Changes {
     /// Changes that also tell the health server when a change is queued.
-    pub fn with_health(health: crate::health::Health) -> Self {
+    pub fn with_health(health: crate::agent::http::health::Health) -> Self {
         Self { health: Some(health), ..Default::default() }
     }
 
@@ -478,7 +478,7 @@ pub fn node_primary_ipv4(node: &k8s_openapi::api::core::v1::Node) -> Option<std:
 
 /// Logs when the API watches turn blind and when they see again (`/healthz`
 /// tells the same at any time); checked every second.
-async fn report_blindness(health: Option<crate::health::Health>) {
+async fn report_blindness(health: Option<crate::agent::http::health::Health>) {
     let Some(health) = health else { return };
     let mut blind = false;
     let mut tick = tokio::time::interval(Duration::from_secs(1));

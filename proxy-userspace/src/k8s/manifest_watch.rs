@@ -43,9 +43,9 @@ use anyhow::{Context as _, Result};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
-    manifest::{self, ManifestError, Sourced},
-    metrics::{self, ManifestState},
-    source::{Changes, Snapshot},
+    agent::http::metrics::{self, ManifestState},
+    k8s::api_watch::{Changes, Snapshot},
+    k8s::manifest::{self, ManifestError, Sourced},
 };
 
 /// How long a file that looks cut short (see [`looks_unfinished`]) must stay

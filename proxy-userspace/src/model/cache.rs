@@ -12,9 +12,11 @@ use std::{borrow::Cow, collections::HashMap, sync::Arc};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
+use super::claims::{Merge, Parts};
 use crate::{
-    manifest::{ManifestError, Sourced},
-    model::{self, Desired, LABEL_SERVICE_NAME, Merge, ModelOptions, Parts},
+    k8s::LABEL_SERVICE_NAME,
+    k8s::manifest::{ManifestError, Sourced},
+    model::{self, Desired, ModelOptions},
 };
 
 struct Entry {
@@ -92,7 +94,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::{manifest::parse_str, model::FrontendKind};
+    use crate::{k8s::manifest::parse_str, model::FrontendKind};
 
     const OBJECTS: &str = "
 apiVersion: v1

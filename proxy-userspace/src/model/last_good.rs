@@ -14,9 +14,9 @@ use std::{collections::HashMap, sync::Arc};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
-    manifest::{ManifestError, Sourced},
+    k8s::api_watch::Objects,
+    k8s::manifest::{ManifestError, Sourced},
     model::{self, ModelOptions},
-    source::Objects,
 };
 
 /// The decision about one object, kept until its version changes.
@@ -129,7 +129,7 @@ impl LastGood {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest;
+    use crate::k8s::manifest;
 
     fn objects(text: &str) -> Objects {
         let parsed = manifest::parse_str(text, "test.yaml");

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use kproxy::datapath;
+use kproxy::bpf;
 
 pub const NODE: [u8; 4] = [192, 168, 100, 10];
 /// The other node (a router on the way, and the way to its pods).
@@ -57,7 +57,7 @@ pub fn in_private_netns(test: impl FnOnce(u32) + Send + 'static) {
             sh(&["ip", "neigh", "replace", &ip(addr), "lladdr", &mac(m), "dev", dev, "nud", "permanent"]);
         }
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").unwrap();
-        let index = datapath::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
+        let index = bpf::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
         test(index);
     })
     .join();

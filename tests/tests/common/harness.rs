@@ -10,8 +10,9 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
 use kproxy::{
-    datapath,
-    model::{BackendAddr, Desired, Frontend, Protocol, ServiceName},
+    bpf,
+    model::{BackendAddr, Desired, Frontend, ServiceName},
+    net::Protocol,
     sync::Syncer,
 };
 use proxy_common::{
@@ -71,8 +72,8 @@ impl Harness {
 
     pub fn with(desired: &Desired) -> Self {
         let mut ebpf =
-            datapath::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
-        let maps = datapath::Maps::from_ebpf(&mut ebpf).unwrap();
+            bpf::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
+        let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         let syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .unwrap()
             .with_vips(maps.vips)

@@ -3,7 +3,8 @@
 
 use std::net::Ipv4Addr;
 
-use kproxy::model::{BackendAddr, Desired, Frontend, FrontendKind, Protocol, ServiceName};
+use kproxy::model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName};
+use kproxy::net::Protocol;
 use proxy_common::maps::DEFAULT_HAIRPIN_ADDR;
 
 use super::frame::{TCP, UDP};

@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kproxy::datapath::{Maps, PinDir};
+use kproxy::bpf::{Maps, PinDir};
 use proxy_common::maps::{IPPROTO_TCP, SCOPE_CLUSTER_IP, ServiceKeyV4};
 use sandbox::{Spawned, cgroup::cgroup2_root, kube_proxy_rules as rules};
 use serde_yaml::Value;

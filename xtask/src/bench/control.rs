@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{HashMap, MapData};
-use kproxy::datapath::{Maps, PinDir};
+use kproxy::bpf::{Maps, PinDir};
 use proxy_common::maps::{IPPROTO_TCP, SCOPE_CLUSTER_IP, ServiceKeyV4, ServiceValueV4};
 use sandbox::{Sandbox, Spawned, apiserver::ApiServer, find_tool};
 
@@ -42,7 +42,7 @@ struct Unload;
 
 impl Drop for Unload {
     fn drop(&mut self) {
-        let _ = kproxy::datapath::unload(&PinDir::new(PIN_DIR));
+        let _ = kproxy::bpf::unload(&PinDir::new(PIN_DIR));
     }
 }
 
@@ -91,7 +91,7 @@ impl Agent<'_> {
         source: &[&str],
         last: &Svc,
     ) -> Result<(f64, Spawned, HashMap<MapData, ServiceKeyV4, ServiceValueV4>)> {
-        kproxy::datapath::unload(&PinDir::new(PIN_DIR))?;
+        kproxy::bpf::unload(&PinDir::new(PIN_DIR))?;
         let started = Instant::now();
         let agent = self.spawn(source)?;
         let pins = PinDir::new(PIN_DIR);

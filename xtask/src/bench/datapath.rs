@@ -15,8 +15,9 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use kproxy::{
-    datapath::{self, Capacities, Maps},
-    model::{BackendAddr, Desired, Frontend, Protocol, ServiceName},
+    bpf::{self, Capacities, Maps},
+    model::{BackendAddr, Desired, Frontend, ServiceName},
+    net::Protocol,
     sync::Syncer,
 };
 use proxy_common::{checksum, maps::*};
@@ -186,7 +187,7 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     let k: usize = if ctx.quick { 3_000 } else { 20_000 };
     let mut notes = Vec::new();
 
-    let mut ebpf = datapath::load_unpinned_with(&capacities()).context("loading the datapath")?;
+    let mut ebpf = bpf::load_unpinned_with(&capacities()).context("loading the datapath")?;
     let mut raw_services: HashMap<MapData, ServiceKeyV4, ServiceValueV4> =
         HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V4)?))?;
     let mut raw_backends: HashMap<MapData, u32, BackendV4> =

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use kproxy::datapath::{Maps, PinDir};
+use kproxy::bpf::{Maps, PinDir};
 use proxy_common::maps::{IPPROTO_TCP, IPPROTO_UDP, SCOPE_CLUSTER_IP, ServiceKeyV4};
 use sandbox::{Pod, QueryLog, Sandbox, find_tool};
 
@@ -66,7 +66,7 @@ struct Unload(PathBuf);
 
 impl Drop for Unload {
     fn drop(&mut self) {
-        let _ = kproxy::datapath::unload(&PinDir::new(&self.0));
+        let _ = kproxy::bpf::unload(&PinDir::new(&self.0));
     }
 }
 
@@ -283,7 +283,7 @@ impl Bench<'_> {
         let manifests = dir.join(format!("manifests-{services}"));
         std::fs::create_dir_all(&manifests)?;
         std::fs::write(manifests.join("services.json"), rules::manifests(&svcs))?;
-        let _ = kproxy::datapath::unload(&PinDir::new(PIN_DIR));
+        let _ = kproxy::bpf::unload(&PinDir::new(PIN_DIR));
         let _unload = Unload(PIN_DIR.into());
         let bin = self.ctx.kproxy.to_string_lossy().into_owned();
         let agent = self.sandbox.node_spawn([

@@ -38,7 +38,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::metrics::{self, Metrics};
+use crate::agent::http::metrics::{self, Metrics};
 
 /// Body of `/proxyMode`.
 pub const PROXY_MODE: &str = "ebpf";
@@ -444,7 +444,7 @@ enum Router {
 pub(crate) type Body = Full<Bytes>;
 
 /// What a listener answers, cloned into each connection; lets other HTTP
-/// endpoints (e.g. [`crate::service_health`]) share the connection handling
+/// endpoints (e.g. [`crate::agent::http::service_health`]) share the connection handling
 /// (timeouts, graceful stop) below.
 pub(crate) trait Respond: Clone + Send + Sync + 'static {
     fn respond(&self, path: &str) -> Response<Body>;
@@ -663,7 +663,7 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_http::{HttpResponse, get};
+    use crate::testutil::http::{HttpResponse, get};
 
     fn at(secs: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(secs)

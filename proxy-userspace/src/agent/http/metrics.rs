@@ -570,7 +570,7 @@ impl Metrics {
         );
         let current = inner.maps.get(CONNTRACK_MAP).map_or(0, |(entries, _)| *entries);
         let gc_deleted: u64 = inner.gc_deleted.values().sum();
-        let evicted = crate::gc::evicted_estimate(created, gc_deleted, inner.purged_total, current);
+        let evicted = crate::agent::gc::evicted_estimate(created, gc_deleted, inner.purged_total, current);
         scalar(
             &mut out,
             CT_EVICTED,
@@ -1113,7 +1113,7 @@ mod tests {
     fn frontend(name: &str, port_name: &str, vip: [u8; 4], scope: Scope, no_local: bool) -> Frontend {
         let service = crate::model::ServiceName { namespace: "default".into(), name: name.into() };
         let mut frontend =
-            Frontend::new(service, port_name, vip.into(), 80, crate::model::Protocol::Tcp, Vec::new());
+            Frontend::new(service, port_name, vip.into(), 80, crate::net::Protocol::Tcp, Vec::new());
         frontend.scope = scope;
         frontend.local_only = no_local;
         frontend.no_local_endpoints = no_local;

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::health::{self, Body, Respond};
+use crate::agent::http::health::{self, Body, Respond};
 use crate::model::{HealthCheck, ServiceName};
 
 /// The listeners for every wanted health check node port, one per port.
@@ -215,7 +215,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::test_http::{Connection, HttpResponse, get};
+    use crate::testutil::http::{Connection, HttpResponse, get};
 
     const LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;
 

@@ -43,7 +43,7 @@ use std::{
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::datapath::{self, Hook, InterfaceSelector, PinDir};
+use crate::bpf::{self, Hook, InterfaceSelector, PinDir};
 
 #[derive(clap::Args, Debug, Default)]
 pub struct DoctorArgs {
@@ -195,7 +195,7 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
         ),
     ]));
     let snat_range = if root.is_none() {
-        crate::datapath::Maps::from_pins(pins).ok().and_then(|maps| maps.nodeport_config.get(&0, 0).ok())
+        crate::bpf::Maps::from_pins(pins).ok().and_then(|maps| maps.nodeport_config.get(&0, 0).ok())
     } else {
         None
     }
@@ -357,9 +357,9 @@ pub fn bpffs_check(mounts: Option<&str>, under_root: bool) -> Check {
 /// Whether pins under the pin directory outlive the process that makes them: a bpffs private
 /// to this mount namespace (`ip netns exec` remounts /sys) takes the datapath with it.
 pub fn bpffs_host_check(pins: &PinDir) -> Check {
-    match datapath::bpffs_scope(pins.root(), false) {
-        datapath::BpffsScope::Host(why) => Check::ok("bpffs-host", why),
-        datapath::BpffsScope::Private(why) => Check::fail(
+    match bpf::bpffs_scope(pins.root(), false) {
+        bpf::BpffsScope::Host(why) => Check::ok("bpffs-host", why),
+        bpf::BpffsScope::Private(why) => Check::fail(
             "bpffs-host",
             format!(
                 "{why}; pins made from here vanish with this mount namespace, the links and flows with them"
@@ -367,7 +367,7 @@ pub fn bpffs_host_check(pins: &PinDir) -> Check {
             "run kproxy in the host's mount namespace: `nsenter --net=/run/netns/NAME` enters only a network \
              namespace, `ip netns exec` also remounts /sys; a container needs the host's /sys/fs/bpf (hostPath)",
         ),
-        datapath::BpffsScope::Unknown(why) => Check::warn(
+        bpf::BpffsScope::Unknown(why) => Check::warn(
             "bpffs-host",
             why,
             "make sure kproxy runs where it sees the host's /sys/fs/bpf (the host's mount namespace, or a hostPath \
@@ -408,13 +408,13 @@ pub fn link_pin_name(name: &str, index: u32, hook: Hook) -> String {
 
 /// One WARN per matching interface missing a hook, or one OK.
 pub fn attach_checks(
-    interfaces: &[datapath::Interface],
+    interfaces: &[bpf::Interface],
     selector: &InterfaceSelector,
     globs: &[String],
     links: &std::collections::BTreeSet<String>,
     pin_dir: &Path,
 ) -> Vec<Check> {
-    let wanted: Vec<&datapath::Interface> = interfaces.iter().filter(|i| selector.matches(&i.name)).collect();
+    let wanted: Vec<&bpf::Interface> = interfaces.iter().filter(|i| selector.matches(&i.name)).collect();
     if wanted.is_empty() {
         const SHOWN: usize = 30;
         let mut seen: Vec<&str> = interfaces.iter().take(SHOWN).map(|i| i.name.as_str()).collect();
@@ -545,8 +545,8 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
             ),
         )];
     }
-    let holder = match datapath::pin_lock_pid(root) {
-        Some(_) => format!("; held by {}", datapath::lock_holder(root)),
+    let holder = match bpf::pin_lock_pid(root) {
+        Some(_) => format!("; held by {}", bpf::lock_holder(root)),
         None => String::new(),
     };
     let mut out =
@@ -556,18 +556,18 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
         .flatten()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
-    match datapath::interfaces() {
+    match bpf::interfaces() {
         Ok(interfaces) => out.extend(attach_checks(&interfaces, selector, globs, &links, root)),
         Err(e) => {
             out.push(Check::warn("attach", format!("cannot list interfaces: {e:#}"), "check `ip link`"))
         }
     }
     out.push(north_south_check(&links));
-    match datapath::Maps::from_pins(pins) {
+    match bpf::Maps::from_pins(pins) {
         Ok(maps) => {
             let mode = maps.socket_lb_config.get(&0, 0).ok().map(|c| c.mode);
             out.push(socket_lb_check(&links, mode));
-            for (map, entries, capacity) in crate::dump::map_usage(&maps) {
+            for (map, entries, capacity) in crate::cmd::dump::map_usage(&maps) {
                 out.push(map_fill_check(map, entries, capacity));
             }
         }
@@ -1104,7 +1104,7 @@ fn kube_proxy_pids() -> Vec<u32> {
         .collect()
 }
 
-use crate::cleanup::find_tool;
+use crate::cmd::cleanup::find_tool;
 
 fn output(tool: &Path, args: &[&str]) -> Result<String, String> {
     match Command::new(tool).args(args).stdin(std::process::Stdio::null()).output() {
@@ -1133,8 +1133,9 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
         }
         for (label, tool) in variants {
             any_tool = true;
-            let plans = output(&tool, &[])
-                .and_then(|text| crate::cleanup::plan_save(&text).map_err(|e| format!("{label}: {e:#}")));
+            let plans = output(&tool, &[]).and_then(|text| {
+                crate::cmd::cleanup::plan_save(&text).map_err(|e| format!("{label}: {e:#}"))
+            });
             match plans {
                 Ok(plans) => found.extend(leftover_lines(&label, &plans)),
                 Err(e) => unchecked.push(e),
@@ -1145,7 +1146,7 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
         any_tool = true;
         match output(&nft, &["list", "tables"]) {
             Ok(text) => {
-                for (family, name) in crate::cleanup::kube_proxy_nft_tables(&text) {
+                for (family, name) in crate::cmd::cleanup::kube_proxy_nft_tables(&text) {
                     found.push(format!("nftables table {family} {name}"));
                 }
             }
@@ -1159,7 +1160,7 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
 }
 
 /// `iptables-nft table nat: KUBE-SERVICES, KUBE-SVC-... (12 chains, 3 jumps)`.
-pub fn leftover_lines(label: &str, plans: &[crate::cleanup::TablePlan]) -> Vec<String> {
+pub fn leftover_lines(label: &str, plans: &[crate::cmd::cleanup::TablePlan]) -> Vec<String> {
     plans
         .iter()
         .filter(|p| !p.is_empty() || !p.kept.is_empty())
@@ -1382,9 +1383,9 @@ mod tests {
     #[test]
     fn attach_per_interface() {
         let ifaces = vec![
-            datapath::Interface { name: "lo".into(), index: 1 },
-            datapath::Interface { name: "veth0-a".into(), index: 5 },
-            datapath::Interface { name: "veth1.100".into(), index: 6 },
+            bpf::Interface { name: "lo".into(), index: 1 },
+            bpf::Interface { name: "veth0-a".into(), index: 5 },
+            bpf::Interface { name: "veth1.100".into(), index: 6 },
         ];
         let selector = InterfaceSelector::new(&["veth*".to_owned()]).unwrap();
         let globs = ["veth*".to_owned()];
@@ -1401,9 +1402,9 @@ mod tests {
 
         // A Calico node checked with the default glob: FAIL, naming what is there.
         let calico = vec![
-            datapath::Interface { name: "lo".into(), index: 1 },
-            datapath::Interface { name: "eth0".into(), index: 2 },
-            datapath::Interface { name: "cali12ab34cd".into(), index: 7 },
+            bpf::Interface { name: "lo".into(), index: 1 },
+            bpf::Interface { name: "eth0".into(), index: 2 },
+            bpf::Interface { name: "cali12ab34cd".into(), index: 7 },
         ];
         let checks = attach_checks(&calico, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
         assert_eq!(checks.len(), 1);
@@ -1440,7 +1441,7 @@ mod tests {
         assert_eq!(c.status, Status::Fail);
         assert!(c.finding.contains("kube-proxy and kproxy both translate Service traffic"));
         let saved = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j KUBE-SVC-ABC\nCOMMIT\n";
-        let plans = crate::cleanup::plan_save(saved).unwrap();
+        let plans = crate::cmd::cleanup::plan_save(saved).unwrap();
         let lines = leftover_lines("iptables-nft", &plans);
         assert_eq!(
             lines,

@@ -1,0 +1,145 @@
+//! What the service maps should hold for a frontend: its key, slot layout and flags, its source-range keys
+//! and its Maglev table. The one description of the maps' contents: the [`Syncer`](super::Syncer) writes it and
+//! `kproxy dump diff` compares the maps with it.
+
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use anyhow::Result;
+use proxy_common::maps::*;
+
+use crate::model::{BackendAddr, Frontend, FrontendKind, Scope};
+use crate::net::{Cidr4, Protocol};
+
+/// A frontend as the maps key it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FrontendKey {
+    pub vip: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+    /// [`SCOPE_INTERNAL`] or [`SCOPE_EXTERNAL`].
+    pub scope: u8,
+}
+
+impl FrontendKey {
+    pub fn of(frontend: &Frontend) -> Self {
+        let scope = match frontend.scope {
+            Scope::Internal => SCOPE_INTERNAL,
+            Scope::External => SCOPE_EXTERNAL,
+        };
+        Self { vip: frontend.vip, port: frontend.port, proto: frontend.proto, scope }
+    }
+
+    pub(super) fn slot(&self, slot: u16) -> ServiceKeyV4 {
+        ServiceKeyV4::new(self.vip.octets(), self.port.to_be_bytes(), self.proto.number(), self.scope, slot)
+    }
+}
+
+/// The SOURCE_RANGES_V4 key of one of a frontend's loadBalancerSourceRanges.
+pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> aya::maps::lpm_trie::Key<SourceRangeV4> {
+    aya::maps::lpm_trie::Key::new(
+        SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
+        SourceRangeV4::new(rev_nat_id, range.addr.octets()),
+    )
+}
+
+/// `--lb-algorithm=maglev`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaglevSettings {
+    /// Shared by all nodes.
+    pub seed: u32,
+    /// Tables in MAGLEV_V4: external frontends beyond it use random selection.
+    pub tables: u32,
+}
+
+/// The Maglev table of `backends` (ids aligned with their addresses): the
+/// backend id of each of its [`MAGLEV_TABLE_SIZE`] entries.
+pub fn build_maglev_table(backends: &[(BackendAddr, u32)], proto: Protocol, seed: u32) -> Result<Vec<u32>> {
+    use proxy_common::maglev::{BackendIdentityV4, MAGLEV_TABLE_SIZE, populate, scratch_len};
+    let identities: Vec<BackendIdentityV4> = backends
+        .iter()
+        .map(|(b, _)| BackendIdentityV4::new(b.addr.octets(), b.port.to_be_bytes(), proto.number()))
+        .collect();
+    let mut table = vec![0u32; MAGLEV_TABLE_SIZE as usize];
+    let mut scratch = vec![0u32; scratch_len(identities.len())];
+    populate(&identities, seed, MAGLEV_TABLE_SIZE, &mut table, &mut scratch)
+        .map_err(|e| anyhow::anyhow!("Maglev table: {e}"))?;
+    Ok(table.into_iter().map(|i| backends[i as usize].1).collect())
+}
+
+/// The flag each backend of `frontends` should carry: active when any
+/// frontend sends new connections to it, terminating when frontends only keep
+/// its existing flows. (With `publishNotReadyAddresses` one Service may see
+/// an endpoint as ready that another sees as terminating; active wins, since
+/// the flag only stops new connections from following affinity to it.)
+pub fn desired_backend_flags<'a>(
+    frontends: impl IntoIterator<Item = &'a Frontend>,
+) -> BTreeMap<(BackendAddr, Protocol), u8> {
+    let mut flags = BTreeMap::new();
+    for fe in frontends {
+        for b in &fe.backends {
+            flags.insert((*b, fe.proto), BACKEND_FLAG_ACTIVE);
+        }
+        for b in &fe.terminating_backends {
+            flags.entry((*b, fe.proto)).or_insert(BACKEND_FLAG_TERMINATING);
+        }
+    }
+    flags
+}
+
+/// Slot 0 and slots `1..=active+terminating` of a frontend: active backends
+/// first (the datapath picks among `1..=count`), then the terminating ones.
+pub fn slot_layout(
+    active: &[u32],
+    terminating: &[u32],
+    rev_nat_id: u16,
+    flags: u16,
+    affinity_timeout_s: u32,
+) -> Result<Vec<(u16, ServiceValueV4)>> {
+    let total = active.len() + terminating.len();
+    if total > usize::from(u16::MAX) {
+        anyhow::bail!("{total} endpoints exceed the 65535 slots of a frontend");
+    }
+    let mut slots = Vec::with_capacity(total + 1);
+    slots.push((
+        0,
+        ServiceValueV4 {
+            count: active.len() as u16,
+            terminating_count: terminating.len() as u16,
+            rev_nat_id,
+            flags,
+            affinity_timeout_s,
+            ..Default::default()
+        },
+    ));
+    for (i, id) in active.iter().chain(terminating).enumerate() {
+        slots.push((i as u16 + 1, ServiceValueV4 { backend_id: *id, rev_nat_id, ..Default::default() }));
+    }
+    Ok(slots)
+}
+
+/// Slot 0 flags of a frontend.
+pub fn frontend_flags(frontend: &Frontend) -> u16 {
+    let mut flags = 0;
+    if frontend.session_affinity_timeout.is_some() {
+        flags |= SVC_FLAG_AFFINITY;
+    }
+    if frontend.local_only {
+        flags |= SVC_FLAG_LOCAL_ONLY;
+    }
+    if frontend.terminating_fallback {
+        flags |= SVC_FLAG_TERMINATING_FALLBACK;
+    }
+    if frontend.kind != FrontendKind::ClusterIp {
+        flags |= SVC_FLAG_EXTERNAL_ADDR;
+    }
+    if frontend.external_local {
+        flags |= SVC_FLAG_EXTERNAL_LOCAL;
+    }
+    if !frontend.source_ranges.is_empty() {
+        flags |= SVC_FLAG_SOURCE_RANGES;
+    }
+    if frontend.no_local_endpoints {
+        flags |= SVC_FLAG_NO_LOCAL_ENDPOINTS;
+    }
+    flags
+}

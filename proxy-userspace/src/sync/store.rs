@@ -1,0 +1,163 @@
+//! Where the syncer writes: the [`Store`] trait, and [`BpfStore`] over the pinned maps.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, MapData, MapError};
+use proxy_common::maps::*;
+
+use super::image::source_range_key;
+use crate::net::Cidr4;
+
+/// The map operations the syncer needs: [`BpfStore`] on the real maps, and a
+/// recording in-memory store in the unit tests (the apply order is tested
+/// without BPF). Deleting a missing key is not an error.
+pub trait Store {
+    fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>>;
+    fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>>;
+    /// Empty when the store does not manage VIPS_V4.
+    fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>>;
+    fn read_name(&self, rev_nat_id: u16) -> Option<String>;
+    fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()>;
+    fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()>;
+    fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()>;
+    fn del_backend(&mut self, id: u32) -> Result<()>;
+    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()>;
+    fn del_rev_nat(&mut self, id: u16) -> Result<()>;
+    fn put_name(&mut self, id: u16, name: &str) -> Result<()>;
+    fn del_name(&mut self, id: u16) -> Result<()>;
+    fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()>;
+    fn del_vip(&mut self, vip: [u8; 4]) -> Result<()>;
+    /// Every frontend's loadBalancerSourceRanges. The defaults are for
+    /// stores that do not keep SOURCE_RANGES_V4.
+    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+        Ok(Vec::new())
+    }
+    fn put_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+        Ok(())
+    }
+    fn del_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+        Ok(())
+    }
+    /// One entry of MAGLEV_V4 (the default is for stores without it).
+    fn put_maglev(&mut self, _index: u32, _backend_id: u32) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The pinned (or freshly loaded) BPF maps.
+pub struct BpfStore {
+    pub services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
+    pub backends: HashMap<MapData, u32, BackendV4>,
+    pub rev_nat: HashMap<MapData, u16, RevNatV4>,
+    pub names: HashMap<MapData, u16, FrontendNameV4>,
+    /// `None`: VIPS_V4 is not maintained (callers of [`Syncer::new`] that did
+    /// not add it with [`Syncer::with_vips`]).
+    pub vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
+    /// `None`: SOURCE_RANGES_V4 is not maintained.
+    pub source_ranges: Option<aya::maps::LpmTrie<MapData, SourceRangeV4, u8>>,
+    /// `None`: MAGLEV_V4 is not maintained.
+    pub maglev: Option<aya::maps::Array<MapData, u32>>,
+}
+
+impl Store for BpfStore {
+    fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>> {
+        self.services.iter().map(|e| e.context("reading the services map")).collect()
+    }
+    fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>> {
+        self.backends.iter().map(|e| e.context("reading the backends map")).collect()
+    }
+    fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
+        match &self.vips {
+            Some(vips) => vips.iter().map(|e| e.context("reading the VIPs map")).collect(),
+            None => Ok(Vec::new()),
+        }
+    }
+    fn read_name(&self, rev_nat_id: u16) -> Option<String> {
+        self.names.get(&rev_nat_id, 0).ok().map(|n| n.as_str().to_owned())
+    }
+    fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
+        self.services.insert(key, value, 0).map_err(map_full)
+    }
+    fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()> {
+        ignore_missing(self.services.remove(key))
+    }
+    fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()> {
+        self.backends.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_backend(&mut self, id: u32) -> Result<()> {
+        ignore_missing(self.backends.remove(&id))
+    }
+    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+        self.rev_nat.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+        ignore_missing(self.rev_nat.remove(&id))
+    }
+    fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+        self.names.insert(id, FrontendNameV4::new(name), 0).map_err(map_full)
+    }
+    fn del_name(&mut self, id: u16) -> Result<()> {
+        ignore_missing(self.names.remove(&id))
+    }
+    fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
+        match &mut self.vips {
+            Some(vips) => vips.insert(vip, value, 0).map_err(map_full),
+            None => Ok(()),
+        }
+    }
+    fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
+        match &mut self.vips {
+            Some(vips) => ignore_missing(vips.remove(&vip)),
+            None => Ok(()),
+        }
+    }
+    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+        let Some(trie) = &self.source_ranges else { return Ok(Vec::new()) };
+        let mut out = Vec::new();
+        for key in trie.keys() {
+            let key = key.context("reading the source ranges map")?;
+            let data = key.data();
+            let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+            if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
+                out.push((u16::from_be_bytes(data.rev_nat_id), range));
+            }
+        }
+        Ok(out)
+    }
+    fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        match &mut self.source_ranges {
+            Some(trie) => trie.insert(&source_range_key(rev_nat_id, range), 1, 0).map_err(map_full),
+            None => Ok(()),
+        }
+    }
+    fn del_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+        match &mut self.source_ranges {
+            Some(trie) => ignore_missing(trie.remove(&source_range_key(rev_nat_id, range))),
+            None => Ok(()),
+        }
+    }
+    fn put_maglev(&mut self, index: u32, backend_id: u32) -> Result<()> {
+        match &mut self.maglev {
+            Some(array) => array.set(index, backend_id, 0).context("MAGLEV_V4"),
+            None => Ok(()),
+        }
+    }
+}
+
+fn map_full(e: MapError) -> anyhow::Error {
+    match &e {
+        MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => {
+            anyhow::anyhow!("the map is full ({e})")
+        }
+        _ => anyhow::Error::new(e),
+    }
+}
+
+fn ignore_missing(result: Result<(), MapError>) -> Result<()> {
+    match result {
+        Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other.map_err(anyhow::Error::new),
+    }
+}

@@ -1,0 +1,202 @@
+use super::image::*;
+use super::*;
+use crate::model::ServiceName;
+use crate::model::{BackendAddr, Desired, Frontend};
+use crate::net::Protocol;
+use std::net::Ipv4Addr;
+
+type FakeStore = crate::sync::mem_store::MemStore;
+
+const VIP: [u8; 4] = [10, 96, 0, 100];
+
+fn be(addr: [u8; 4], port: u16) -> BackendAddr {
+    BackendAddr { addr: Ipv4Addr::from(addr), port }
+}
+
+fn web(port: u16, proto: Protocol, active: &[u8], terminating: &[u8]) -> Frontend {
+    let mut fe = Frontend::new(
+        ServiceName { namespace: "default".into(), name: "web".into() },
+        format!("p{port}"),
+        Ipv4Addr::from(VIP),
+        port,
+        proto,
+        active.iter().map(|last| be([10, 244, 0, *last], 8080)).collect(),
+    );
+    fe.terminating_backends = terminating.iter().map(|last| be([10, 244, 0, *last], 8080)).collect();
+    fe
+}
+
+fn slot0(store: &FakeStore, port: u16, proto: Protocol) -> ServiceValueV4 {
+    store.services[&(VIP, port, proto.number(), SCOPE_INTERNAL, 0)]
+}
+
+fn slot_backends(store: &FakeStore, port: u16, proto: Protocol) -> Vec<[u8; 4]> {
+    let master = slot0(store, port, proto);
+    (1..=master.count + master.terminating_count)
+        .map(|s| {
+            store.backends[&store.services[&(VIP, port, proto.number(), SCOPE_INTERNAL, s)].backend_id].addr
+        })
+        .collect()
+}
+
+fn flags_of(store: &FakeStore, last: u8) -> u8 {
+    store.backends.values().find(|b| b.addr == [10, 244, 0, last]).expect("backend present").flags
+}
+
+fn id_of(store: &FakeStore, last: u8) -> u32 {
+    *store.backends.iter().find(|(_, b)| b.addr == [10, 244, 0, last]).unwrap().0
+}
+
+fn position(log: &[String], entry: &str) -> usize {
+    log.iter().position(|l| l == entry).unwrap_or_else(|| panic!("{entry:?} not in {log:#?}"))
+}
+
+#[test]
+fn terminating_backends_get_slots_after_the_count_and_their_flag() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[3])]));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.backends_added, 3);
+    let store = syncer.store();
+    let master = slot0(store, 80, Protocol::Tcp);
+    assert_eq!((master.count, master.terminating_count), (2, 1));
+    assert_eq!(slot_backends(store, 80, Protocol::Tcp), [[10, 244, 0, 1], [10, 244, 0, 2], [10, 244, 0, 3]]);
+    assert_eq!(flags_of(store, 1), BACKEND_FLAG_ACTIVE);
+    assert_eq!(flags_of(store, 3), BACKEND_FLAG_TERMINATING);
+    assert_eq!(store.vips[&VIP].frontends, 1);
+    // The VIP entry exists before slot 0 of its first frontend.
+    assert!(
+        position(&store.log, "put vip 10.96.0.100 1") < position(&store.log, "put slot 10.96.0.100:80#0")
+    );
+
+    // A restarted agent adopts the terminating slots: nothing is rewritten.
+    let store = std::mem::take(&mut syncer.store);
+    let mut syncer = Syncer::with_store(FakeStore { log: vec![], ..store }).unwrap();
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[3])]));
+    assert!(!report.changed(), "{report:?}");
+    assert!(syncer.store().log.is_empty(), "{:?}", syncer.store().log);
+    assert_eq!(syncer.backend_count(), 3);
+}
+
+#[test]
+fn a_backend_changing_state_keeps_its_id_and_flips_its_flag_in_place() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[])]));
+    let id2 = id_of(syncer.store(), 2);
+
+    // Pod .2 starts terminating: it leaves the active slots, stays as a terminating one.
+    syncer.store.log.clear();
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[2])]));
+    assert_eq!((report.backends_added, report.backends_removed, report.backends_updated), (0, 0, 1));
+    assert!(report.removed_backends.is_empty());
+    let store = syncer.store();
+    assert_eq!(id_of(store, 2), id2);
+    assert_eq!(flags_of(store, 2), BACKEND_FLAG_TERMINATING);
+    let master = slot0(store, 80, Protocol::Tcp);
+    assert_eq!((master.count, master.terminating_count), (1, 1));
+    // Flag goes terminating only after slot 0 no longer counts it as active.
+    let flip = position(&store.log, &format!("put backend {id2} flags {BACKEND_FLAG_TERMINATING}"));
+    assert!(position(&store.log, "put slot 10.96.0.100:80#0") < flip, "{:#?}", store.log);
+
+    // ... and back (readiness restored): active before any slot names it for new flows.
+    syncer.store.log.clear();
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1, 2], &[])]));
+    assert_eq!(report.backends_updated, 1);
+    let store = syncer.store();
+    assert_eq!(id_of(store, 2), id2);
+    assert_eq!(flags_of(store, 2), BACKEND_FLAG_ACTIVE);
+    let flip = position(&store.log, &format!("put backend {id2} flags {BACKEND_FLAG_ACTIVE}"));
+    assert!(flip < position(&store.log, "put slot 10.96.0.100:80#0"), "{:#?}", store.log);
+    assert_eq!(slot0(store, 80, Protocol::Tcp).terminating_count, 0);
+    assert_eq!(store.services.len(), 3, "no slot above the total is left");
+}
+
+#[test]
+fn active_wins_when_two_frontends_disagree_about_a_backend() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let a = web(80, Protocol::Tcp, &[1], &[2]);
+    let b = web(81, Protocol::Tcp, &[2], &[]);
+    let report = syncer.apply(&Desired::new(vec![a, b]));
+    assert!(report.errors.is_empty());
+    assert_eq!(syncer.backend_count(), 2);
+    assert_eq!(flags_of(syncer.store(), 2), BACKEND_FLAG_ACTIVE);
+    assert_eq!(syncer.store().vips[&VIP].frontends, 2);
+}
+
+#[test]
+fn removed_backends_are_reported_with_their_protocol() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    syncer
+        .apply(&Desired::new(vec![web(53, Protocol::Udp, &[1, 2], &[]), web(80, Protocol::Tcp, &[1], &[3])]));
+    let udp2 = *syncer.backends.get(&(be([10, 244, 0, 2], 8080), Protocol::Udp)).map(|b| &b.id).unwrap();
+    let tcp3 = *syncer.backends.get(&(be([10, 244, 0, 3], 8080), Protocol::Tcp)).map(|b| &b.id).unwrap();
+    // .2 is deleted; .3 finished terminating and disappears.
+    let report = syncer
+        .apply(&Desired::new(vec![web(53, Protocol::Udp, &[1], &[]), web(80, Protocol::Tcp, &[1], &[])]));
+    let mut removed = report.removed_backends.clone();
+    removed.sort();
+    let mut expected = vec![(udp2, Protocol::Udp), (tcp3, Protocol::Tcp)];
+    expected.sort();
+    assert_eq!(removed, expected);
+    assert_eq!(report.backends_removed, 2);
+    // A terminating backend stays referenced (not an orphan) while listed.
+    let report = syncer
+        .apply(&Desired::new(vec![web(53, Protocol::Udp, &[], &[1]), web(80, Protocol::Tcp, &[1], &[])]));
+    assert!(report.removed_backends.is_empty(), "{report:?}");
+}
+
+#[test]
+fn vips_count_frontends_and_go_after_the_last_one() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[]), web(80, Protocol::Udp, &[], &[])]));
+    assert_eq!(syncer.store().vips[&VIP].frontends, 2);
+    syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+    assert_eq!(syncer.store().vips[&VIP].frontends, 1);
+
+    syncer.store.log.clear();
+    syncer.apply(&Desired::new(vec![]));
+    let store = syncer.store();
+    assert!(store.vips.is_empty());
+    assert!(position(&store.log, "del slot 10.96.0.100:80#0") < position(&store.log, "del vip 10.96.0.100"));
+    assert!(store.services.is_empty() && store.backends.is_empty() && store.rev_nat.is_empty());
+
+    // Drift is repaired by a reload: a VIP entry removed behind our back comes back.
+    syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+    syncer.store.vips.clear();
+    syncer.reload().unwrap();
+    syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+    assert_eq!(syncer.store().vips[&VIP].frontends, 1);
+}
+
+#[test]
+fn a_frontend_that_cannot_be_written_leaves_no_vip_behind() {
+    let store = FakeStore { backend_capacity: Some(0), ..Default::default() };
+    let mut syncer = Syncer::with_store(store).unwrap();
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+    assert_eq!(report.errors.len(), 1, "{report:?}");
+    assert!(report.errors[0].contains("default/web"), "{}", report.errors[0]);
+    assert!(syncer.store().vips.is_empty());
+    assert_eq!(syncer.frontend_count(), 0);
+}
+
+#[test]
+fn slot_layout_and_flags() {
+    let slots = slot_layout(&[7, 8], &[9], 3, SVC_FLAG_AFFINITY, 60).unwrap();
+    assert_eq!(slots.len(), 4);
+    assert_eq!(slots[0].1.count, 2);
+    assert_eq!(slots[0].1.terminating_count, 1);
+    assert_eq!(slots[0].1.affinity_timeout_s, 60);
+    assert_eq!(
+        slots.iter().skip(1).map(|(s, v)| (*s, v.backend_id)).collect::<Vec<_>>(),
+        [(1, 7), (2, 8), (3, 9)]
+    );
+    assert!(slots.iter().all(|(_, v)| v.rev_nat_id == 3));
+    assert!(slot_layout(&vec![1; 40_000], &vec![2; 30_000], 1, 0, 0).is_err());
+
+    let mut fe = web(80, Protocol::Tcp, &[1], &[]);
+    assert_eq!(frontend_flags(&fe), 0);
+    fe.session_affinity_timeout = Some(10);
+    fe.local_only = true;
+    fe.terminating_fallback = true;
+    assert_eq!(frontend_flags(&fe), SVC_FLAG_AFFINITY | SVC_FLAG_LOCAL_ONLY | SVC_FLAG_TERMINATING_FALLBACK);
+}

@@ -1,0 +1,3 @@
+//! Helpers for the crate's unit tests.
+
+pub mod http;
