@@ -334,7 +334,7 @@ pub fn create(
         flags,
         ..Default::default()
     };
-    CONNTRACK_V4.insert(reply_key, reply, 0).map_err(|_| Verdict::Pass(Stat::ConntrackInsertFailed))?;
+    CONNTRACK_V4.insert(reply_key, reply, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     let forward = CtEntryV4 {
         packets: 1,
         bytes: u64::from(flow.ip_total_len),
@@ -343,6 +343,6 @@ pub fn create(
         tcp_flags_seen: flow.tcp_flags,
         ..reply
     };
-    CONNTRACK_V4.insert(forward_key, forward, 0).map_err(|_| Verdict::Pass(Stat::ConntrackInsertFailed))?;
+    CONNTRACK_V4.insert(forward_key, forward, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     Ok(())
 }

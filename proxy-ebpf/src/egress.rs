@@ -7,26 +7,23 @@ use proxy_common::{
     stats::Stat,
 };
 
-use crate::{
-    conntrack, events, icmp, nat, parse, snat, stats,
-    verdict::{Done, Verdict},
-};
+use crate::{conntrack, events, icmp, nat, parse, snat, stats, verdict::Verdict};
 
-pub fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
+pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     let flow = match parse::flow(ctx) {
         Ok(flow) => flow,
         Err(Stat::PassNotTcpUdp) => return icmp::unnat_error(ctx),
-        Err(stat) => return Err(Verdict::Pass(stat)),
+        Err(stat) => return Err(Verdict::pass(stat)),
     };
     let key = flow.ct_key(CT_DIR_REPLY);
-    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let entry = conntrack::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
     let reply = unsafe { *entry };
     // Where the client sent the flow, and from which port (a remapped flow's
     // is in SNAT_V4).
     let client_port = if reply.flags & CT_FLAG_REMAP != 0 {
-        snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?.port
+        snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?.port
     } else {
         flow.dport
     };
@@ -50,5 +47,5 @@ pub fn egress(ctx: &TcContext) -> Result<Done, Verdict> {
             now,
         );
     }
-    Ok(Done::Next)
+    Ok(Verdict::NEXT)
 }

@@ -16,13 +16,21 @@ const AF_INET: u8 = 2;
 
 /// The interface to send a packet out of, and its Ethernet header when the
 /// neighbour is known (destination then source MAC, as in the frame).
-/// Not an `Option`: copying a `None` copies undefined bytes, and the
-/// verifier refuses reads of registers that were never written.
+/// Not an `Option`, and its padding a field: a copy of bytes never written
+/// (a `None`'s, or padding) is refused by the verifier to programs without
+/// CAP_PERFMON.
 #[derive(Clone, Copy)]
+#[repr(C)]
 pub struct Route {
     pub ifindex: u32,
-    pub neighbour_known: bool,
     pub macs: [u8; 12],
+    pub neighbour_known: bool,
+    pub _pad: [u8; 3],
+}
+
+impl Route {
+    /// No route yet: what a program starts with, for a stage to fill in.
+    pub const NONE: Route = Route { ifindex: 0, macs: [0; 12], neighbour_known: false, _pad: [0; 3] };
 }
 
 /// For tc: no length, so that the kernel checks the packet itself against the
@@ -42,7 +50,7 @@ pub fn route<C: EbpfContext>(
     daddr: [u8; 4],
     ip_total_len: u16,
 ) -> Result<Route, Verdict> {
-    let params = FIB_SCRATCH.get_ptr_mut(0).ok_or(Verdict::Drop(Stat::FibLookupFailed))?;
+    let params = FIB_SCRATCH.get_ptr_mut(0).ok_or(Verdict::drop(Stat::FibLookupFailed))?;
     // Cleared word by word: a whole-struct assignment becomes a memset call
     // whose register use the verifier refuses.
     let words = params as *mut u64;
@@ -65,12 +73,10 @@ pub fn route<C: EbpfContext>(
             let mut macs = [0u8; 12];
             macs[..6].copy_from_slice(&params.dmac);
             macs[6..].copy_from_slice(&params.smac);
-            Ok(Route { ifindex: params.ifindex, neighbour_known: true, macs })
+            Ok(Route { ifindex: params.ifindex, macs, neighbour_known: true, _pad: [0; 3] })
         }
-        BPF_FIB_LKUP_RET_NO_NEIGH => {
-            Ok(Route { ifindex: params.ifindex, neighbour_known: false, macs: [0; 12] })
-        }
-        _ => Err(Verdict::Drop(Stat::FibLookupFailed)),
+        BPF_FIB_LKUP_RET_NO_NEIGH => Ok(Route { ifindex: params.ifindex, ..Route::NONE }),
+        _ => Err(Verdict::drop(Stat::FibLookupFailed)),
     }
 }
 

@@ -20,10 +20,7 @@ use proxy_common::{
     trace::EV_ICMP_UNNAT,
 };
 
-use crate::{
-    conntrack, events, fib, snat, stats,
-    verdict::{Done, Verdict},
-};
+use crate::{conntrack, events, fib, snat, stats, verdict::Verdict};
 
 /// An ICMP error's outer header, where its message starts, and what it quotes.
 struct Error {
@@ -36,7 +33,7 @@ struct Error {
 /// (and the fields rewritten in it) must fit in the IP total length.
 #[inline(always)]
 fn read(ctx: &TcContext) -> Result<Error, Verdict> {
-    let not_ours = || Verdict::Pass(Stat::PassNotTcpUdp);
+    let not_ours = || Verdict::pass(Stat::PassNotTcpUdp);
     let outer: [u8; 20] = ctx.load(ETH_HLEN).map_err(|_| not_ours())?;
     let header_len = error_message_offset(&outer).ok_or_else(not_ours)?;
     // Bounded for the verifier: IHL is at most 15 words.
@@ -48,7 +45,7 @@ fn read(ctx: &TcContext) -> Result<Error, Verdict> {
 
 #[inline(always)]
 fn failed(_: i64) -> Verdict {
-    Verdict::Drop(Stat::RewriteFailed)
+    Verdict::drop(Stat::RewriteFailed)
 }
 
 /// An address of the quote, with the quote's header checksum.
@@ -130,20 +127,20 @@ fn outer_daddr(error: &Error) -> [u8; 4] {
 /// the error.
 /// Not inlined: a packet that is no ICMP error costs the caller one call.
 #[inline(never)]
-pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
+pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
     let error = read(ctx)?;
     let quote = error.quote;
-    let entry = conntrack::lookup(&quote.reply_key()).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let entry = conntrack::lookup(&quote.reply_key()).ok_or(Verdict::pass(Stat::PassNoService))?;
     // SAFETY: a map value valid for this program run; copied out at once.
     let (service, service_port, flags) = unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
     if flags & !(CT_FLAG_REMAP | CT_FLAG_DIRECT) != 0 {
         // Hairpin flows quote the hairpin address; source-NATed ones reach the
         // node, not a pod (see `unnat_snat_error`).
-        return Err(Verdict::Pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::PassNoService));
     }
     if flags & CT_FLAG_REMAP != 0 {
         // The client's socket knows its own port, not the remapped one.
-        let client = snat::reverse(&quote.reply_key()).ok_or(Verdict::Pass(Stat::PassNoService))?;
+        let client = snat::reverse(&quote.reply_key()).ok_or(Verdict::pass(Stat::PassNoService))?;
         quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
     }
     if service != quote.daddr {
@@ -156,7 +153,7 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     }
     stats::count(Stat::IcmpErrorUnnat);
     trace(&quote, entry, (quote.saddr, quote.sport), (service, service_port));
-    Ok(Done::Next)
+    Ok(Verdict::NEXT)
 }
 
 /// On an external interface (ingress): an error addressed to the node address
@@ -166,17 +163,17 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Done, Verdict> {
 /// error goes to the client (from the frontend when the backend sent it) and
 /// leaves at once.
 #[inline(never)]
-pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
+pub fn unnat_snat_error(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdict, Verdict> {
     let error = read(ctx)?;
     let quote = error.quote;
     let key = quote.reply_key();
-    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let entry = conntrack::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     // SAFETY: a map value valid for this program run; copied out at once.
     let (frontend, frontend_port, flags) = unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
     if flags & CT_FLAG_SNAT == 0 {
-        return Err(Verdict::Pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::PassNoService));
     }
-    let client = snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     quoted_addr(ctx, &error, QUOTE_OFF_SADDR, quote.saddr, client.addr)?;
     quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
     quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, frontend)?;
@@ -191,6 +188,6 @@ pub fn unnat_snat_error(ctx: &TcContext) -> Result<Done, Verdict> {
     outer_addr(ctx, IP_OFF_DADDR, outer_daddr(&error), client.addr)?;
     stats::count(Stat::IcmpErrorUnnat);
     trace(&quote, entry, (client.addr, client.port), (frontend, frontend_port));
-    let route = fib::route(ctx, fib::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
-    Ok(Done::Redirect(route))
+    *route = fib::route(ctx, fib::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
+    Ok(Verdict::REDIRECT)
 }

@@ -23,7 +23,7 @@ use crate::{
     icmp, lb,
     maps::EXTERNAL_IFACES,
     nat, parse, reject, snat, stats,
-    verdict::{Done, Verdict},
+    verdict::Verdict,
 };
 
 /// What [`classify`] decided for a packet leaving a pod or arriving on an
@@ -66,13 +66,14 @@ struct Found {
 }
 
 /// `EXTERNAL`: the packet arrived on an external interface rather than from
-/// a pod.
+/// a pod. `route`: where a stage that ends in [`Verdict::REDIRECT`] sends the
+/// packet.
 #[inline(always)]
-pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
+pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdict, Verdict> {
     let flow = match parse::flow(ctx) {
         Ok(flow) => flow,
-        Err(Stat::PassNotTcpUdp) if EXTERNAL => return icmp::unnat_snat_error(ctx),
-        Err(stat) => return Err(Verdict::Pass(stat)),
+        Err(Stat::PassNotTcpUdp) if EXTERNAL => return icmp::unnat_snat_error(ctx, route),
+        Err(stat) => return Err(Verdict::pass(stat)),
     };
     let mut found = Found {
         frontend: core::ptr::null(),
@@ -82,22 +83,21 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
         hairpin_addr: [0; 4],
     };
     match classify::<EXTERNAL>(ctx, &flow, &mut found) {
-        Step::Pass(stat) => Err(Verdict::Pass(stat)),
-        Step::Drop(stat) => Err(Verdict::Drop(stat)),
+        Step::Pass(stat) => Err(Verdict::pass(stat)),
+        Step::Drop(stat) => Err(Verdict::drop(stat)),
         Step::HairpinReply => hairpin_reply(ctx, &flow),
-        Step::SnatReply => snat_reply(ctx, &flow),
+        Step::SnatReply => snat_reply(ctx, &flow, route),
         // A later fragment follows the translation its first fragment made; it
         // never starts a flow nor answers for a refused one.
-        Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::Pass(Stat::PassFragment)),
+        Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, &flow),
-        Step::Established => established(ctx, &flow, &found),
+        Step::Established => established(ctx, &flow, &found, route),
         Step::NewFlow => {
             let mut plan = NewFlowPlan {
                 choice: lb::Choice { backend_id: 0, backend: BackendV4::default(), slot: 0 },
                 reply_to: ReplyTo::CLIENT,
-                route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
             };
-            plan_new_flow::<EXTERNAL>(ctx, &flow, &found, &mut plan)?;
+            plan_new_flow::<EXTERNAL>(ctx, &flow, &found, &mut plan, route)?;
             let backend = &plan.choice.backend;
             let mut reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
             reply_key.daddr = plan.reply_to.client_addr(reply_key.daddr);
@@ -111,7 +111,7 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext) -> Result<Done, Verdict> {
             let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(flow.daddr, flow.dport);
             match conntrack::claim(&flow, &reply_key, found.now) {
                 Some(Clash::Remap) => direct(ctx, &flow, &found),
-                _ => Err(Verdict::Pass(Stat::PassNoService)),
+                _ => Err(Verdict::pass(Stat::PassNoService)),
             }
         }
     }
@@ -212,7 +212,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
 /// is over, and otherwise this flow's source port is remapped, so that the
 /// replies of each reach the right socket (netfilter's clash resolution).
 #[inline(never)]
-fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Verdict> {
+fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_FORWARD);
     let port = snat::allocate(flow, &key, flow.daddr, flow.dport, flow.saddr, found.now)?;
     let choice = lb::Choice {
@@ -226,13 +226,18 @@ fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Ve
     }
     nat::rewrite_source_port(ctx, flow, port)?;
     stats::count(Stat::PortRemapped);
-    Ok(Done::Next)
+    Ok(Verdict::NEXT)
 }
 
 /// A packet of a known flow.
 /// Not inlined: the ingress program's stack frame has no room for it.
 #[inline(never)]
-fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Done, Verdict> {
+fn established(
+    ctx: &TcContext,
+    flow: &parse::Flow,
+    found: &Found,
+    route: &mut fib::Route,
+) -> Result<Verdict, Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
     let (entry, now, hairpin_addr) = (found.entry, found.now, found.hairpin_addr);
     // SAFETY: as in `ingress`.
@@ -267,45 +272,45 @@ fn established(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Don
     }
     if hairpin {
         if entry_copy.flags & CT_FLAG_REMAP != 0 {
-            let to = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
+            let to = to_node.ok_or(Verdict::drop(Stat::ConntrackInsertFailed))?;
             nat::rewrite_source_port(ctx, flow, to.port)?;
         }
         nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
-        return Ok(Done::Bounce);
+        return Ok(Verdict::BOUNCE);
     }
     if reply_key_in_snat(entry_copy.flags) {
         // The translation was evicted: nothing can un-NAT replies.
-        let to_node = to_node.ok_or(Verdict::Drop(Stat::ConntrackInsertFailed))?;
+        let to_node = to_node.ok_or(Verdict::drop(Stat::ConntrackInsertFailed))?;
         if entry_copy.flags & CT_FLAG_REMAP != 0 {
             // The client's own address: the node routes it as it is.
             nat::rewrite_source_port(ctx, flow, to_node.port)?;
-            return Ok(Done::Next);
+            return Ok(Verdict::NEXT);
         }
         nat::rewrite_source(ctx, flow, to_node.addr, to_node.port)?;
-        let route = fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, fib::CHECK_SKB)?;
-        return Ok(Done::Redirect(route));
+        *route = fib::route(ctx, ingress_ifindex(ctx), to_node.addr, entry_copy.nat_addr, fib::CHECK_SKB)?;
+        return Ok(Verdict::REDIRECT);
     }
-    Ok(Done::Next)
+    Ok(Verdict::NEXT)
 }
 
 /// What the first stage of a new flow decided, for the second.
 struct NewFlowPlan {
     choice: lb::Choice,
     reply_to: ReplyTo,
-    /// Where a source-NATed flow is sent (`reply_to` has `CT_FLAG_SNAT`).
-    route: fib::Route,
 }
 
 /// The first stage of a new flow: picks its backend and whether it is
-/// source-NATed (then with its SNAT port). The clash check that follows
-/// (`conntrack::claim`) is called from the program itself, between the two
-/// stages: it would not fit in the stack beside either.
+/// source-NATed (then with its SNAT port, and in `route` where it is sent).
+/// The clash check that follows (`conntrack::claim`) is called from the
+/// program itself, between the two stages: it would not fit in the stack
+/// beside either.
 #[inline(never)]
 fn plan_new_flow<const EXTERNAL: bool>(
     ctx: &TcContext,
     flow: &parse::Flow,
     found: &Found,
     plan: &mut NewFlowPlan,
+    route: &mut fib::Route,
 ) -> Result<(), Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
     let now = found.now;
@@ -329,10 +334,10 @@ fn plan_new_flow<const EXTERNAL: bool>(
             // SAFETY: the value is copied out at once.
             let node_addr = unsafe { EXTERNAL_IFACES.get(ifindex) }
                 .map(|i| i.addr)
-                .ok_or(Verdict::Pass(Stat::PassNoService))?;
+                .ok_or(Verdict::pass(Stat::PassNoService))?;
             let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, node_addr, now)?;
             plan.reply_to = ReplyTo::snat(node_addr, port);
-            plan.route = backend_route;
+            *route = backend_route;
         }
     }
     plan.choice = choice;
@@ -343,7 +348,12 @@ fn plan_new_flow<const EXTERNAL: bool>(
 /// plan with `CT_FLAG_REMAP` and no port yet gets its remapped port here.
 /// Not inlined: the ingress program's stack frame has no room for it.
 #[inline(never)]
-fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPlan) -> Result<Done, Verdict> {
+fn new_flow(
+    ctx: &TcContext,
+    flow: &parse::Flow,
+    found: &Found,
+    plan: &NewFlowPlan,
+) -> Result<Verdict, Verdict> {
     let key = &flow.ct_key(CT_DIR_FORWARD);
     let (now, hairpin_addr) = (found.now, found.hairpin_addr);
     // SAFETY: `classify` set it to a map value before choosing this step.
@@ -403,17 +413,18 @@ fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPl
     if hairpin {
         nat::rewrite_source_addr(ctx, flow, flow.saddr, hairpin_addr)?;
         stats::count(Stat::Hairpin);
-        return Ok(Done::Bounce);
+        return Ok(Verdict::BOUNCE);
     }
     if reply_to.is(CT_FLAG_REMAP) {
-        return Ok(Done::Next);
+        return Ok(Verdict::NEXT);
     }
     if reply_to.is(CT_FLAG_SNAT) {
         nat::rewrite_source(ctx, flow, reply_to.addr, reply_to.port)?;
         stats::count(Stat::SnatNew);
-        return Ok(Done::Redirect(plan.route));
+        // `plan_new_flow` wrote the route.
+        return Ok(Verdict::REDIRECT);
     }
-    Ok(Done::Next)
+    Ok(Verdict::NEXT)
 }
 
 /// A backend's reply to a source-NATed flow (addressed to a node address and
@@ -421,16 +432,16 @@ fn new_flow(ctx: &TcContext, flow: &parse::Flow, found: &Found, plan: &NewFlowPl
 /// and out of the node directly. `None` when the packet is not one.
 /// Not inlined: its stack frame would not fit next to the ingress program's.
 #[inline(never)]
-fn snat_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+fn snat_reply(ctx: &TcContext, flow: &parse::Flow, route: &mut fib::Route) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
-    let Some(entry) = conntrack::lookup(&key) else { return Err(Verdict::Pass(Stat::PassNoService)) };
+    let Some(entry) = conntrack::lookup(&key) else { return Err(Verdict::pass(Stat::PassNoService)) };
     // SAFETY: as in `ingress`.
     let (frontend_addr, frontend_port, flags) =
         unsafe { ((*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
     if flags & CT_FLAG_SNAT == 0 {
-        return Err(Verdict::Pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::PassNoService));
     }
-    let Some(client) = snat::reverse(&key) else { return Err(Verdict::Pass(Stat::PassNoService)) };
+    let Some(client) = snat::reverse(&key) else { return Err(Verdict::pass(Stat::PassNoService)) };
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
     unsafe {
@@ -450,8 +461,8 @@ fn snat_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
             now,
         );
     }
-    let route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, fib::CHECK_SKB)?;
-    Ok(Done::Redirect(route))
+    *route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, fib::CHECK_SKB)?;
+    Ok(Verdict::REDIRECT)
 }
 
 /// Whether a packet to a SNAT port is a reply to a source-NATed flow.
@@ -465,7 +476,7 @@ fn is_snat_reply(flow: &parse::Flow) -> bool {
 /// Not inlined, so that the packet buffers of a refusal are not part of the
 /// ingress program's stack frame.
 #[inline(never)]
-fn refuse(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+fn refuse(ctx: &TcContext, flow: &parse::Flow) -> Result<Verdict, Verdict> {
     reject::refuse(ctx, flow)
 }
 
@@ -473,9 +484,9 @@ fn refuse(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
 /// address: the source goes back to the VIP and the destination back to the
 /// pod, and the packet returns to the pod.
 #[inline(never)]
-fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
+fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
-    let entry = conntrack::lookup(&key).ok_or(Verdict::Pass(Stat::PassNoService))?;
+    let entry = conntrack::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
     let (vip, vip_port, flags) = unsafe {
@@ -483,7 +494,7 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
         ((*entry).nat_addr, (*entry).nat_port, (*entry).flags)
     };
     let client_port = if flags & CT_FLAG_REMAP != 0 {
-        snat::reverse(&key).ok_or(Verdict::Pass(Stat::PassNoService))?.port
+        snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?.port
     } else {
         flow.dport
     };
@@ -495,5 +506,5 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Done, Verdict> {
         // SAFETY: as in `ingress`.
         events::emit_unnat(flow, unsafe { &*entry }, (vip, vip_port), (flow.saddr, client_port), now);
     }
-    Ok(Done::Bounce)
+    Ok(Verdict::BOUNCE)
 }

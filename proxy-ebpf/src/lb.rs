@@ -176,13 +176,13 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
         return Ok(choice);
     }
 
-    let slot = select_slot(pick, frontend.count).ok_or(Verdict::Pass(Stat::NoBackend))?;
+    let slot = select_slot(pick, frontend.count).ok_or(Verdict::pass(Stat::NoBackend))?;
     let key = ServiceKeyV4::new(flow.daddr, flow.dport, flow.proto, found.scope, slot);
     // SAFETY: as in `lookup_frontend`.
     let backend_id =
-        unsafe { SERVICES_V4.get(key) }.map(|v| v.backend_id).ok_or(Verdict::Pass(Stat::SlotMiss))?;
+        unsafe { SERVICES_V4.get(key) }.map(|v| v.backend_id).ok_or(Verdict::pass(Stat::SlotMiss))?;
     // SAFETY: as above; the value is copied out.
-    let backend = unsafe { BACKENDS_V4.get(backend_id) }.copied().ok_or(Verdict::Pass(Stat::SlotMiss))?;
+    let backend = unsafe { BACKENDS_V4.get(backend_id) }.copied().ok_or(Verdict::pass(Stat::SlotMiss))?;
     if affinity {
         let value = AffinityValueV4 { last_used_ns: now, backend_id, slot: u32::from(slot) };
         // A full LRU evicts an old client; a failure only costs stickiness.

@@ -41,8 +41,9 @@ use crate::verdict::finish;
 
 #[classifier]
 pub fn kproxy_ingress(ctx: TcContext) -> i32 {
-    let result = ingress::ingress::<false>(&ctx);
-    finish(&ctx, result)
+    let mut route = fib::Route::NONE;
+    let result = ingress::ingress::<false>(&ctx, &mut route);
+    finish(&ctx, result, &route)
 }
 
 /// tc ingress of the node's external interfaces: NodePorts, ExternalIPs and
@@ -50,8 +51,9 @@ pub fn kproxy_ingress(ctx: TcContext) -> i32 {
 /// reply would otherwise not come back through this node.
 #[classifier]
 pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
-    let result = ingress::ingress::<true>(&ctx);
-    finish(&ctx, result)
+    let mut route = fib::Route::NONE;
+    let result = ingress::ingress::<true>(&ctx, &mut route);
+    finish(&ctx, result, &route)
 }
 
 /// XDP on the node's external interfaces: the same north-south path for
@@ -88,7 +90,7 @@ pub fn kproxy_getpeername4(ctx: SockAddrContext) -> i32 {
 #[classifier]
 pub fn kproxy_egress(ctx: TcContext) -> i32 {
     let result = egress::egress(&ctx);
-    finish(&ctx, result)
+    finish(&ctx, result, &fib::Route::NONE)
 }
 
 #[cfg(not(test))]

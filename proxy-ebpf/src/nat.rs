@@ -31,7 +31,7 @@ fn rewrite_addr(
         return Ok(());
     }
     let (old, new) = (u64::from(u32::from_ne_bytes(old)), u64::from(u32::from_ne_bytes(new)));
-    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
+    let failed = |_| Verdict::drop(Stat::RewriteFailed);
     // A later fragment has no L4 checksum: the first fragment's covers the
     // whole datagram and took the pseudo-header change.
     if flow.has_l4_header() {
@@ -54,7 +54,7 @@ fn rewrite_port(
         return Ok(());
     }
     let (old, new) = (u64::from(u16::from_ne_bytes(old)), u64::from(u16::from_ne_bytes(new)));
-    let failed = |_| Verdict::Drop(Stat::RewriteFailed);
+    let failed = |_| Verdict::drop(Stat::RewriteFailed);
     ctx.l4_csum_replace(flow.l4_check_offset, old, new, l4_flags(flow) | 2).map_err(failed)?;
     ctx.store(flow.l4_offset + l4_field, &(new as u16), 0).map_err(failed)
 }

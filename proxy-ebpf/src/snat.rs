@@ -47,12 +47,12 @@ pub fn allocate(
             let forward = snat_forward_key(forward_key);
             if SNAT_V4.insert(forward, to_node, 0).is_err() {
                 let _ = SNAT_V4.remove(reverse);
-                return Err(Verdict::Drop(Stat::ConntrackInsertFailed));
+                return Err(Verdict::drop(Stat::ConntrackInsertFailed));
             }
             return Ok(port);
         }
     }
-    Err(Verdict::Drop(Stat::SnatPortExhausted))
+    Err(Verdict::drop(Stat::SnatPortExhausted))
 }
 
 /// The node address and port a flow sent to `backend` was translated to.

@@ -1,6 +1,22 @@
-//! How a tc program ends: what its stages decided ([`Done`], or [`Verdict`]
-//! when they stopped early), carried out by [`finish`].
+//! What becomes of a packet: one [`Verdict`] for the tc and XDP programs, an
+//! action and the counter it adds one to.
+//!
+//! A stage returns `Result<Verdict, Verdict>`: `Ok` is its own decision, `Err`
+//! a stop on the way (`?` on a helper that failed, or found the packet is not
+//! its to handle). tc carries either out as it is ([`finish`]). XDP has
+//! rewritten nothing when a stage stops, so it leaves such a packet to tc,
+//! counting why (`xdp::run`); tc then decides as it would without XDP.
+//!
+//! A `u32` with a niche rather than an enum with data: the stages are separate
+//! functions (the 512-byte stack), so verdicts cross calls. A
+//! `Result<(), Verdict>` crosses in a register, and both variants of a
+//! `Result<Verdict, Verdict>` write the same bytes. The variant not taken of a
+//! `Result` of data-carrying enums leaves bytes of the caller's stack
+//! unwritten, and the verifier lets only CAP_PERFMON holders read those.
+use core::num::NonZeroU32;
+
 use aya_ebpf::{
+    bindings::tcx_action_base::{TCX_DROP, TCX_NEXT},
     helpers::{bpf_redirect, generated::bpf_redirect_neigh},
     programs::TcContext,
 };
@@ -8,50 +24,105 @@ use proxy_common::stats::Stat;
 
 use crate::{fib, stats};
 
-/// Let the next program in the TCX chain (or the stack) have the packet.
-const TC_NEXT: i32 = -1;
-const TC_DROP: i32 = 2;
-
-/// What to do with a packet the program handled.
-pub enum Done {
-    /// Continue on its way (rewritten or not).
+/// What a program does with the packet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// On its way, rewritten or not: to the next program in the TCX chain, or
+    /// the stack (from XDP: to the stack, and so to tc).
     Next,
-    /// Send it back out of the interface it came in on (reject replies and
-    /// hairpin flows, which must not be routed by the node).
+    /// tc: back out of the interface it came in on, to the sender's MAC
+    /// (refusals and hairpin flows, which the node must not route).
     Bounce,
-    /// Send it out of this interface without the stack (its source is now a
-    /// node address, which the stack refuses on input).
-    Redirect(fib::Route),
+    /// Out of the interface of the stage's [`fib::Route`], without the stack
+    /// (a source that is now a node address, which the stack refuses on input).
+    Redirect,
+    /// Dropped: it was partly rewritten, or must not get through.
+    Drop,
 }
 
-/// Why a program stopped early.
-pub enum Verdict {
-    /// Leave the packet as it is.
-    Pass(Stat),
-    /// Drop the packet: it was partly rewritten, or must not get through.
-    Drop(Stat),
+/// An [`Action`] (bits 0–7, from 1) and a [`Stat`] to count (bits 8–31: its
+/// index plus one, 0 for none).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Verdict(NonZeroU32);
+
+impl Verdict {
+    /// On its way; the stage counted what it did.
+    pub const NEXT: Self = Self::new(Action::Next, None);
+    pub const BOUNCE: Self = Self::new(Action::Bounce, None);
+    pub const REDIRECT: Self = Self::new(Action::Redirect, None);
+
+    /// Left as it is, counted as `stat`.
+    #[inline(always)]
+    pub const fn pass(stat: Stat) -> Self {
+        Self::new(Action::Next, Some(stat))
+    }
+
+    /// Dropped, counted as `stat`.
+    #[inline(always)]
+    pub const fn drop(stat: Stat) -> Self {
+        Self::new(Action::Drop, Some(stat))
+    }
+
+    #[inline(always)]
+    const fn new(action: Action, stat: Option<Stat>) -> Self {
+        let counter = match stat {
+            Some(stat) => stat as u32 + 1,
+            None => 0,
+        };
+        // SAFETY: the action's bits are 1 to 4.
+        Self(unsafe { NonZeroU32::new_unchecked(counter << 8 | (action as u32 + 1)) })
+    }
+
+    #[inline(always)]
+    pub fn action(self) -> Action {
+        match self.0.get() & 0xff {
+            1 => Action::Next,
+            2 => Action::Bounce,
+            3 => Action::Redirect,
+            _ => Action::Drop,
+        }
+    }
+
+    /// Adds one to the verdict's counter, if it has one.
+    #[inline(always)]
+    pub fn count(self) {
+        let counter = self.0.get() >> 8;
+        if counter != 0 {
+            stats::count_index(counter - 1);
+        }
+    }
 }
 
+/// An early stop and a stage's own verdict end the same way in tc.
 #[inline(always)]
-pub fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
-    match result {
-        Ok(Done::Next) => TC_NEXT,
-        Ok(Done::Bounce) => {
+pub fn settle(result: Result<Verdict, Verdict>) -> Verdict {
+    let (Ok(verdict) | Err(verdict)) = result;
+    verdict
+}
+
+/// Carries out a tc stage's verdict; `route` is where [`Action::Redirect`]
+/// sends the packet (written by the stage that chose it).
+#[inline(always)]
+pub fn finish(ctx: &TcContext, result: Result<Verdict, Verdict>, route: &fib::Route) -> i32 {
+    let verdict = settle(result);
+    verdict.count();
+    match verdict.action() {
+        Action::Next => TCX_NEXT,
+        Action::Drop => TCX_DROP,
+        Action::Bounce => {
             // Back to the sender: the frame must be addressed to its MAC.
             if swap_macs(ctx).is_err() {
                 stats::count(Stat::RewriteFailed);
-                return TC_DROP;
+                return TCX_DROP;
             }
-            // SAFETY: reading the context field the kernel filled in.
-            let ifindex = unsafe { (*ctx.skb.skb).ifindex };
             // SAFETY: a helper taking plain values.
-            unsafe { bpf_redirect(ifindex, 0) as i32 }
+            unsafe { bpf_redirect(fib::ingress_ifindex(ctx), 0) as i32 }
         }
-        Ok(Done::Redirect(route)) => match route.neighbour_known {
+        Action::Redirect => match route.neighbour_known {
             true => {
                 if ctx.store(0, &route.macs, 0).is_err() {
                     stats::count(Stat::RewriteFailed);
-                    return TC_DROP;
+                    return TCX_DROP;
                 }
                 // SAFETY: a helper taking plain values.
                 unsafe { bpf_redirect(route.ifindex, 0) as i32 }
@@ -60,14 +131,6 @@ pub fn finish(ctx: &TcContext, result: Result<Done, Verdict>) -> i32 {
             // SAFETY: a helper taking plain values; no parameters struct.
             false => unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) as i32 },
         },
-        Err(Verdict::Pass(stat)) => {
-            stats::count(stat);
-            TC_NEXT
-        }
-        Err(Verdict::Drop(stat)) => {
-            stats::count(stat);
-            TC_DROP
-        }
     }
 }
 

@@ -32,16 +32,14 @@ use crate::{
     maps::EXTERNAL_IFACES,
     parse::{self, Flow},
     snat, stats,
+    verdict::{Action, Verdict},
 };
 
-/// What to do with a packet, or why it is left alone.
-type Outcome = Result<u32, Stat>;
-
 #[inline(always)]
-fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Stat> {
+fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
     let start = ctx.data();
     if start + offset + core::mem::size_of::<T>() > ctx.data_end() {
-        return Err(Stat::PassTruncated);
+        return Err(Verdict::pass(Stat::PassTruncated));
     }
     Ok((start + offset) as *mut T)
 }
@@ -50,26 +48,26 @@ fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Stat> {
 const L4: usize = ETH_HLEN + IPV4_MIN_HLEN;
 
 #[inline(always)]
-fn parse(ctx: &XdpContext) -> Result<Flow, Stat> {
+fn parse(ctx: &XdpContext) -> Result<Flow, Verdict> {
     let eth: *mut [u8; 14] = pointer(ctx, 0)?;
     // SAFETY: bounds checked by `pointer`.
     let ethertype = unsafe { [(*eth)[12], (*eth)[13]] };
     if u16::from_be_bytes(ethertype) != ETH_P_IP {
-        return Err(Stat::PassNotIpv4);
+        return Err(Verdict::pass(Stat::PassNotIpv4));
     }
     let ip: *mut [u8; 20] = pointer(ctx, ETH_HLEN)?;
     // SAFETY: as above.
     let ip = unsafe { *ip };
     if ip[0] != 0x45 {
-        return Err(Stat::PassMalformed);
+        return Err(Verdict::pass(Stat::PassMalformed));
     }
     let total_len = u16::from_be_bytes([ip[2], ip[3]]);
     let available = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN);
     let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available)
-        .map_err(parse::skip_stat)?;
+        .map_err(|skip| Verdict::pass(parse::skip_stat(skip)))?;
     if loc.fragment != Fragment::Whole {
         // Fragments are tc's, which follows a datagram from its first fragment.
-        return Err(Stat::XdpPass);
+        return Err(Verdict::NEXT);
     }
     let ports: *mut [u8; 4] = pointer(ctx, L4)?;
     // SAFETY: as above.
@@ -157,15 +155,14 @@ fn route_back_out(
     saddr: [u8; 4],
     daddr: [u8; 4],
     flow: &Flow,
-) -> Result<fib::Route, Stat> {
-    let route =
-        fib::route(ctx, ingress, saddr, daddr, flow.ip_total_len).map_err(|_| Stat::FibLookupFailed)?;
+) -> Result<fib::Route, Verdict> {
+    let route = fib::route(ctx, ingress, saddr, daddr, flow.ip_total_len)?;
     if !route.neighbour_known {
         // Not a failure: tc's redirect resolves the neighbour.
-        return Err(Stat::XdpPass);
+        return Err(Verdict::NEXT);
     }
     if route.ifindex != ingress {
-        return Err(Stat::PassNoService);
+        return Err(Verdict::pass(Stat::PassNoService));
     }
     Ok(route)
 }
@@ -181,28 +178,33 @@ fn tuple(saddr: [u8; 4], daddr: [u8; 4], sport: [u8; 2], dport: [u8; 2]) -> chec
 }
 
 pub fn run(ctx: &XdpContext) -> u32 {
-    match handle(ctx) {
-        Ok(action) => action,
-        Err(stat) => {
-            if stat != Stat::XdpPass {
-                stats::count(stat);
-            }
+    let mut out = Translation { tuple: [0; 12], route: fib::Route::NONE };
+    match handle(ctx, &mut out) {
+        Ok(verdict) if verdict.action() == Action::Redirect => {
+            verdict.count();
+            send(&out.route)
+        }
+        Ok(verdict) if verdict.action() == Action::Drop => {
+            verdict.count();
+            XDP_DROP
+        }
+        // A stage that stopped has rewritten nothing: tc sees the packet next
+        // and decides (a drop included), as it would without XDP.
+        Ok(verdict) | Err(verdict) => {
+            verdict.count();
             stats::count(Stat::XdpPass);
             XDP_PASS
         }
     }
 }
 
+/// `out`: the rewrite and route of a packet XDP sends.
 #[inline(always)]
-fn handle(ctx: &XdpContext) -> Outcome {
+fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
     let flow = parse(ctx)?;
     if ctx.data() + REWRITE_SPAN > ctx.data_end() {
-        return Err(Stat::PassTruncated);
+        return Err(Verdict::pass(Stat::PassTruncated));
     }
-    let mut out = Translation {
-        tuple: [0; 12],
-        route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
-    };
     let (snat_min, snat_max) = config::nodeport().port_range();
     let dport = u16::from_be_bytes(flow.dport);
     if dport >= snat_min && dport <= snat_max {
@@ -211,25 +213,24 @@ fn handle(ctx: &XdpContext) -> Outcome {
             // SAFETY: a map value valid for this program run.
             && unsafe { (*entry).flags } & CT_FLAG_SNAT != 0
         {
-            snat_reply(ctx, &flow, entry, &mut out)?;
-            return finish(ctx, &flow, &out);
+            snat_reply(ctx, &flow, entry, out)?;
+            return finish(ctx, &flow, out);
         }
     }
     // Each stage is called from here, none from another: the BPF stack limit
     // counts a whole call chain.
-    let found = lb::lookup_external_frontend(&flow).ok_or(Stat::PassNoService)?;
+    let found = lb::lookup_external_frontend(&flow).ok_or(Verdict::pass(Stat::PassNoService))?;
     let frontend = found.value;
     if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb::source_allowed(frontend.rev_nat_id, flow.saddr) {
-        stats::count(Stat::DropSourceRange);
-        return Ok(XDP_DROP);
+        return Ok(Verdict::drop(Stat::DropSourceRange));
     }
     if found.scope == SCOPE_EXTERNAL || frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
         // externalTrafficPolicy: Local (local backends only) and cluster IPs
         // reached from outside (masqueraded whatever the backend) are tc's.
-        return Err(Stat::PassNoService);
+        return Err(Verdict::pass(Stat::PassNoService));
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
-        Some(entry) => established(ctx, &flow, entry, &mut out)?,
+        Some(entry) => established(ctx, &flow, entry, out)?,
         None => {
             let mut pick = Pick {
                 choice: lb::Choice {
@@ -237,24 +238,27 @@ fn handle(ctx: &XdpContext) -> Outcome {
                     backend: proxy_common::maps::BackendV4::default(),
                     slot: 0,
                 },
-                route: fib::Route { ifindex: 0, neighbour_known: false, macs: [0; 12] },
+                route: fib::Route::NONE,
                 rev_nat_id: 0,
             };
             new_flow(ctx, &flow, &found, &mut pick)?;
-            commit(ctx, &flow, &pick, &mut out)?;
+            commit(ctx, &flow, &pick, out)?;
         }
     }
-    finish(ctx, &flow, &out)
+    finish(ctx, &flow, out)
 }
 
+/// Rewrites the packet as a stage decided; [`run`] sends it.
 #[inline(always)]
-fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation) -> Outcome {
-    let packet = pointer::<[u8; REWRITE_SPAN]>(ctx, 0).map_err(|_| Stat::RewriteFailed)?;
+fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation) -> Result<Verdict, Verdict> {
+    // Checked by `handle` already: the verifier needs the check next to the
+    // access.
+    let packet = pointer::<[u8; REWRITE_SPAN]>(ctx, 0)?;
     rewrite(packet, flow, &out.tuple, &out.route);
-    Ok(send(&out.route))
+    Ok(Verdict::REDIRECT)
 }
 
-/// The rewrite a stage decided on, carried out by [`handle`].
+/// The rewrite a stage decided on, carried out by [`finish`].
 struct Translation {
     tuple: checksum::FourTuple,
     route: fib::Route,
@@ -266,10 +270,10 @@ fn snat_reply(
     flow: &Flow,
     entry: *mut proxy_common::maps::CtEntryV4,
     out: &mut Translation,
-) -> Result<(), Stat> {
+) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let key = flow.ct_key(CT_DIR_REPLY);
-    let client = snat::reverse(&key).ok_or(Stat::PassNoService)?;
+    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     // SAFETY: a map value valid for this program run.
     let (frontend, frontend_port) = unsafe { ((*entry).nat_addr, (*entry).nat_port) };
     let route = route_back_out(ctx, ingress, frontend, client.addr, flow)?;
@@ -297,7 +301,7 @@ fn established(
     flow: &Flow,
     entry: *mut proxy_common::maps::CtEntryV4,
     out: &mut Translation,
-) -> Result<(), Stat> {
+) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let config = config::get();
@@ -308,10 +312,10 @@ fn established(
         || conntrack::expired(&key, &entry_copy, &config, now)
         || !lb::keeps_backend(&entry_copy, flow.proto)
     {
-        return Err(Stat::PassNoService);
+        return Err(Verdict::pass(Stat::PassNoService));
     }
     let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port, entry_copy.flags)
-        .ok_or(Stat::PassNoService)?;
+        .ok_or(Verdict::pass(Stat::PassNoService))?;
     let route = route_back_out(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow)?;
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
@@ -342,16 +346,15 @@ struct Pick {
 
 /// Picks the backend of a new flow; only a backend on another node is XDP's.
 #[inline(never)]
-fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick) -> Result<(), Stat> {
+fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let frontend = found.value;
     if frontend.count == 0 || (flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags)) {
         // Refusals and invalid segments are the tc program's.
-        return Err(Stat::PassNoService);
+        return Err(Verdict::pass(Stat::PassNoService));
     }
-    let choice = lb::select_backend(flow, found, conntrack::now()).map_err(|_| Stat::NoBackend)?;
-    let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)
-        .map_err(|_| Stat::FibLookupFailed)?;
+    let choice = lb::select_backend(flow, found, conntrack::now())?;
+    let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)?;
     if route.ifindex != ingress {
         // A local backend: tc translates and delivers it. The choice is
         // recorded here, so tc follows it as an established flow instead of
@@ -359,15 +362,14 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
         let key = flow.ct_key(CT_DIR_FORWARD);
         if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some() {
             // Another flow has the reply tuple: tc resolves the clash.
-            return Err(Stat::XdpPass);
+            return Err(Verdict::NEXT);
         }
-        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::CLIENT)
-            .map_err(|_| Stat::ConntrackInsertFailed)?;
-        return Err(Stat::XdpPass);
+        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::CLIENT)?;
+        return Err(Verdict::NEXT);
     }
     if !route.neighbour_known {
         // Not a failure: tc's redirect resolves the neighbour.
-        return Err(Stat::XdpPass);
+        return Err(Verdict::NEXT);
     }
     *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
     Ok(())
@@ -375,24 +377,24 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
 
 /// Takes a SNAT port for a picked flow and records it in conntrack.
 #[inline(never)]
-fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> Result<(), Stat> {
+fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let now = conntrack::now();
     let backend = pick.choice.backend;
     // SAFETY: the value is copied out at once.
-    let node_addr = unsafe { EXTERNAL_IFACES.get(ingress) }.map(|i| i.addr).ok_or(Stat::PassNoService)?;
+    let node_addr =
+        unsafe { EXTERNAL_IFACES.get(ingress) }.map(|i| i.addr).ok_or(Verdict::pass(Stat::PassNoService))?;
     let key = flow.ct_key(CT_DIR_FORWARD);
-    let port = snat::allocate(flow, &key, backend.addr, backend.port, node_addr, now)
-        .map_err(|_| Stat::SnatPortExhausted)?;
-    if conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::snat(node_addr, port))
-        .is_err()
+    let port = snat::allocate(flow, &key, backend.addr, backend.port, node_addr, now)?;
+    if let Err(verdict) =
+        conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::snat(node_addr, port))
     {
         snat::remove(&key, backend.addr, backend.port, CT_FLAG_SNAT);
-        return Err(Stat::ConntrackInsertFailed);
+        return Err(verdict);
     }
     *out = Translation {
         tuple: tuple(node_addr, backend.addr, port, backend.port),
-        route: fib::Route { ifindex: pick.route.ifindex, neighbour_known: true, macs: pick.route.macs },
+        route: fib::Route { neighbour_known: true, ..pick.route },
     };
     stats::count(Stat::DnatNew);
     stats::count(Stat::SnatNew);
