@@ -5,12 +5,11 @@ use clap::{
     ArgMatches, CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum, parser::ValueSource,
 };
 use kproxy::{
-    agent::gc,
     agent::kube_proxy_config::{self, FileSettings},
     agent::nodeport::{ClusterCidrs, NodePortAddresses},
     agent::{self, AgentConfig, ConntrackOptions, Source},
     bpf::{self, InterfaceSelector, Maps, PinDir},
-    cmd::dump,
+    cmd::{conntrack, dump},
     k8s::api_watch::KubeOptions,
     model::ModelOptions,
 };
@@ -491,7 +490,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Conntrack { action: ConntrackAction::Flush { service } } => {
             let mut maps = Maps::from_pins(&pins)?;
-            let deleted = gc::flush(&mut maps, service.as_deref())?;
+            let deleted = conntrack::flush(&mut maps, service.as_deref())?;
             match service {
                 Some(service) => println!("deleted {deleted} conntrack entries of Service {service}"),
                 None => println!("deleted {deleted} conntrack entries"),

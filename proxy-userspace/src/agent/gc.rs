@@ -7,10 +7,9 @@
 //! orphan reply entries (their forward entry was evicted) and expired
 //! sessionAffinity entries.
 //!
-//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`],
-//! [`plan_flush`], [`Interval::next`]) are pure and unit-tested; [`run`],
-//! [`purge_backends`] and [`flush`] do the map I/O. All times are
-//! CLOCK_MONOTONIC nanoseconds ([`crate::cmd::dump::monotonic_ns`]), the clock of
+//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`], [`Interval::next`]) are pure and unit-tested; [`run`],
+//! [`purge_backends`] do the map I/O. All times are
+//! CLOCK_MONOTONIC nanoseconds ([`monotonic_ns`](crate::bpf::conntrack::monotonic_ns)), the clock of
 //! `bpf_ktime_get_ns`.
 
 use std::{
@@ -21,83 +20,22 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
-    conntrack::{CtState, Timeouts},
+    conntrack::Timeouts,
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4,
-        CtKeyV4, DEFAULT_HAIRPIN_ADDR, SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat, snat_forward_key,
-        snat_reply_key,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, SVC_FLAG_AFFINITY,
+        SnatEntryV4, reply_key_in_snat,
     },
 };
 
-use crate::{bpf::Maps, cmd::dump::monotonic_ns};
+use crate::bpf::{
+    Maps,
+    conntrack::{
+        SnatIndex, delete, delete_snat, hairpin_addr, monotonic_ns, pair_expired, read_config,
+        read_conntrack, reply_key, select, snat_index, state_name,
+    },
+};
 
 const SECOND_NS: u64 = 1_000_000_000;
-
-/// SNAT_V4's forward entries (`client → backend` after DNAT), by key.
-pub type SnatIndex = BTreeMap<KeyOrd, SnatEntryV4>;
-
-/// For callers with no source-NATed flows to resolve.
-pub static NO_SNAT: SnatIndex = BTreeMap::new();
-
-/// The forward entries of SNAT_V4, for [`reply_key`].
-pub fn snat_index(maps: &Maps) -> SnatIndex {
-    maps.snat
-        .iter()
-        .filter_map(|e| e.ok())
-        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
-        .map(|(k, v)| (key_ord(&k), v))
-        .collect()
-}
-
-/// The reply key of a forward entry: `backend → client`; for a hairpin
-/// flow (the client reached itself; its source was rewritten)
-/// `backend → hairpin address`, with the client's port either way; for a
-/// source-NATed flow `backend → node address:SNAT port`, and for a remapped
-/// one `backend → client:remapped port`, from `snat`.
-pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], snat: &SnatIndex) -> CtKeyV4 {
-    let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
-    if entry.flags & CT_FLAG_HAIRPIN != 0 {
-        key.daddr = hairpin_addr;
-    }
-    if reply_key_in_snat(entry.flags)
-        && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward)))
-    {
-        key = snat_reply_key(forward.proto, entry.nat_addr, entry.nat_port, to_node.addr, to_node.port);
-    }
-    key
-}
-
-/// The hairpin address the datapath uses: CONFIG's, or the default when unset.
-pub fn hairpin_addr(config: &ConfigV4) -> [u8; 4] {
-    if config.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { config.hairpin_addr }
-}
-
-/// The label of an entry's state in metrics and dumps.
-pub fn state_name(state: u8) -> &'static str {
-    CtState::from_u8(state).map_or("UNKNOWN", CtState::name)
-}
-
-/// When a flow was last active: the later `last_seen` of its two entries.
-pub fn pair_last_seen(forward: &CtEntryV4, reply: Option<&CtEntryV4>) -> u64 {
-    reply.map_or(forward.last_seen_ns, |r| r.last_seen_ns.max(forward.last_seen_ns))
-}
-
-/// Whether a flow is dead at `now`: idle longer than the timeout of the
-/// forward entry's state (where the state lives). A `last_seen` after `now`
-/// (the datapath touched the entry after `now` was read) is not expiry.
-pub fn pair_expired(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> bool {
-    timeouts.expired(forward.state, pair_last_seen(forward, reply), now)
-}
-
-/// Nanoseconds before the flow expires (0 when it already has).
-pub fn time_left_ns(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> u64 {
-    let timeout = match CtState::from_u8(forward.state) {
-        Some(state) => timeouts.for_state(state),
-        None => timeouts.tcp_closing_ns,
-    };
-    let idle = now.saturating_sub(pair_last_seen(forward, reply));
-    timeout.saturating_sub(idle)
-}
 
 /// What one conntrack scan decided.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -197,72 +135,6 @@ pub fn plan_purge(
     select(entries, hairpin_addr, snat, |_, entry| backend_ids.contains(&entry.backend_id))
 }
 
-/// The entries `kproxy conntrack flush` deletes: all of them, or those of the
-/// flows of the given frontends (by rev-NAT id), both directions.
-pub fn plan_flush(
-    entries: &[(CtKeyV4, CtEntryV4)],
-    rev_nat_ids: Option<&BTreeSet<u16>>,
-    hairpin_addr: [u8; 4],
-    snat: &SnatIndex,
-) -> Vec<CtKeyV4> {
-    match rev_nat_ids {
-        None => entries.iter().map(|(k, _)| *k).collect(),
-        Some(ids) => select(entries, hairpin_addr, snat, |_, entry| ids.contains(&entry.rev_nat_id)),
-    }
-}
-
-/// Forward entries matching `wanted` (then their replies), and reply
-/// entries matching it themselves; forward keys first, each key once.
-fn select(
-    entries: &[(CtKeyV4, CtEntryV4)],
-    hairpin_addr: [u8; 4],
-    snat: &SnatIndex,
-    wanted: impl Fn(&CtKeyV4, &CtEntryV4) -> bool,
-) -> Vec<CtKeyV4> {
-    let present: BTreeSet<KeyOrd> = entries.iter().map(|(k, _)| key_ord(k)).collect();
-    let mut seen = BTreeSet::new();
-    let mut forward = Vec::new();
-    let mut reply = Vec::new();
-    for (key, entry) in entries {
-        if key.direction == CT_DIR_FORWARD && wanted(key, entry) {
-            if seen.insert(key_ord(key)) {
-                forward.push(*key);
-            }
-            let rkey = reply_key(key, entry, hairpin_addr, snat);
-            if present.contains(&key_ord(&rkey)) && seen.insert(key_ord(&rkey)) {
-                reply.push(rkey);
-            }
-        }
-    }
-    for (key, entry) in entries {
-        if key.direction == CT_DIR_REPLY && wanted(key, entry) && seen.insert(key_ord(key)) {
-            reply.push(*key);
-        }
-    }
-    forward.extend(reply);
-    forward
-}
-
-pub type KeyOrd = ([u8; 4], [u8; 4], [u8; 2], [u8; 2], u8, u8);
-
-pub fn key_ord(k: &CtKeyV4) -> KeyOrd {
-    (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.direction)
-}
-
-/// The rev-NAT ids of a Service's frontends, from FRONTEND_NAMES_V4 entries
-/// (`"namespace/name:port"`; the port name may be empty). `service` is
-/// `namespace/name`.
-pub fn service_rev_nat_ids<'a>(
-    names: impl IntoIterator<Item = (u16, &'a str)>,
-    service: &str,
-) -> BTreeSet<u16> {
-    names
-        .into_iter()
-        .filter(|(_, name)| name.rsplit_once(':').map_or(*name, |(svc, _)| svc) == service)
-        .map(|(id, _)| id)
-        .collect()
-}
-
 /// Cilium-style adaptive GC interval.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Interval {
@@ -320,44 +192,6 @@ pub struct GcReport {
 impl GcReport {
     pub fn deleted_total(&self) -> u64 {
         self.deleted.values().sum()
-    }
-}
-
-/// The timeouts in CONFIG[0] (defaults for zero fields or an unreadable map).
-pub fn read_config(maps: &Maps) -> ConfigV4 {
-    maps.config.get(&0, 0).unwrap_or_default()
-}
-
-fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
-    let mut entries = Vec::new();
-    for entry in maps.conntrack.iter() {
-        match entry {
-            Ok(pair) => entries.push(pair),
-            // The datapath (or the LRU) deleted the key while we iterated.
-            Err(MapError::KeyNotFound) => continue,
-            Err(e) => return Err(e).context("reading the conntrack map"),
-        }
-    }
-    Ok(entries)
-}
-
-/// Deletes both SNAT_V4 entries of a source-NATed flow.
-fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) {
-    let key = snat_forward_key(forward_key);
-    if let Ok(to_node) = maps.snat.get(&key, 0) {
-        let reverse =
-            snat_reply_key(key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);
-        let _ = maps.snat.remove(&reverse);
-    }
-    let _ = maps.snat.remove(&key);
-}
-
-fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
-    match maps.conntrack.remove(key) {
-        Ok(()) => Ok(true),
-        Err(MapError::KeyNotFound) => Ok(false),
-        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-        Err(e) => Err(e).context("deleting a conntrack entry"),
     }
 }
 
@@ -468,86 +302,16 @@ pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<u64> {
     Ok(deleted)
 }
 
-/// `kproxy conntrack flush [--service ns/name]`: deletes every conntrack
-/// entry, or those of the Service's frontends. Returns the number deleted.
-pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
-    let hairpin = hairpin_addr(&read_config(maps));
-    let ids = match service {
-        None => None,
-        Some(service) => {
-            let names: Vec<(u16, String)> =
-                maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect();
-            let ids = service_rev_nat_ids(names.iter().map(|(id, n)| (*id, n.as_str())), service);
-            if ids.is_empty() {
-                anyhow::bail!("no frontend of Service {service} is programmed (expected namespace/name)");
-            }
-            Some(ids)
-        }
-    };
-    let entries = read_conntrack(maps)?;
-    let mut deleted = 0;
-    for key in plan_flush(&entries, ids.as_ref(), hairpin, &snat_index(maps)) {
-        deleted += u64::from(delete(maps, &key)?);
-    }
-    Ok(deleted)
-}
-
-/// The estimate behind `kproxy_conntrack_evicted_total`: every new flow
-/// creates two entries; those not deleted by GC, purges or flushes and not
-/// present any more were evicted by the LRU (or replaced by the datapath).
-/// Counters restart with the agent while `created` does not, so this is an
-/// estimate; clamped at 0.
-pub fn evicted_estimate(created_flows: u64, gc_deleted: u64, purged: u64, current_entries: u64) -> u64 {
-    (2 * created_flows).saturating_sub(gc_deleted).saturating_sub(purged).saturating_sub(current_entries)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proxy_common::maps::{IPPROTO_TCP, IPPROTO_UDP};
 
     const S: u64 = SECOND_NS;
-    const CLIENT: [u8; 4] = [10, 244, 0, 2];
-    const VIP: [u8; 4] = [10, 96, 0, 10];
-    const BACKEND: [u8; 4] = [10, 244, 0, 21];
-    const HAIRPIN: [u8; 4] = [169, 254, 42, 1];
-
-    fn key(s: [u8; 4], sp: u16, d: [u8; 4], dp: u16, proto: u8, direction: u8) -> CtKeyV4 {
-        CtKeyV4 {
-            saddr: s,
-            daddr: d,
-            sport: sp.to_be_bytes(),
-            dport: dp.to_be_bytes(),
-            proto,
-            direction,
-            _pad: [0; 2],
-        }
-    }
-
-    /// A flow client:sport → VIP:53 DNATed to BACKEND, both entries.
-    fn flow(
-        client: [u8; 4],
-        sport: u16,
-        proto: u8,
-        state: CtState,
-        fwd_seen: u64,
-        reply_seen: u64,
-    ) -> [(CtKeyV4, CtEntryV4); 2] {
-        let fkey = key(client, sport, VIP, 53, proto, CT_DIR_FORWARD);
-        let fwd = CtEntryV4 {
-            last_seen_ns: fwd_seen,
-            backend_id: 7,
-            nat_addr: BACKEND,
-            nat_port: 53u16.to_be_bytes(),
-            rev_nat_id: 3,
-            state: state as u8,
-            ..Default::default()
-        };
-        let rkey = key(BACKEND, 53, client, sport, proto, CT_DIR_REPLY);
-        let reply =
-            CtEntryV4 { last_seen_ns: reply_seen, nat_addr: VIP, nat_port: 53u16.to_be_bytes(), ..fwd };
-        [(fkey, fwd), (rkey, reply)]
-    }
+    use crate::bpf::conntrack::*;
+    use crate::testutil::conntrack::*;
+    use proxy_common::conntrack::CtState;
+    use proxy_common::maps::{CT_FLAG_HAIRPIN, ConfigV4, DEFAULT_HAIRPIN_ADDR};
 
     #[test]
     fn hairpin_reply_key_uses_the_hairpin_address() {
@@ -703,29 +467,6 @@ mod tests {
         // Forward keys come before reply keys.
         let first_reply = keys.iter().position(|k| k.direction == CT_DIR_REPLY).unwrap();
         assert!(keys[first_reply..].iter().all(|k| k.direction == CT_DIR_REPLY));
-    }
-
-    #[test]
-    fn flush_all_or_by_service() {
-        let a = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
-        let mut b = flow(CLIENT, 5001, IPPROTO_TCP, CtState::Established, 0, 0);
-        b[0].1.rev_nat_id = 4;
-        b[1].1.rev_nat_id = 4;
-        let entries = [a[0], a[1], b[0], b[1]];
-        assert_eq!(plan_flush(&entries, None, HAIRPIN, &NO_SNAT).len(), 4);
-        assert_eq!(plan_flush(&entries, Some(&[4].into()), HAIRPIN, &NO_SNAT), vec![b[0].0, b[1].0]);
-        assert!(plan_flush(&entries, Some(&BTreeSet::new()), HAIRPIN, &NO_SNAT).is_empty());
-
-        let names = [
-            (3, "kube-system/kube-dns:dns"),
-            (4, "kube-system/kube-dns:dns-tcp"),
-            (5, "kube-system/kube-dns-upstream:dns"),
-            (6, "default/web:"),
-            (7, "kube-system/kube-dns:metrics"),
-        ];
-        assert_eq!(service_rev_nat_ids(names, "kube-system/kube-dns"), [3, 4, 7].into());
-        assert_eq!(service_rev_nat_ids(names, "default/web"), [6].into());
-        assert!(service_rev_nat_ids(names, "kube-dns").is_empty());
     }
 
     #[test]

@@ -587,11 +587,12 @@ async fn datapath_metrics_loop(pins: PinDir, metrics: Metrics) {
         let (p, m) = (pins.clone(), metrics.clone());
         let _ = tokio::task::spawn_blocking(move || -> Result<()> {
             let maps = Maps::from_pins(&p)?;
-            for (name, entries, capacity) in crate::cmd::dump::map_usage(&maps) {
+            for (name, entries, capacity) in bpf::map_usage(&maps) {
                 m.set_map_usage(name, entries, capacity);
             }
-            let counters = crate::cmd::dump::stats(&maps)?;
-            let pairs: Vec<(&str, u64)> = counters.iter().map(|r| (r.reason, r.packets)).collect();
+            let counters = bpf::read_stats(&maps)?;
+            let pairs: Vec<(&str, u64)> =
+                counters.iter().map(|(stat, packets)| (stat.name(), *packets)).collect();
             m.set_datapath_counters(&pairs);
             Ok(())
         })

@@ -9,7 +9,6 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
         CtEntryV4, CtKeyV4, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
     },
-    stats::Stat,
 };
 use serde::Serialize;
 
@@ -180,18 +179,10 @@ pub fn backends(maps: &Maps) -> Result<Vec<BackendRow>> {
     Ok(rows)
 }
 
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let names = names(maps);
-    let config = crate::agent::gc::read_config(maps);
-    let now = monotonic_ns();
+    let config = crate::bpf::conntrack::read_config(maps);
+    let now = crate::bpf::conntrack::monotonic_ns();
     let mut entries = Vec::new();
     for entry in maps.conntrack.iter() {
         match entry {
@@ -200,7 +191,7 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
             Err(e) => return Err(e).context("reading the conntrack map"),
         }
     }
-    Ok(conntrack_rows(&entries, &names, &config, &crate::agent::gc::snat_index(maps), now))
+    Ok(conntrack_rows(&entries, &names, &config, &crate::bpf::conntrack::snat_index(maps), now))
 }
 
 /// The rows of `kproxy dump conntrack`: one per forward entry, with its reply
@@ -209,22 +200,22 @@ pub fn conntrack_rows(
     entries: &[(CtKeyV4, CtEntryV4)],
     names: &BTreeMap<u16, String>,
     config: &ConfigV4,
-    snat: &crate::agent::gc::SnatIndex,
+    snat: &crate::bpf::conntrack::SnatIndex,
     now: u64,
 ) -> Vec<ConntrackRow> {
     let timeouts = Timeouts::from_config(config);
-    let hairpin_addr = crate::agent::gc::hairpin_addr(config);
+    let hairpin_addr = crate::bpf::conntrack::hairpin_addr(config);
     let reply: std::collections::HashMap<CtKeyV4, &CtEntryV4> =
         entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
     let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
     let mut rows = Vec::new();
     for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let back = reply.get(&crate::agent::gc::reply_key(key, fwd, hairpin_addr, snat)).copied();
+        let back = reply.get(&crate::bpf::conntrack::reply_key(key, fwd, hairpin_addr, snat)).copied();
         let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
         let mut source = if hairpin { (hairpin_addr, key.sport) } else { (key.saddr, key.sport) };
         if proxy_common::maps::reply_key_in_snat(fwd.flags)
             && let Some(to_node) =
-                snat.get(&crate::agent::gc::key_ord(&proxy_common::maps::snat_forward_key(key)))
+                snat.get(&crate::bpf::conntrack::key_ord(&proxy_common::maps::snat_forward_key(key)))
         {
             source = (to_node.addr, to_node.port);
         }
@@ -240,12 +231,12 @@ pub fn conntrack_rows(
             backend_id: fwd.backend_id,
             state: CtState::from_u8(fwd.state).map_or("?", CtState::name),
             age_seconds: seconds(fwd.created_ns),
-            idle_seconds: seconds(crate::agent::gc::pair_last_seen(fwd, back)),
+            idle_seconds: seconds(crate::bpf::conntrack::pair_last_seen(fwd, back)),
             packets_out: fwd.packets,
             bytes_out: fwd.bytes,
             packets_reply: back.map_or(0, |r| r.packets),
             bytes_reply: back.map_or(0, |r| r.bytes),
-            time_left_seconds: crate::agent::gc::time_left_ns(&timeouts, fwd, back, now) as f64 / 1e9,
+            time_left_seconds: crate::bpf::conntrack::time_left_ns(&timeouts, fwd, back, now) as f64 / 1e9,
             hairpin,
         });
     }
@@ -266,7 +257,11 @@ pub fn affinity(maps: &Maps) -> Result<Vec<AffinityRow>> {
     let backends: BTreeMap<u32, BackendV4> = maps.backends.iter().filter_map(|e| e.ok()).collect();
     let entries: Vec<(AffinityKeyV4, AffinityValueV4)> =
         maps.affinity.iter().filter_map(|e| e.ok()).collect();
-    Ok(affinity_rows(&entries, &AffinityContext { names, frontends, rev_nat, backends }, monotonic_ns()))
+    Ok(affinity_rows(
+        &entries,
+        &AffinityContext { names, frontends, rev_nat, backends },
+        crate::bpf::conntrack::monotonic_ns(),
+    ))
 }
 
 /// What affinity rows are resolved against.
@@ -319,21 +314,6 @@ pub fn affinity_rows(
     rows
 }
 
-/// `(map, entries, capacity)` for every map with a fixed capacity.
-pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
-    fn capacity<K: aya::Pod, V, M: aya::maps::IterableMap<K, V>>(map: &M) -> u64 {
-        map.map().info().map_or(0, |info| u64::from(info.max_entries()))
-    }
-    vec![
-        ("services_v4", maps.services.keys().count() as u64, capacity(&maps.services)),
-        ("backends_v4", maps.backends.keys().count() as u64, capacity(&maps.backends)),
-        ("rev_nat_v4", maps.rev_nat.keys().count() as u64, capacity(&maps.rev_nat)),
-        ("conntrack_v4", maps.conntrack.keys().count() as u64, capacity(&maps.conntrack)),
-        ("affinity_v4", maps.affinity.keys().count() as u64, capacity(&maps.affinity)),
-        ("vips_v4", maps.vips.keys().count() as u64, capacity(&maps.vips)),
-    ]
-}
-
 /// The translations in effect, read from the conntrack entries that carry
 /// them (kproxy keeps no separate NAT table for ClusterIP traffic: the
 /// conntrack entry is the NAT record).
@@ -383,13 +363,10 @@ pub fn nat_table(rows: &[NatRow]) -> String {
 }
 
 pub fn stats(maps: &Maps) -> Result<Vec<StatRow>> {
-    Stat::ALL
-        .iter()
-        .map(|stat| {
-            let per_cpu = maps.stats.get(&(*stat as u32), 0).context("reading the stats map")?;
-            Ok(StatRow { reason: stat.name(), packets: per_cpu.iter().sum() })
-        })
-        .collect()
+    Ok(crate::bpf::read_stats(maps)?
+        .into_iter()
+        .map(|(stat, packets)| StatRow { reason: stat.name(), packets })
+        .collect())
 }
 
 /// Left-aligned columns sized to their widest cell.
@@ -561,7 +538,7 @@ mod tests {
             &[(fkey, fwd), (rkey, reply), (okey, other)],
             &names,
             &config,
-            &crate::agent::gc::NO_SNAT,
+            &crate::bpf::conntrack::NO_SNAT,
             now,
         );
         assert_eq!(rows.len(), 2);

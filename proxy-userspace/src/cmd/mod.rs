@@ -1,6 +1,7 @@
 //! Operator commands. They open the pinned maps themselves and never import the agent.
 
 pub mod cleanup;
+pub mod conntrack;
 pub mod diff;
 pub mod doctor;
 pub mod dump;

@@ -23,7 +23,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::{bpf::PinDir, cmd::dump::monotonic_ns};
+use crate::bpf::{PinDir, conntrack::monotonic_ns};
 
 #[derive(clap::Args, Debug, Default)]
 pub struct TraceArgs {

@@ -570,7 +570,8 @@ impl Metrics {
         );
         let current = inner.maps.get(CONNTRACK_MAP).map_or(0, |(entries, _)| *entries);
         let gc_deleted: u64 = inner.gc_deleted.values().sum();
-        let evicted = crate::agent::gc::evicted_estimate(created, gc_deleted, inner.purged_total, current);
+        let evicted =
+            crate::bpf::conntrack::evicted_estimate(created, gc_deleted, inner.purged_total, current);
         scalar(
             &mut out,
             CT_EVICTED,

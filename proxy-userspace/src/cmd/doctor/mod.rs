@@ -567,7 +567,7 @@ fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs: &[String]
         Ok(maps) => {
             let mode = maps.socket_lb_config.get(&0, 0).ok().map(|c| c.mode);
             out.push(socket_lb_check(&links, mode));
-            for (map, entries, capacity) in crate::cmd::dump::map_usage(&maps) {
+            for (map, entries, capacity) in bpf::map_usage(&maps) {
                 out.push(map_fill_check(map, entries, capacity));
             }
         }

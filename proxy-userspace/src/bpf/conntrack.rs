@@ -1,0 +1,177 @@
+//! The conntrack view shared by the agent's garbage collection and the operator commands: the pairs of
+//! CONNTRACK_V4 (a forward entry and its reply, found through SNAT_V4 for source-NATed flows), their
+//! age and time left, reading and deleting them. Times are CLOCK_MONOTONIC nanoseconds ([`monotonic_ns`]),
+//! the clock of `bpf_ktime_get_ns`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use anyhow::{Context as _, Result};
+use aya::maps::MapError;
+use proxy_common::{
+    conntrack::{CtState, Timeouts},
+    maps::{
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR,
+        SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
+    },
+};
+
+use super::Maps;
+
+/// SNAT_V4's forward entries (`client → backend` after DNAT), by key.
+pub type SnatIndex = BTreeMap<KeyOrd, SnatEntryV4>;
+
+/// For callers with no source-NATed flows to resolve.
+pub static NO_SNAT: SnatIndex = BTreeMap::new();
+
+/// The forward entries of SNAT_V4, for [`reply_key`].
+pub fn snat_index(maps: &Maps) -> SnatIndex {
+    maps.snat
+        .iter()
+        .filter_map(|e| e.ok())
+        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
+        .map(|(k, v)| (key_ord(&k), v))
+        .collect()
+}
+
+/// The reply key of a forward entry: `backend → client`; for a hairpin
+/// flow (the client reached itself; its source was rewritten)
+/// `backend → hairpin address`, with the client's port either way; for a
+/// source-NATed flow `backend → node address:SNAT port`, and for a remapped
+/// one `backend → client:remapped port`, from `snat`.
+pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], snat: &SnatIndex) -> CtKeyV4 {
+    let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
+    if entry.flags & CT_FLAG_HAIRPIN != 0 {
+        key.daddr = hairpin_addr;
+    }
+    if reply_key_in_snat(entry.flags)
+        && let Some(to_node) = snat.get(&key_ord(&snat_forward_key(forward)))
+    {
+        key = snat_reply_key(forward.proto, entry.nat_addr, entry.nat_port, to_node.addr, to_node.port);
+    }
+    key
+}
+
+/// The hairpin address the datapath uses: CONFIG's, or the default when unset.
+pub fn hairpin_addr(config: &ConfigV4) -> [u8; 4] {
+    if config.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { config.hairpin_addr }
+}
+
+/// The label of an entry's state in metrics and dumps.
+pub fn state_name(state: u8) -> &'static str {
+    CtState::from_u8(state).map_or("UNKNOWN", CtState::name)
+}
+
+/// When a flow was last active: the later `last_seen` of its two entries.
+pub fn pair_last_seen(forward: &CtEntryV4, reply: Option<&CtEntryV4>) -> u64 {
+    reply.map_or(forward.last_seen_ns, |r| r.last_seen_ns.max(forward.last_seen_ns))
+}
+
+/// Whether a flow is dead at `now`: idle longer than the timeout of the
+/// forward entry's state (where the state lives). A `last_seen` after `now`
+/// (the datapath touched the entry after `now` was read) is not expiry.
+pub fn pair_expired(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> bool {
+    timeouts.expired(forward.state, pair_last_seen(forward, reply), now)
+}
+
+/// Nanoseconds before the flow expires (0 when it already has).
+pub fn time_left_ns(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> u64 {
+    let timeout = match CtState::from_u8(forward.state) {
+        Some(state) => timeouts.for_state(state),
+        None => timeouts.tcp_closing_ns,
+    };
+    let idle = now.saturating_sub(pair_last_seen(forward, reply));
+    timeout.saturating_sub(idle)
+}
+
+/// Forward entries matching `wanted` (then their replies), and reply
+/// entries matching it themselves; forward keys first, each key once.
+pub fn select(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
+    wanted: impl Fn(&CtKeyV4, &CtEntryV4) -> bool,
+) -> Vec<CtKeyV4> {
+    let present: BTreeSet<KeyOrd> = entries.iter().map(|(k, _)| key_ord(k)).collect();
+    let mut seen = BTreeSet::new();
+    let mut forward = Vec::new();
+    let mut reply = Vec::new();
+    for (key, entry) in entries {
+        if key.direction == CT_DIR_FORWARD && wanted(key, entry) {
+            if seen.insert(key_ord(key)) {
+                forward.push(*key);
+            }
+            let rkey = reply_key(key, entry, hairpin_addr, snat);
+            if present.contains(&key_ord(&rkey)) && seen.insert(key_ord(&rkey)) {
+                reply.push(rkey);
+            }
+        }
+    }
+    for (key, entry) in entries {
+        if key.direction == CT_DIR_REPLY && wanted(key, entry) && seen.insert(key_ord(key)) {
+            reply.push(*key);
+        }
+    }
+    forward.extend(reply);
+    forward
+}
+
+pub type KeyOrd = ([u8; 4], [u8; 4], [u8; 2], [u8; 2], u8, u8);
+
+pub fn key_ord(k: &CtKeyV4) -> KeyOrd {
+    (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.direction)
+}
+
+/// The timeouts in CONFIG[0] (defaults for zero fields or an unreadable map).
+pub fn read_config(maps: &Maps) -> ConfigV4 {
+    maps.config.get(&0, 0).unwrap_or_default()
+}
+
+pub fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
+    let mut entries = Vec::new();
+    for entry in maps.conntrack.iter() {
+        match entry {
+            Ok(pair) => entries.push(pair),
+            // The datapath (or the LRU) deleted the key while we iterated.
+            Err(MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).context("reading the conntrack map"),
+        }
+    }
+    Ok(entries)
+}
+
+/// Deletes both SNAT_V4 entries of a source-NATed flow.
+pub fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) {
+    let key = snat_forward_key(forward_key);
+    if let Ok(to_node) = maps.snat.get(&key, 0) {
+        let reverse =
+            snat_reply_key(key.proto, forward.nat_addr, forward.nat_port, to_node.addr, to_node.port);
+        let _ = maps.snat.remove(&reverse);
+    }
+    let _ = maps.snat.remove(&key);
+}
+
+pub fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
+    match maps.conntrack.remove(key) {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e).context("deleting a conntrack entry"),
+    }
+}
+
+/// The estimate behind `kproxy_conntrack_evicted_total`: every new flow
+/// creates two entries; those not deleted by GC, purges or flushes and not
+/// present any more were evicted by the LRU (or replaced by the datapath).
+/// Counters restart with the agent while `created` does not, so this is an
+/// estimate; clamped at 0.
+pub fn evicted_estimate(created_flows: u64, gc_deleted: u64, purged: u64, current_entries: u64) -> u64 {
+    (2 * created_flows).saturating_sub(gc_deleted).saturating_sub(purged).saturating_sub(current_entries)
+}
+
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

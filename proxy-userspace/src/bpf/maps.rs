@@ -1,0 +1,117 @@
+//! The maps, declared once. [`map_table!`] turns the table below into the typed [`Maps`] handles (opened
+//! from the pins or taken from a freshly loaded object), the list of pinned maps ([`ALL_MAPS`]), the
+//! key and value sizes a reused pin must have ([`expected_layout`]) and the fill level of the maps with
+//! a fixed capacity ([`map_usage`]). A new map is one row here.
+
+use anyhow::{Context as _, Result, anyhow};
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie},
+};
+use proxy_common::maps::*;
+use proxy_common::trace::{MAP_EVENTS, MAP_TRACE, TraceConfig};
+
+use super::pins::PinDir;
+
+/// Rows: `field: handle type = map name, aya map kind, (key, value) layout, usage label`.
+/// `pinned` lists the maps kproxy pins without a handle here, with their layout (`()` for none to check).
+macro_rules! map_table {
+    (
+        handles {
+            $( $(#[$doc:meta])* $field:ident: $ty:ty = $name:ident, $kind:ident, ($key:ty, $value:ty) $(, usage $usage:literal)?; )*
+        }
+        pinned { $( $pname:ident $(=> ($pkey:ty, $pvalue:ty))?; )* }
+    ) => {
+        /// Typed handles on the maps, from pins or from a freshly loaded object.
+        pub struct Maps {
+            $( $(#[$doc])* pub $field: $ty, )*
+        }
+
+        /// Every map kproxy pins, by name.
+        pub const ALL_MAPS: &[&str] = &[$( $pname, )* $( $name, )*];
+
+        /// Key and value sizes of each map, to refuse reusing a pinned map whose layout this kproxy does
+        /// not share. `None` for a map without a fixed layout to check (the event ring).
+        pub fn expected_layout(name: &str) -> Option<(u32, u32)> {
+            use std::mem::size_of;
+            $( if name == $name { return Some((size_of::<$key>() as u32, size_of::<$value>() as u32)); } )*
+            $( $( if name == $pname { return Some((size_of::<$pkey>() as u32, size_of::<$pvalue>() as u32)); } )? )*
+            None
+        }
+
+        impl Maps {
+            pub fn from_pins(pins: &PinDir) -> Result<Self> {
+                let open = |name: &str| open_pinned(pins, name);
+                Ok(Self { $( $field: <$ty>::try_from(Map::$kind(open($name)?))?, )* })
+            }
+
+            /// Takes the maps out of an object from [`load_unpinned`](super::load_unpinned).
+            pub fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self> {
+                let mut take = |name: &str| ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} missing"));
+                Ok(Self { $( $field: <$ty>::try_from(take($name)?)?, )* })
+            }
+        }
+
+        /// `(map, entries, capacity)` for every map with a fixed capacity that the metrics and `kproxy
+        /// doctor` report.
+        pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
+            fn capacity<K: aya::Pod, V, M: aya::maps::IterableMap<K, V>>(map: &M) -> u64 {
+                map.map().info().map_or(0, |info| u64::from(info.max_entries()))
+            }
+            vec![$( $( ($usage, maps.$field.keys().count() as u64, capacity(&maps.$field)), )? )*]
+        }
+    };
+}
+
+map_table! {
+    handles {
+        services: HashMap<MapData, ServiceKeyV4, ServiceValueV4> = MAP_SERVICES_V4, HashMap, (ServiceKeyV4, ServiceValueV4), usage "services_v4";
+        backends: HashMap<MapData, u32, BackendV4> = MAP_BACKENDS_V4, HashMap, (u32, BackendV4), usage "backends_v4";
+        rev_nat: HashMap<MapData, u16, RevNatV4> = MAP_REV_NAT_V4, HashMap, (u16, RevNatV4), usage "rev_nat_v4";
+        names: HashMap<MapData, u16, FrontendNameV4> = MAP_FRONTEND_NAMES_V4, HashMap, (u16, FrontendNameV4);
+        conntrack: HashMap<MapData, CtKeyV4, CtEntryV4> = MAP_CONNTRACK_V4, LruHashMap, (CtKeyV4, CtEntryV4), usage "conntrack_v4";
+        stats: PerCpuArray<MapData, u64> = MAP_STATS, PerCpuArray, (u32, u64);
+        config: Array<MapData, ConfigV4> = MAP_CONFIG, Array, (u32, ConfigV4);
+        affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4> = MAP_AFFINITY_V4, LruHashMap, (AffinityKeyV4, AffinityValueV4), usage "affinity_v4";
+        vips: HashMap<MapData, [u8; 4], VipV4> = MAP_VIPS_V4, HashMap, ([u8; 4], VipV4), usage "vips_v4";
+        snat: HashMap<MapData, CtKeyV4, SnatEntryV4> = MAP_SNAT_V4, LruHashMap, (CtKeyV4, SnatEntryV4);
+        source_ranges: LpmTrie<MapData, SourceRangeV4, u8> = MAP_SOURCE_RANGES_V4, LpmTrie, (lpm_trie::Key<SourceRangeV4>, u8);
+        external_ifaces: HashMap<MapData, u32, ExternalIfaceV4> = MAP_EXTERNAL_IFACES, HashMap, (u32, ExternalIfaceV4);
+        nodeport_config: Array<MapData, NodePortConfigV4> = MAP_NODEPORT_CONFIG, Array, (u32, NodePortConfigV4);
+        sock_revnat: HashMap<MapData, SockRevNatKeyV4, SockRevNatV4> = MAP_SOCK_REVNAT_V4, LruHashMap, (SockRevNatKeyV4, SockRevNatV4);
+        socket_lb_config: Array<MapData, SocketLbConfigV4> = MAP_SOCKET_LB_CONFIG, Array, (u32, SocketLbConfigV4);
+        maglev: Array<MapData, u32> = MAP_MAGLEV_V4, Array, (u32, u32);
+    }
+    pinned {
+        MAP_EVENTS;
+        MAP_TRACE => (u32, TraceConfig);
+        MAP_FRAGMENTS_V4 => (FragmentKeyV4, FragmentPortsV4);
+    }
+}
+
+pub(super) fn open_pinned(pins: &PinDir, name: &str) -> Result<MapData> {
+    let path = pins.map(name);
+    MapData::from_pin(&path)
+        .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
+}
+
+/// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
+pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
+    Ok(HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SOCK_REVNAT_V4)?))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_map_is_listed_once_with_a_layout_but_the_event_ring() {
+        let mut names = ALL_MAPS.to_vec();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), ALL_MAPS.len());
+        let without_layout: Vec<_> = ALL_MAPS.iter().filter(|m| expected_layout(m).is_none()).collect();
+        assert_eq!(without_layout, [&MAP_EVENTS]);
+        assert_eq!(expected_layout(MAP_SOURCE_RANGES_V4), Some((4 + size_of::<SourceRangeV4>() as u32, 1)));
+    }
+}

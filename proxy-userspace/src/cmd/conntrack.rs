@@ -1,0 +1,95 @@
+//! `kproxy conntrack flush [--service ns/name]`.
+
+use std::collections::BTreeSet;
+
+use anyhow::Result;
+use proxy_common::maps::{CtEntryV4, CtKeyV4};
+
+use crate::bpf::{
+    Maps,
+    conntrack::{SnatIndex, delete, hairpin_addr, read_config, read_conntrack, select, snat_index},
+};
+
+/// The entries `kproxy conntrack flush` deletes: all of them, or those of the
+/// flows of the given frontends (by rev-NAT id), both directions.
+pub fn plan_flush(
+    entries: &[(CtKeyV4, CtEntryV4)],
+    rev_nat_ids: Option<&BTreeSet<u16>>,
+    hairpin_addr: [u8; 4],
+    snat: &SnatIndex,
+) -> Vec<CtKeyV4> {
+    match rev_nat_ids {
+        None => entries.iter().map(|(k, _)| *k).collect(),
+        Some(ids) => select(entries, hairpin_addr, snat, |_, entry| ids.contains(&entry.rev_nat_id)),
+    }
+}
+
+/// The rev-NAT ids of a Service's frontends, from FRONTEND_NAMES_V4 entries
+/// (`"namespace/name:port"`; the port name may be empty). `service` is
+/// `namespace/name`.
+pub fn service_rev_nat_ids<'a>(
+    names: impl IntoIterator<Item = (u16, &'a str)>,
+    service: &str,
+) -> BTreeSet<u16> {
+    names
+        .into_iter()
+        .filter(|(_, name)| name.rsplit_once(':').map_or(*name, |(svc, _)| svc) == service)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// `kproxy conntrack flush [--service ns/name]`: deletes every conntrack
+/// entry, or those of the Service's frontends. Returns the number deleted.
+pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
+    let hairpin = hairpin_addr(&read_config(maps));
+    let ids = match service {
+        None => None,
+        Some(service) => {
+            let names: Vec<(u16, String)> =
+                maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect();
+            let ids = service_rev_nat_ids(names.iter().map(|(id, n)| (*id, n.as_str())), service);
+            if ids.is_empty() {
+                anyhow::bail!("no frontend of Service {service} is programmed (expected namespace/name)");
+            }
+            Some(ids)
+        }
+    };
+    let entries = read_conntrack(maps)?;
+    let mut deleted = 0;
+    for key in plan_flush(&entries, ids.as_ref(), hairpin, &snat_index(maps)) {
+        deleted += u64::from(delete(maps, &key)?);
+    }
+    Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bpf::conntrack::NO_SNAT;
+    use crate::testutil::conntrack::*;
+    use proxy_common::conntrack::CtState;
+    use proxy_common::maps::{IPPROTO_TCP, IPPROTO_UDP};
+
+    #[test]
+    fn flush_all_or_by_service() {
+        let a = flow(CLIENT, 5000, IPPROTO_UDP, CtState::Open, 0, 0);
+        let mut b = flow(CLIENT, 5001, IPPROTO_TCP, CtState::Established, 0, 0);
+        b[0].1.rev_nat_id = 4;
+        b[1].1.rev_nat_id = 4;
+        let entries = [a[0], a[1], b[0], b[1]];
+        assert_eq!(plan_flush(&entries, None, HAIRPIN, &NO_SNAT).len(), 4);
+        assert_eq!(plan_flush(&entries, Some(&[4].into()), HAIRPIN, &NO_SNAT), vec![b[0].0, b[1].0]);
+        assert!(plan_flush(&entries, Some(&BTreeSet::new()), HAIRPIN, &NO_SNAT).is_empty());
+
+        let names = [
+            (3, "kube-system/kube-dns:dns"),
+            (4, "kube-system/kube-dns:dns-tcp"),
+            (5, "kube-system/kube-dns-upstream:dns"),
+            (6, "default/web:"),
+            (7, "kube-system/kube-dns:metrics"),
+        ];
+        assert_eq!(service_rev_nat_ids(names, "kube-system/kube-dns"), [3, 4, 7].into());
+        assert_eq!(service_rev_nat_ids(names, "default/web"), [6].into());
+        assert!(service_rev_nat_ids(names, "kube-dns").is_empty());
+    }
+}
