@@ -113,7 +113,13 @@ pub fn claim(flow: &Flow, reply_key: &CtKeyV4, now: u64) -> Option<Clash> {
     // The flow the reply entry belongs to, if its forward entry is still
     // there and still that flow's (pointing back at the reply's source).
     // A hairpin flow's client is its backend; its replies go to the hairpin address.
-    let client = if reply_flags & CT_FLAG_HAIRPIN != 0 { reply_key.saddr } else { reply_key.daddr };
+    // Both read, then one chosen: LLVM makes a choice between two fields a
+    // choice of address, pointer arithmetic the verifier allows only
+    // CAP_PERFMON holders.
+    // SAFETY: reads of the caller's key.
+    let (saddr, daddr) =
+        unsafe { (core::ptr::read_volatile(&reply_key.saddr), core::ptr::read_volatile(&reply_key.daddr)) };
+    let client = if reply_flags & CT_FLAG_HAIRPIN != 0 { saddr } else { daddr };
     let mut forward_key = CtKeyV4 {
         saddr: client,
         daddr: nat_addr,

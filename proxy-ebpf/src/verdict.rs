@@ -134,7 +134,11 @@ pub fn finish(ctx: &TcContext, result: Result<Verdict, Verdict>, route: &fib::Ro
     }
 }
 
-#[inline(always)]
+/// Not inlined, so that its buffers have stack slots of their own: inlined,
+/// they may be given the bytes of a dead local that held a pointer, which the
+/// helpers may not overwrite in programs without CAP_PERFMON ("attempt to
+/// corrupt spilled pointer on stack").
+#[inline(never)]
 fn swap_macs(ctx: &TcContext) -> Result<(), i64> {
     let macs: [u8; 12] = ctx.load(0)?;
     let mut swapped = [0u8; 12];

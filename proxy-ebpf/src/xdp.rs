@@ -7,7 +7,7 @@
 //! to the stack, where the tc program handles it.
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS},
-    helpers::bpf_redirect,
+    helpers::{bpf_redirect, generated::bpf_xdp_get_buff_len},
     programs::XdpContext,
 };
 use proxy_common::{
@@ -62,7 +62,11 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Verdict> {
         return Err(Verdict::pass(Stat::PassMalformed));
     }
     let total_len = u16::from_be_bytes([ip[2], ip[3]]);
-    let available = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN);
+    // From the helper, not `data_end - data`: the verifier allows pointer
+    // subtraction only to CAP_PERFMON holders. The buffer is linear (the
+    // program is not loaded for multi-buffer XDP), so both are its length.
+    // SAFETY: a helper reading the context.
+    let available = (unsafe { bpf_xdp_get_buff_len(ctx.ctx) } as usize).saturating_sub(ETH_HLEN);
     let loc = classify_ipv4(ip[0], total_len, u16::from_be_bytes([ip[6], ip[7]]), ip[9], available)
         .map_err(|skip| Verdict::pass(parse::skip_stat(skip)))?;
     if loc.fragment != Fragment::Whole {
@@ -104,9 +108,18 @@ const REWRITE_SPAN: usize = L4 + 20;
 /// `packet` is the start of the frame, checked to hold [`REWRITE_SPAN`]
 /// bytes: the verifier keeps that range across the call, while the context's
 /// end pointer cannot be passed along.
+///
+/// `L4_CHECK`, the offset of the L4 checksum, is a constant of each instance:
+/// the verifier lets a packet pointer move by a variable offset only in
+/// programs of CAP_PERFMON holders.
 #[inline(never)]
-fn rewrite(packet: *mut [u8; REWRITE_SPAN], flow: &Flow, new: &checksum::FourTuple, route: &fib::Route) {
-    let l4_check = if flow.proto == IPPROTO_UDP { L4 + UDP_OFF_CHECK } else { L4 + TCP_OFF_CHECK };
+fn rewrite<const L4_CHECK: usize>(
+    packet: *mut [u8; REWRITE_SPAN],
+    flow: &Flow,
+    new: &checksum::FourTuple,
+    route: &fib::Route,
+) {
+    let l4_check = L4_CHECK;
     let mut old = [0u8; 12];
     old[..4].copy_from_slice(&flow.saddr);
     old[4..8].copy_from_slice(&flow.daddr);
@@ -254,7 +267,11 @@ fn finish(ctx: &XdpContext, flow: &Flow, out: &Translation) -> Result<Verdict, V
     // Checked by `handle` already: the verifier needs the check next to the
     // access.
     let packet = pointer::<[u8; REWRITE_SPAN]>(ctx, 0)?;
-    rewrite(packet, flow, &out.tuple, &out.route);
+    if flow.proto == IPPROTO_UDP {
+        rewrite::<{ L4 + UDP_OFF_CHECK }>(packet, flow, &out.tuple, &out.route);
+    } else {
+        rewrite::<{ L4 + TCP_OFF_CHECK }>(packet, flow, &out.tuple, &out.route);
+    }
     Ok(Verdict::REDIRECT)
 }
 

@@ -584,7 +584,7 @@ fn capabilities_overlay_is_hardened() {
     assert_eq!(context.read_only_root_filesystem, Some(true));
     let caps = context.capabilities.as_ref().unwrap();
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
-    assert_eq!(caps.add.as_deref().unwrap(), ["BPF", "NET_ADMIN", "PERFMON"]);
+    assert_eq!(caps.add.as_deref().unwrap(), ["BPF", "NET_ADMIN"]);
     let pod_context = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap().security_context.as_ref();
     let seccomp = context
         .seccomp_profile

@@ -34,8 +34,6 @@ const REFUSED_WITHOUT: &[(&str, &str)] = &[
     ("BPF", "failed to create map"),
     // BPF_PROG_LOAD of sched_cls (and XDP, cgroup sock_addr) programs is for CAP_NET_ADMIN.
     ("NET_ADMIN", "BPF_PROG_LOAD syscall returned Operation not permitted"),
-    // Only CAP_PERFMON holders may read stack bytes the program did not write (padding).
-    ("PERFMON", "invalid read from stack"),
 ];
 
 /// linux/capability.h: the bit of each capability in /proc/PID/status masks.
