@@ -258,7 +258,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     // kube-proxy reports unhealthy when a change waits longer than two sync periods.
     let health = Health::new(config.sync_period * 2);
     let metrics = Metrics::new();
-    let changes = Arc::new(Changes::with_health(health.clone()));
+    let changes = Arc::new(Changes::with_health(Arc::new(health.clone())));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
     for (server, addr) in

@@ -5,4 +5,5 @@ pub mod conntrack;
 pub mod diff;
 pub mod doctor;
 pub mod dump;
+pub mod kube_proxy_rules;
 pub mod trace;

@@ -84,7 +84,7 @@ pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: Syste
     let wall = now_wall
         .checked_sub(Duration::from_nanos(now_mono.saturating_sub(event.timestamp_ns)))
         .unwrap_or(now_wall);
-    let time = crate::agent::http::health::rfc3339(wall);
+    let time = crate::k8s::time::rfc3339(wall);
     let proto = protocol(event.proto);
     let before_src = endpoint(event.before_saddr, event.before_sport);
     let before_dst = endpoint(event.before_daddr, event.before_dport);

@@ -20,8 +20,8 @@ use kube::{
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
-use crate::agent::http::health::SourceHealth;
 use crate::k8s::manifest::{ManifestError, Sourced};
+use crate::k8s::time::parse_rfc3339;
 use crate::k8s::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 
 /// The label selector of the Services and EndpointSlices this agent lists: kube-proxy's
@@ -100,6 +100,41 @@ pub struct Pending {
     pub trigger_times: Vec<SystemTime>,
 }
 
+/// What the watchers tell whoever serves their health (the agent's `/healthz`), which lives outside
+/// this module: it implements the trait, and the watchers never name it.
+pub trait WatchObserver: Send + Sync {
+    /// A change arrived at `at` that the datapath does not carry yet.
+    fn queued(&self, at: SystemTime);
+    /// Whether this node should receive load-balancer traffic, as last set.
+    fn node_eligible(&self) -> bool;
+    /// The Node object says whether this node is going away (kube-proxy's node eligibility).
+    fn set_node_eligible(&self, eligible: bool);
+    /// Registers an API watch called `name`: from `now` on it must show progress through the returned
+    /// handle at least every `progress_timeout`, or it counts as blind.
+    fn watch_source(
+        &self,
+        name: &'static str,
+        progress_timeout: Duration,
+        now: SystemTime,
+    ) -> Arc<dyn WatchProgress>;
+    /// Why the watches cannot see the cluster as of `now`, if they cannot.
+    fn blind(&self, now: SystemTime) -> Option<String>;
+}
+
+/// One API watch's reports (see [`WatchObserver::watch_source`]).
+pub trait WatchProgress: Send + Sync {
+    /// An event, a bookmark, or a watch the server accepted at `at`: current as of then.
+    fn progress(&self, at: SystemTime);
+    /// A list was asked for at `at`.
+    fn listing(&self, at: SystemTime);
+    /// A complete list at `at`.
+    fn listed(&self, at: SystemTime);
+    /// A list failed with `error`.
+    fn list_failed(&self, error: &str);
+    /// A watch request or stream failed (`error` says which and how).
+    fn failed(&self, error: &str);
+}
+
 /// Shared between the source tasks and the sync loop.
 #[derive(Default)]
 pub struct Changes {
@@ -109,7 +144,7 @@ pub struct Changes {
     /// before would delete what a previous agent programmed.
     ready: Mutex<(bool, bool)>,
     pub notify: Notify,
-    health: Option<crate::agent::http::health::Health>,
+    health: Option<Arc<dyn WatchObserver>>,
     /// This node's `topology.kubernetes.io/zone` label, from the Node watch.
     node_zone: Mutex<Option<String>>,
     /// This node's primary IPv4 address, from the Node watch (`--nodeport-addresses primary`).
@@ -118,7 +153,7 @@ pub struct Changes {
 
 impl Changes {
     /// Changes that also tell the health server when a change is queued.
-    pub fn with_health(health: crate::agent::http::health::Health) -> Self {
+    pub fn with_health(health: Arc<dyn WatchObserver>) -> Self {
         Self { health: Some(health), ..Default::default() }
     }
 
@@ -246,48 +281,6 @@ fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
     parse_rfc3339(value)
 }
 
-/// Parses the RFC 3339 timestamps Kubernetes writes (`2026-11-29T14:00:00Z`,
-/// optionally with fractional seconds and a numeric offset).
-pub fn parse_rfc3339(text: &str) -> Option<SystemTime> {
-    let bytes = text.as_bytes();
-    let num = |range: std::ops::Range<usize>| -> Option<i64> { text.get(range)?.parse().ok() };
-    if bytes.len() < 20 || bytes[4] != b'-' || bytes[7] != b'-' || !matches!(bytes[10], b'T' | b't') {
-        return None;
-    }
-    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 || second > 60 {
-        return None;
-    }
-    let mut rest = &text[19..];
-    let mut nanos = 0u32;
-    if let Some(frac) = rest.strip_prefix('.') {
-        let digits = frac.bytes().take_while(u8::is_ascii_digit).count();
-        let padded = format!("{:0<9}", &frac[..digits.min(9)]);
-        nanos = padded.parse().ok()?;
-        rest = &frac[digits..];
-    }
-    let offset = match rest {
-        "Z" | "z" => 0,
-        _ if rest.len() == 6 && matches!(&rest[..1], "+" | "-") => {
-            let sign = if rest.starts_with('-') { -1 } else { 1 };
-            sign * (rest[1..3].parse::<i64>().ok()? * 3600 + rest[4..6].parse::<i64>().ok()? * 60)
-        }
-        _ => return None,
-    };
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset;
-    let secs = u64::try_from(secs).ok()?;
-    Some(SystemTime::UNIX_EPOCH + Duration::new(secs, nanos))
-}
-
 /// How the API watches judge their own progress (`--api-progress-timeout`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WatchOptions {
@@ -379,7 +372,7 @@ async fn watch_kind<K>(
     selector: String,
     changes: Arc<Changes>,
     options: WatchOptions,
-    health: Option<SourceHealth>,
+    health: Option<Arc<dyn WatchProgress>>,
 ) where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
     K: Into<Kinded>,
@@ -478,7 +471,7 @@ pub fn node_primary_ipv4(node: &k8s_openapi::api::core::v1::Node) -> Option<std:
 
 /// Logs when the API watches turn blind and when they see again (`/healthz`
 /// tells the same at any time); checked every second.
-async fn report_blindness(health: Option<crate::agent::http::health::Health>) {
+async fn report_blindness(health: Option<Arc<dyn WatchObserver>>) {
     let Some(health) = health else { return };
     let mut blind = false;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -531,7 +524,7 @@ async fn reflect<K>(
     client: Client,
     selectors: Selectors,
     options: WatchOptions,
-    health: Option<SourceHealth>,
+    health: Option<Arc<dyn WatchProgress>>,
     mut apply: impl FnMut(Update<K>),
 ) where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
@@ -647,7 +640,7 @@ struct WatchRequest<'a> {
     url_path: &'a str,
     params: &'a WatchParams,
     options: WatchOptions,
-    health: Option<&'a SourceHealth>,
+    health: Option<&'a Arc<dyn WatchProgress>>,
 }
 
 /// One watch request from `version`, until it ends. The stream is read line
@@ -847,19 +840,6 @@ impl Kinded {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rfc3339_timestamps_as_kubernetes_writes_them() {
-        let at = |s| parse_rfc3339(s).map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap());
-        assert_eq!(at("1970-01-01T00:00:00Z"), Some(Duration::ZERO));
-        assert_eq!(at("2026-11-29T14:00:00Z"), Some(Duration::from_secs(1_795_960_800)));
-        assert_eq!(at("2026-11-29T14:00:00.25Z"), Some(Duration::new(1_795_960_800, 250_000_000)));
-        assert_eq!(at("2026-11-29T15:00:00+01:00"), Some(Duration::from_secs(1_795_960_800)));
-        assert_eq!(at("2000-02-29T00:00:00Z"), Some(Duration::from_secs(951_782_400)));
-        assert_eq!(at("2026-13-01T00:00:00Z"), None);
-        assert_eq!(at("yesterday"), None);
-        assert_eq!(at("2026-11-29 14:00:00Z"), None);
-    }
 
     #[test]
     fn the_node_primary_ipv4_is_the_first_internal_then_external_one() {

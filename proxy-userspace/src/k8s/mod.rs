@@ -5,6 +5,7 @@
 pub mod api_watch;
 pub mod manifest;
 pub mod manifest_watch;
+pub mod time;
 
 /// EndpointSlice label naming the Service the slice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";

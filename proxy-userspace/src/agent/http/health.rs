@@ -23,7 +23,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use anyhow::anyhow;
 use bytes::Bytes;
@@ -39,6 +39,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::agent::http::metrics::{self, Metrics};
+use crate::k8s::api_watch::{WatchObserver, WatchProgress};
+use crate::k8s::time::rfc3339;
 
 /// Body of `/proxyMode`.
 pub const PROXY_MODE: &str = "ebpf";
@@ -294,6 +296,57 @@ impl SourceHealth {
     /// A watch request or stream failed (`error` says which and how).
     pub fn failed(&self, error: &str) {
         self.update(|source| source.last_error = Some(error.to_owned()));
+    }
+}
+
+/// The API watchers report through [`WatchObserver`] (defined beside them, in `k8s`), so that they
+/// never import the agent.
+impl WatchObserver for Health {
+    fn queued(&self, at: SystemTime) {
+        Health::queued(self, at);
+    }
+
+    fn node_eligible(&self) -> bool {
+        Health::node_eligible(self)
+    }
+
+    fn set_node_eligible(&self, eligible: bool) {
+        Health::set_node_eligible(self, eligible);
+    }
+
+    fn watch_source(
+        &self,
+        name: &'static str,
+        progress_timeout: Duration,
+        now: SystemTime,
+    ) -> Arc<dyn WatchProgress> {
+        Arc::new(Health::watch_source(self, name, progress_timeout, now))
+    }
+
+    fn blind(&self, now: SystemTime) -> Option<String> {
+        Health::blind(self, now)
+    }
+}
+
+impl WatchProgress for SourceHealth {
+    fn progress(&self, at: SystemTime) {
+        SourceHealth::progress(self, at);
+    }
+
+    fn listing(&self, at: SystemTime) {
+        SourceHealth::listing(self, at);
+    }
+
+    fn listed(&self, at: SystemTime) {
+        SourceHealth::listed(self, at);
+    }
+
+    fn list_failed(&self, error: &str) {
+        SourceHealth::list_failed(self, error);
+    }
+
+    fn failed(&self, error: &str) {
+        SourceHealth::failed(self, error);
     }
 }
 
@@ -617,108 +670,14 @@ async fn serve_connection<R: Respond>(stream: TcpStream, router: R, mut stop: wa
     }
 }
 
-/// Format a time as RFC 3339 in UTC, e.g. `2023-11-14T22:13:20Z`, with the
-/// fraction of a second only when non-zero and without trailing zeros (like
-/// Go's `time.RFC3339Nano`).
-pub fn rfc3339(time: SystemTime) -> String {
-    let nanos: i128 = match time.duration_since(UNIX_EPOCH) {
-        Ok(since) => since.as_nanos() as i128,
-        Err(before) => -(before.duration().as_nanos() as i128),
-    };
-    let secs = nanos.div_euclid(1_000_000_000) as i64;
-    let subsec = nanos.rem_euclid(1_000_000_000) as u32;
-    let days = secs.div_euclid(86_400);
-    let of_day = secs.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    let mut out = format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
-        of_day / 3600,
-        of_day / 60 % 60,
-        of_day % 60
-    );
-    if subsec != 0 {
-        let fraction = format!("{subsec:09}");
-        out.push('.');
-        out.push_str(fraction.trim_end_matches('0'));
-    }
-    out.push('Z');
-    out
-}
-
-/// Proleptic Gregorian (year, month, day) of a day count since 1970-01-01
-/// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097); // [0, 146096]
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365], March-based
-    let mp = (5 * doy + 2) / 153; // [0, 11]
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testutil::http::{HttpResponse, get};
+    use std::time::UNIX_EPOCH;
 
     fn at(secs: u64) -> SystemTime {
         UNIX_EPOCH + Duration::from_secs(secs)
-    }
-
-    #[test]
-    fn rfc3339_known_timestamps() {
-        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(at(951_782_400)), "2000-02-29T00:00:00Z");
-        assert_eq!(rfc3339(at(951_868_799)), "2000-02-29T23:59:59Z");
-        assert_eq!(rfc3339(at(951_868_800)), "2000-03-01T00:00:00Z");
-        assert_eq!(rfc3339(at(1_234_567_890)), "2009-02-13T23:31:30Z");
-        assert_eq!(rfc3339(at(1_700_000_000)), "2023-11-14T22:13:20Z");
-        assert_eq!(rfc3339(at(1_709_251_199)), "2024-02-29T23:59:59Z");
-        assert_eq!(rfc3339(at(4_102_444_799)), "2099-12-31T23:59:59Z");
-        assert_eq!(rfc3339(at(4_107_542_400)), "2100-03-01T00:00:00Z");
-        assert_eq!(rfc3339(at(253_402_300_799)), "9999-12-31T23:59:59Z");
-        assert_eq!(
-            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_700_000_000_500_000_000)),
-            "2023-11-14T22:13:20.5Z"
-        );
-        assert_eq!(
-            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_000_000_123)),
-            "1970-01-01T00:00:01.000000123Z"
-        );
-        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_secs(1)), "1969-12-31T23:59:59Z");
-        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_millis(1500)), "1969-12-31T23:59:58.5Z");
-        assert_eq!(rfc3339(UNIX_EPOCH - Duration::from_secs(86_400 * 365)), "1969-01-01T00:00:00Z");
-    }
-
-    #[test]
-    fn civil_from_days_round_trips_every_day_over_eight_centuries() {
-        // Walk day by day from 1600-03-01 and compare with a naive calendar.
-        let mut days = -135_080; // 1600-03-01
-        let (mut y, mut m, mut d) = (1600_i64, 3_u32, 1_u32);
-        let leap = |y: i64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-        while y < 2400 {
-            assert_eq!(civil_from_days(days), (y, m, d), "day {days}");
-            let month_len = match m {
-                2 if leap(y) => 29,
-                2 => 28,
-                4 | 6 | 9 | 11 => 30,
-                _ => 31,
-            };
-            days += 1;
-            d += 1;
-            if d > month_len {
-                d = 1;
-                m += 1;
-                if m > 12 {
-                    m = 1;
-                    y += 1;
-                }
-            }
-        }
     }
 
     #[test]

@@ -1104,7 +1104,7 @@ fn kube_proxy_pids() -> Vec<u32> {
         .collect()
 }
 
-use crate::cmd::cleanup::find_tool;
+use crate::cmd::kube_proxy_rules::find_tool;
 
 fn output(tool: &Path, args: &[&str]) -> Result<String, String> {
     match Command::new(tool).args(args).stdin(std::process::Stdio::null()).output() {
@@ -1134,7 +1134,7 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
         for (label, tool) in variants {
             any_tool = true;
             let plans = output(&tool, &[]).and_then(|text| {
-                crate::cmd::cleanup::plan_save(&text).map_err(|e| format!("{label}: {e:#}"))
+                crate::cmd::kube_proxy_rules::plan_save(&text).map_err(|e| format!("{label}: {e:#}"))
             });
             match plans {
                 Ok(plans) => found.extend(leftover_lines(&label, &plans)),
@@ -1146,7 +1146,7 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
         any_tool = true;
         match output(&nft, &["list", "tables"]) {
             Ok(text) => {
-                for (family, name) in crate::cmd::cleanup::kube_proxy_nft_tables(&text) {
+                for (family, name) in crate::cmd::kube_proxy_rules::kube_proxy_nft_tables(&text) {
                     found.push(format!("nftables table {family} {name}"));
                 }
             }
@@ -1160,7 +1160,7 @@ fn kube_proxy_leftovers() -> (Vec<String>, Vec<String>) {
 }
 
 /// `iptables-nft table nat: KUBE-SERVICES, KUBE-SVC-... (12 chains, 3 jumps)`.
-pub fn leftover_lines(label: &str, plans: &[crate::cmd::cleanup::TablePlan]) -> Vec<String> {
+pub fn leftover_lines(label: &str, plans: &[crate::cmd::kube_proxy_rules::TablePlan]) -> Vec<String> {
     plans
         .iter()
         .filter(|p| !p.is_empty() || !p.kept.is_empty())
@@ -1441,7 +1441,7 @@ mod tests {
         assert_eq!(c.status, Status::Fail);
         assert!(c.finding.contains("kube-proxy and kproxy both translate Service traffic"));
         let saved = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j KUBE-SVC-ABC\nCOMMIT\n";
-        let plans = crate::cmd::cleanup::plan_save(saved).unwrap();
+        let plans = crate::cmd::kube_proxy_rules::plan_save(saved).unwrap();
         let lines = leftover_lines("iptables-nft", &plans);
         assert_eq!(
             lines,
