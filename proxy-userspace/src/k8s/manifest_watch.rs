@@ -43,10 +43,30 @@ use anyhow::{Context as _, Result};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
-    agent::http::metrics::{self, ManifestState},
     k8s::api_watch::{Changes, Snapshot},
     k8s::manifest::{self, ManifestError, Sourced},
 };
+
+/// What the manifests source last reported; rendered once it has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ManifestState {
+    pub objects_kept: u64,
+    pub errors: u64,
+}
+
+/// The manifests source reads on a thread of its own, apart from the sync loop and started without a
+/// metrics handle, so it publishes here, process-wide (the agent's `/metrics` reads [`last_state`]).
+static MANIFESTS: Mutex<Option<ManifestState>> = Mutex::new(None);
+
+/// Publishes the manifests source's current state.
+pub fn set_manifest_state(state: ManifestState) {
+    *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);
+}
+
+/// What the manifests source last published, if it has.
+pub fn last_state() -> Option<ManifestState> {
+    *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// How long a file that looks cut short (see [`looks_unfinished`]) must stay
 /// so before it is applied: longer than a writer pauses between two writes.
@@ -76,7 +96,7 @@ pub async fn watch_files(path: PathBuf, poll: Duration, changes: Arc<Changes>) -
                     if let Some(snapshot) = watcher.poll(Instant::now(), &progress) {
                         changes.replace_all(snapshot);
                     }
-                    metrics::set_manifest_state(watcher.state);
+                    set_manifest_state(watcher.state);
                     progress.idle();
                     std::thread::sleep(poll);
                 }

@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::k8s::manifest_watch;
 use crate::model::{Frontend, Scope};
 
 /// `Content-Type` of the Prometheus text exposition format served on `/metrics`.
@@ -589,7 +590,7 @@ impl Metrics {
             &inner.affinity_gc_deleted_total.to_string(),
         );
         drop(inner);
-        if let Some(state) = *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+        if let Some(state) = manifest_watch::last_state() {
             scalar(
                 &mut out,
                 MANIFEST_OBJECTS_KEPT,
@@ -767,22 +768,6 @@ fn render_process(out: &mut String, stats: &ProcessStats) {
 
 const MANIFEST_OBJECTS_KEPT: &str = "kproxy_manifest_objects_kept_last_good";
 const MANIFEST_ERRORS: &str = "kproxy_manifest_errors";
-
-/// What the manifests source last reported; rendered once it has.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ManifestState {
-    pub objects_kept: u64,
-    pub errors: u64,
-}
-
-/// The manifests source reads on a thread of its own, apart from the sync loop and started without a
-/// [`Metrics`], so it reports here: process-wide, as into a default registry.
-static MANIFESTS: Mutex<Option<ManifestState>> = Mutex::new(None);
-
-/// The manifests source's current state, for every [`Metrics::render`].
-pub fn set_manifest_state(state: ManifestState) {
-    *MANIFESTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(state);
-}
 
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {}", escape_help(help));
