@@ -37,15 +37,8 @@ pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     if reply.flags & CT_FLAG_DIRECT == 0 {
         stats::count(Stat::ReverseNat);
     }
-    if events::enabled() {
-        // SAFETY: as in `ingress`.
-        events::emit_unnat(
-            &flow,
-            unsafe { &*entry },
-            (reply.nat_addr, reply.nat_port),
-            (flow.daddr, client_port),
-            now,
-        );
-    }
+    // SAFETY: as in `ingress`.
+    let entry = unsafe { &*entry };
+    events::unnat(&flow, entry, ((reply.nat_addr, reply.nat_port), (flow.daddr, client_port)), now);
     Ok(Verdict::NEXT)
 }

@@ -1,52 +1,130 @@
 //! `kproxy trace` events: one array lookup when nobody listens, and a full
-//! ring buffer drops the event instead of slowing the packet.
+//! ring buffer drops the event instead of slowing the packet. A stage emits
+//! with one call; each builds the event in this CPU's scratch entry (the BPF
+//! stack has no room for it in the programs that emit the most).
 use proxy_common::{
+    icmp::Quote,
     maps::CtEntryV4,
     stats::Stat,
-    trace::{EV_UNNAT, TraceEventV4},
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_ICMP_UNNAT, EV_UNNAT, TraceEventV4},
 };
 
 use crate::{
+    conntrack,
     maps::{EVENT_SCRATCH, EVENTS, TRACE},
     parse::Flow,
     stats,
 };
+
+/// An address and port, in network order.
+pub type Endpoint = ([u8; 4], [u8; 2]);
+
+/// What a new flow's event tells of how its backend was chosen.
+pub struct Chosen {
+    pub backend_id: u32,
+    /// 1-based slot the backend was picked from; 0 when affinity chose it.
+    pub slot: u16,
+    /// Active backends of the frontend when the slot was picked.
+    pub count: u16,
+    pub rev_nat_id: u16,
+    /// The flow's conntrack flags (hairpin, SNAT, remapped).
+    pub ct_flags: u8,
+}
 
 #[inline(always)]
 pub fn enabled() -> bool {
     TRACE.get(0).is_some_and(|c| c.enabled != 0)
 }
 
-/// An event whose "before" tuple is the packet as parsed, built in this
-/// CPU's scratch entry: the BPF stack has no room for it in the programs
-/// that emit the most.
+/// A packet left untranslated that `kproxy trace` shows: refused
+/// (`EV_REJECT`) or dropped as invalid (`EV_DROP_INVALID`), for frontend
+/// `rev_nat_id` (0: it matched none, as a port the Service does not have).
 #[inline(always)]
-pub fn from_flow(flow: &Flow, kind: u8, now: u64) -> Option<&'static mut TraceEventV4> {
-    from_tuple((flow.saddr, flow.sport), (flow.daddr, flow.dport), flow.proto, kind, now)
+pub fn untranslated(flow: &Flow, kind: u8, rev_nat_id: u16, now: u64) {
+    if let Some(event) = start_flow(flow, kind, now) {
+        event.rev_nat_id = rev_nat_id;
+        emit(event);
+    }
 }
 
-/// [`from_flow`] for a tuple that is not the packet's own (an ICMP error's quote).
+/// A packet of a known flow, rewritten to go from `after.0` to `after.1`.
 #[inline(always)]
-pub fn from_tuple(
-    source: ([u8; 4], [u8; 2]),
-    destination: ([u8; 4], [u8; 2]),
-    proto: u8,
-    kind: u8,
-    now: u64,
-) -> Option<&'static mut TraceEventV4> {
+pub fn dnat_established(flow: &Flow, after: (Endpoint, Endpoint), entry: &CtEntryV4, now: u64) {
+    if let Some(event) = start_flow(flow, EV_DNAT_ESTABLISHED, now) {
+        set_after(event, after);
+        set_entry(event, entry);
+        emit(event);
+    }
+}
+
+/// The first packet of a new flow, rewritten to go from `after.0` to its
+/// backend `after.1`.
+#[inline(always)]
+pub fn dnat_new(flow: &Flow, after: (Endpoint, Endpoint), chosen: Chosen, now: u64) {
+    if let Some(event) = start_flow(flow, EV_DNAT_NEW, now) {
+        set_after(event, after);
+        event.ct_created_ns = now;
+        event.ct_flags = chosen.ct_flags;
+        event.backend_id = chosen.backend_id;
+        event.backend_slot = chosen.slot;
+        event.backend_count = chosen.count;
+        event.rev_nat_id = chosen.rev_nat_id;
+        emit(event);
+    }
+}
+
+/// A reply rewritten to come from `after.0` (the frontend) and go to
+/// `after.1` (the client, as it sent the flow).
+#[inline(always)]
+pub fn unnat(flow: &Flow, entry: &CtEntryV4, after: (Endpoint, Endpoint), now: u64) {
+    if let Some(event) = start_flow(flow, EV_UNNAT, now) {
+        set_after(event, after);
+        set_entry(event, entry);
+        emit(event);
+    }
+}
+
+/// An ICMP error quoting a translated flow: the quote as it arrived, and as
+/// the client gets it (from `after.0` to `after.1`).
+#[inline(always)]
+pub fn icmp_unnat(quote: &Quote, entry: &CtEntryV4, after: (Endpoint, Endpoint)) {
+    if !enabled() {
+        return;
+    }
+    let before = ((quote.saddr, quote.sport), (quote.daddr, quote.dport));
+    if let Some(event) = start(before, quote.proto, EV_ICMP_UNNAT, conntrack::now()) {
+        set_after(event, after);
+        set_entry(event, entry);
+        emit(event);
+    }
+}
+
+/// An event whose "before" (and, until set, "after") tuple is the packet as
+/// parsed; `None` when nobody listens.
+#[inline(always)]
+fn start_flow(flow: &Flow, kind: u8, now: u64) -> Option<&'static mut TraceEventV4> {
+    if !enabled() {
+        return None;
+    }
+    start(((flow.saddr, flow.sport), (flow.daddr, flow.dport)), flow.proto, kind, now)
+}
+
+#[inline(always)]
+fn start(before: (Endpoint, Endpoint), proto: u8, kind: u8, now: u64) -> Option<&'static mut TraceEventV4> {
+    let ((saddr, sport), (daddr, dport)) = before;
     let event = EVENT_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's entry; a program runs to completion on its CPU.
     let event = unsafe { &mut *event };
     *event = TraceEventV4 {
         timestamp_ns: now,
-        before_saddr: source.0,
-        before_daddr: destination.0,
-        before_sport: source.1,
-        before_dport: destination.1,
-        after_saddr: source.0,
-        after_daddr: destination.0,
-        after_sport: source.1,
-        after_dport: destination.1,
+        before_saddr: saddr,
+        before_daddr: daddr,
+        before_sport: sport,
+        before_dport: dport,
+        after_saddr: saddr,
+        after_daddr: daddr,
+        after_sport: sport,
+        after_dport: dport,
         kind,
         proto,
         ..Default::default()
@@ -55,34 +133,22 @@ pub fn from_tuple(
 }
 
 #[inline(always)]
-pub fn emit(event: &TraceEventV4) {
-    if EVENTS.output::<TraceEventV4>(event, 0).is_err() {
-        stats::count(Stat::TraceDropped);
-    }
+fn set_after(event: &mut TraceEventV4, after: (Endpoint, Endpoint)) {
+    ((event.after_saddr, event.after_sport), (event.after_daddr, event.after_dport)) = after;
 }
 
 /// An event's conntrack fields, from the flow's entry.
 #[inline(always)]
-pub fn set_entry(event: &mut TraceEventV4, entry: &CtEntryV4) {
+fn set_entry(event: &mut TraceEventV4, entry: &CtEntryV4) {
     event.ct_created_ns = entry.created_ns;
     event.ct_flags = entry.flags;
     event.backend_id = entry.backend_id;
     event.rev_nat_id = entry.rev_nat_id;
 }
 
-/// A reply rewritten to come from `source` (the frontend) and go to
-/// `destination` (the client, as it sent the flow).
 #[inline(always)]
-pub fn emit_unnat(
-    flow: &Flow,
-    entry: &CtEntryV4,
-    source: ([u8; 4], [u8; 2]),
-    destination: ([u8; 4], [u8; 2]),
-    now: u64,
-) {
-    let Some(event) = from_flow(flow, EV_UNNAT, now) else { return };
-    (event.after_saddr, event.after_sport) = source;
-    (event.after_daddr, event.after_dport) = destination;
-    set_entry(event, entry);
-    emit(event);
+fn emit(event: &TraceEventV4) {
+    if EVENTS.output::<TraceEventV4>(event, 0).is_err() {
+        stats::count(Stat::TraceDropped);
+    }
 }

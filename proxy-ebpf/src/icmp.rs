@@ -14,10 +14,9 @@ use proxy_common::{
         ICMP_ERROR_SPAN, ICMP_OFF_CHECK, QUOTE_OFF_CHECK, QUOTE_OFF_DADDR, QUOTE_OFF_DPORT, QUOTE_OFF_SADDR,
         QUOTE_OFF_SPORT, Quote, error_message_offset, quoted,
     },
-    maps::{CT_FLAG_DIRECT, CT_FLAG_REMAP, CT_FLAG_SNAT, CtEntryV4},
+    maps::{CT_FLAG_DIRECT, CT_FLAG_REMAP, CT_FLAG_SNAT},
     packet::{ETH_HLEN, IP_OFF_CHECK, IP_OFF_DADDR, IP_OFF_SADDR},
     stats::Stat,
-    trace::EV_ICMP_UNNAT,
 };
 
 use crate::{conntrack, events, fib, snat, stats, verdict::Verdict};
@@ -87,30 +86,6 @@ fn outer_addr(ctx: &TcContext, field: usize, old: [u8; 4], new: [u8; 4]) -> Resu
     ctx.store(ETH_HLEN + field, &(new as u32), 0).map_err(failed)
 }
 
-/// `kproxy trace`: the quote as it arrived and as the client gets it.
-#[inline(always)]
-fn trace(
-    quote: &Quote,
-    entry: *const CtEntryV4,
-    source: ([u8; 4], [u8; 2]),
-    destination: ([u8; 4], [u8; 2]),
-) {
-    if !events::enabled() {
-        return;
-    }
-    let now = conntrack::now();
-    let from = (quote.saddr, quote.sport);
-    let Some(event) = events::from_tuple(from, (quote.daddr, quote.dport), quote.proto, EV_ICMP_UNNAT, now)
-    else {
-        return;
-    };
-    (event.after_saddr, event.after_sport) = source;
-    (event.after_daddr, event.after_dport) = destination;
-    // SAFETY: a map value valid for this program run.
-    events::set_entry(event, unsafe { &*entry });
-    events::emit(event);
-}
-
 #[inline(always)]
 fn outer_saddr(error: &Error) -> [u8; 4] {
     [error.outer[12], error.outer[13], error.outer[14], error.outer[15]]
@@ -152,7 +127,8 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
         outer_addr(ctx, IP_OFF_SADDR, source, service)?;
     }
     stats::count(Stat::IcmpErrorUnnat);
-    trace(&quote, entry, (quote.saddr, quote.sport), (service, service_port));
+    // SAFETY: a map value valid for this program run.
+    events::icmp_unnat(&quote, unsafe { &*entry }, ((quote.saddr, quote.sport), (service, service_port)));
     Ok(Verdict::NEXT)
 }
 
@@ -187,7 +163,8 @@ pub fn unnat_snat_error(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdi
     // to the quote's source, the node address the flow was source-NATed to.
     outer_addr(ctx, IP_OFF_DADDR, outer_daddr(&error), client.addr)?;
     stats::count(Stat::IcmpErrorUnnat);
-    trace(&quote, entry, (client.addr, client.port), (frontend, frontend_port));
+    // SAFETY: as above.
+    events::icmp_unnat(&quote, unsafe { &*entry }, ((client.addr, client.port), (frontend, frontend_port)));
     *route = fib::route(ctx, fib::ingress_ifindex(ctx), source, client.addr, fib::CHECK_SKB)?;
     Ok(Verdict::REDIRECT)
 }

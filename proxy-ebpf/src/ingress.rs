@@ -12,7 +12,7 @@ use proxy_common::{
         reply_key_in_snat,
     },
     stats::Stat,
-    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT},
+    trace::{EV_DROP_INVALID, EV_REJECT},
 };
 
 use crate::{
@@ -157,11 +157,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     let Some(frontend) = frontend else {
         if lb::is_vip(&flow.daddr) {
             // A port the Service does not have.
-            if events::enabled()
-                && let Some(event) = events::from_flow(flow, EV_REJECT, now)
-            {
-                events::emit(event);
-            }
+            events::untranslated(flow, EV_REJECT, 0, now);
             return Step::Refuse;
         }
         if flow.has_l4_header() {
@@ -181,12 +177,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {
         // No connection is known for this segment: translating it would start
         // a flow mid-stream, and passing it would leak it to the VIP.
-        if events::enabled()
-            && let Some(event) = events::from_flow(flow, EV_DROP_INVALID, now)
-        {
-            event.rev_nat_id = value.rev_nat_id;
-            events::emit(event);
-        }
+        events::untranslated(flow, EV_DROP_INVALID, value.rev_nat_id, now);
         return Step::Drop(Stat::DropInvalidTcp);
     }
     if value.count == 0 {
@@ -194,12 +185,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
             return Step::Drop(Stat::DropNoLocalEndpoint);
         }
         debug!(ctx, "frontend {} has no endpoints: refusing", value.rev_nat_id);
-        if events::enabled()
-            && let Some(event) = events::from_flow(flow, EV_REJECT, now)
-        {
-            event.rev_nat_id = value.rev_nat_id;
-            events::emit(event);
-        }
+        events::untranslated(flow, EV_REJECT, value.rev_nat_id, now);
         return Step::Refuse;
     }
     Step::NewFlow
@@ -255,21 +241,12 @@ fn established(
     };
     nat::rewrite_destination(ctx, flow, entry_copy.nat_addr, entry_copy.nat_port)?;
     stats::count(Stat::DnatEstablished);
-    if events::enabled()
-        && let Some(event) = events::from_flow(flow, EV_DNAT_ESTABLISHED, now)
-    {
-        event.after_daddr = entry_copy.nat_addr;
-        event.after_dport = entry_copy.nat_port;
-        if hairpin {
-            event.after_saddr = hairpin_addr;
-        }
-        if let Some(to_node) = &to_node {
-            event.after_saddr = to_node.addr;
-            event.after_sport = to_node.port;
-        }
-        events::set_entry(event, &entry_copy);
-        events::emit(event);
-    }
+    let source = match &to_node {
+        Some(to_node) => (to_node.addr, to_node.port),
+        None if hairpin => (hairpin_addr, flow.sport),
+        None => (flow.saddr, flow.sport),
+    };
+    events::dnat_established(flow, (source, (entry_copy.nat_addr, entry_copy.nat_port)), &entry_copy, now);
     if hairpin {
         if entry_copy.flags & CT_FLAG_REMAP != 0 {
             let to = to_node.ok_or(Verdict::drop(Stat::ConntrackInsertFailed))?;
@@ -383,29 +360,29 @@ fn new_flow(
         choice.backend_id,
         choice.slot
     );
-    if events::enabled()
-        && let Some(event) = events::from_flow(flow, EV_DNAT_NEW, now)
-    {
-        event.after_daddr = choice.backend.addr;
-        event.after_dport = choice.backend.port;
-        if hairpin {
-            event.after_saddr = hairpin_addr;
-            event.ct_flags = CT_FLAG_HAIRPIN;
-        }
-        if reply_to.is(CT_FLAG_SNAT) {
-            event.after_saddr = reply_to.addr;
-        }
-        if reply_key_in_snat(reply_to.flags) {
-            event.after_sport = reply_to.port;
-            event.ct_flags = reply_to.flags;
-        }
-        event.ct_created_ns = now;
-        event.backend_id = choice.backend_id;
-        event.backend_slot = choice.slot;
-        event.backend_count = frontend.count;
-        event.rev_nat_id = frontend.rev_nat_id;
-        events::emit(event);
-    }
+    let source_addr = if reply_to.is(CT_FLAG_SNAT) {
+        reply_to.addr
+    } else if hairpin {
+        hairpin_addr
+    } else {
+        flow.saddr
+    };
+    let (source_port, ct_flags) = if reply_key_in_snat(reply_to.flags) {
+        (reply_to.port, reply_to.flags)
+    } else if hairpin {
+        (flow.sport, CT_FLAG_HAIRPIN)
+    } else {
+        (flow.sport, 0)
+    };
+    let chosen = events::Chosen {
+        backend_id: choice.backend_id,
+        slot: choice.slot,
+        count: frontend.count,
+        rev_nat_id: frontend.rev_nat_id,
+        ct_flags,
+    };
+    let after = ((source_addr, source_port), (choice.backend.addr, choice.backend.port));
+    events::dnat_new(flow, after, chosen, now);
     if reply_to.is(CT_FLAG_REMAP) {
         nat::rewrite_source_port(ctx, flow, reply_to.port)?;
         stats::count(Stat::PortRemapped);
@@ -451,16 +428,9 @@ fn snat_reply(ctx: &TcContext, flow: &parse::Flow, route: &mut fib::Route) -> Re
     nat::rewrite_source(ctx, flow, frontend_addr, frontend_port)?;
     nat::rewrite_destination(ctx, flow, client.addr, client.port)?;
     stats::count(Stat::SnatReverse);
-    if events::enabled() {
-        // SAFETY: as in `ingress`.
-        events::emit_unnat(
-            flow,
-            unsafe { &*entry },
-            (frontend_addr, frontend_port),
-            (client.addr, client.port),
-            now,
-        );
-    }
+    // SAFETY: as in `ingress`.
+    let entry = unsafe { &*entry };
+    events::unnat(flow, entry, ((frontend_addr, frontend_port), (client.addr, client.port)), now);
     *route = fib::route(ctx, ingress_ifindex(ctx), frontend_addr, client.addr, fib::CHECK_SKB)?;
     Ok(Verdict::REDIRECT)
 }
@@ -502,9 +472,7 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Verdict, Verdict
     nat::rewrite_destination_addr(ctx, flow, flow.daddr, flow.saddr)?;
     nat::rewrite_destination_port(ctx, flow, client_port)?;
     stats::count(Stat::ReverseNat);
-    if events::enabled() {
-        // SAFETY: as in `ingress`.
-        events::emit_unnat(flow, unsafe { &*entry }, (vip, vip_port), (flow.saddr, client_port), now);
-    }
+    // SAFETY: as in `ingress`.
+    events::unnat(flow, unsafe { &*entry }, ((vip, vip_port), (flow.saddr, client_port)), now);
     Ok(Verdict::BOUNCE)
 }

@@ -22,7 +22,6 @@ use proxy_common::{
         UDP_OFF_CHECK, classify_ipv4,
     },
     stats::Stat,
-    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW},
 };
 
 use crate::{
@@ -302,11 +301,8 @@ fn snat_reply(
     }
     *out = Translation { tuple: tuple(frontend, client.addr, frontend_port, client.port), route };
     stats::count(Stat::SnatReverse);
-    if events::enabled() {
-        // SAFETY: as above.
-        let entry = unsafe { &*entry };
-        events::emit_unnat(flow, entry, (frontend, frontend_port), (client.addr, client.port), now);
-    }
+    // SAFETY: as above.
+    events::unnat(flow, unsafe { &*entry }, ((frontend, frontend_port), (client.addr, client.port)), now);
     Ok(())
 }
 
@@ -336,16 +332,8 @@ fn established(
     let route = route_back_out(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow)?;
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
-    if events::enabled()
-        && let Some(event) = events::from_flow(flow, EV_DNAT_ESTABLISHED, now)
-    {
-        event.after_saddr = to_node.addr;
-        event.after_sport = to_node.port;
-        event.after_daddr = entry_copy.nat_addr;
-        event.after_dport = entry_copy.nat_port;
-        events::set_entry(event, &entry_copy);
-        events::emit(event);
-    }
+    let after = ((to_node.addr, to_node.port), (entry_copy.nat_addr, entry_copy.nat_port));
+    events::dnat_established(flow, after, &entry_copy, now);
     *out = Translation {
         tuple: tuple(to_node.addr, entry_copy.nat_addr, to_node.port, entry_copy.nat_port),
         route,
@@ -415,19 +403,14 @@ fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> 
     };
     stats::count(Stat::DnatNew);
     stats::count(Stat::SnatNew);
-    if events::enabled()
-        && let Some(event) = events::from_flow(flow, EV_DNAT_NEW, now)
-    {
-        event.after_saddr = node_addr;
-        event.after_sport = port;
-        event.after_daddr = backend.addr;
-        event.after_dport = backend.port;
-        event.ct_created_ns = now;
-        event.ct_flags = CT_FLAG_SNAT;
-        event.backend_id = pick.choice.backend_id;
-        event.backend_slot = pick.choice.slot;
-        event.rev_nat_id = pick.rev_nat_id;
-        events::emit(event);
-    }
+    // The frontend's backend count is not carried this far (an event shows 0).
+    let chosen = events::Chosen {
+        backend_id: pick.choice.backend_id,
+        slot: pick.choice.slot,
+        count: 0,
+        rev_nat_id: pick.rev_nat_id,
+        ct_flags: CT_FLAG_SNAT,
+    };
+    events::dnat_new(flow, ((node_addr, port), (backend.addr, backend.port)), chosen, now);
     Ok(())
 }
