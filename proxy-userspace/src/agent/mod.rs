@@ -504,7 +504,7 @@ impl SyncLoop<'_> {
             .iter()
             .chain(&model_errors)
             .map(ToString::to_string)
-            .chain(report.errors.iter().cloned())
+            .chain(report.errors.iter().map(ToString::to_string))
             .collect();
         for error in errors.difference(&self.logged) {
             tracing::error!("{error}");

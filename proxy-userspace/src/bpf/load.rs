@@ -253,15 +253,47 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
 /// new programs atomically. Established flows live in the reused maps, so an
 /// agent restart — or an upgrade to a kproxy with new maps — drops nothing.
 /// Returns true when nothing was pinned before (a fresh load).
-pub fn load(pins: &PinDir) -> Result<bool> {
+pub fn load(pins: &PinDir) -> Result<bool, LoadError> {
     load_with(pins, &Capacities::default())
 }
 
+/// Why [`load_with`] failed, where a caller (or a test) tells the cases apart.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A pinned map made by a kproxy whose key or value layout differs: reusing it would misread every
+    /// entry, so loading stops before anything is replaced.
+    #[error(
+        "the pinned map {} has keys of {key_size} and values of {value_size} bytes, this kproxy needs {want_key} \
+         and {want_value}: it was made by an incompatible kproxy. `kproxy unload` removes it (established \
+         connections through Services are lost), then load again",
+        path.display()
+    )]
+    IncompatiblePin {
+        map: &'static str,
+        path: PathBuf,
+        key_size: u32,
+        value_size: u32,
+        want_key: u32,
+        want_value: u32,
+    },
+    /// Anything else: bpffs, the pin directory, the object, the verifier, pinning and attaching.
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
 /// [`load`] with map sizes (used for maps created now; reused maps keep theirs).
-pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
+pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool, LoadError> {
     ensure_bpffs(pins)?;
     pins.prepare()?;
     let fresh = !pins.program(PROG_INGRESS).exists();
+    check_pinned_maps(pins)?;
+    pin_programs(pins, capacities)?;
+    Ok(fresh)
+}
+
+/// Refuses pinned maps whose layout this kproxy does not share; replaces a stats map too small for
+/// today's counters.
+fn check_pinned_maps(pins: &PinDir) -> Result<(), LoadError> {
     for &name in ALL_MAPS {
         let path = pins.map(name);
         let (Some((key, value)), true) = (expected_layout(name), path.exists()) else { continue };
@@ -275,16 +307,22 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
             continue;
         }
         if (info.key_size(), info.value_size()) != (key, value) {
-            bail!(
-                "the pinned map {} has keys of {} and values of {} bytes, this kproxy needs {key} and {value}: \
-                 it was made by an incompatible kproxy. `kproxy unload` removes it (established connections through \
-                 Services are lost), then load again",
-                path.display(),
-                info.key_size(),
-                info.value_size()
-            );
+            return Err(LoadError::IncompatiblePin {
+                map: name,
+                path,
+                key_size: info.key_size(),
+                value_size: info.value_size(),
+                want_key: key,
+                want_value: value,
+            });
         }
     }
+    Ok(())
+}
+
+/// Loads the object over the pinned maps and pins its programs in place of the previous ones, moving
+/// their links.
+fn pin_programs(pins: &PinDir, capacities: &Capacities) -> Result<()> {
     let paths: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|name| (*name, pins.map(name))).collect();
     let mut ebpf = load_object(capacities, &paths)?;
     for hook in Hook::ALL {
@@ -313,7 +351,7 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool> {
     for cgroup in cgroups {
         attach_socket_lb(pins, &cgroup)?;
     }
-    Ok(fresh)
+    Ok(())
 }
 
 /// What `unload` removed.

@@ -20,7 +20,7 @@ use anyhow::{Context as _, Result};
 use aya::maps::{HashMap, MapData};
 use proxy_common::maps::*;
 
-use crate::model::{BackendAddr, Desired, Frontend, FrontendKind};
+use crate::model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName};
 use crate::net::{Cidr4, Protocol};
 
 pub mod image;
@@ -105,7 +105,36 @@ pub struct SyncReport {
     /// them (socket-level load balancing).
     pub removed_backend_addrs: Vec<(BackendAddr, Protocol)>,
     /// Frontends left as they were because a map refused a write.
-    pub errors: Vec<String>,
+    pub errors: Vec<SyncError>,
+}
+
+/// A write the maps refused, and what was left as it was. `cause` is the map error with its context;
+/// the message is the one the agent logs.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SyncError {
+    #[error("Service {service} port {port}/{} ({vip}:{vip_port}): not programmed: {cause}", proto.name())]
+    FrontendNotProgrammed {
+        service: ServiceName,
+        port: u16,
+        proto: Protocol,
+        vip: Ipv4Addr,
+        vip_port: u16,
+        cause: String,
+    },
+    #[error("removing {vip}:{port}/{}: {cause}", proto.name())]
+    FrontendNotRemoved { vip: Ipv4Addr, port: u16, proto: Protocol, cause: String },
+    #[error(
+        "Service {service} ({vip}:{port}): all {tables} Maglev tables are in use (--maglev-tables): random selection"
+    )]
+    MaglevTablesExhausted { service: ServiceName, vip: Ipv4Addr, port: u16, tables: u32 },
+    #[error("updating backend {backend}/{}: {cause}", proto.name())]
+    BackendNotUpdated { backend: BackendAddr, proto: Protocol, cause: String },
+    #[error("removing backend {}:{}: {cause}", backend.addr, backend.port)]
+    BackendNotRemoved { backend: BackendAddr, cause: String },
+    #[error("VIP {vip}: {cause}")]
+    VipNotWritten { vip: Ipv4Addr, cause: String },
+    #[error("removing VIP {vip}: {cause}")]
+    VipNotRemoved { vip: Ipv4Addr, cause: String },
 }
 
 impl SyncReport {
@@ -351,14 +380,14 @@ impl<S: Store> Syncer<S> {
             };
             let result = vip.and_then(|()| self.apply_frontend(*fk, frontend, name, &flags, &mut report));
             if let Err(e) = result {
-                report.errors.push(format!(
-                    "Service {} port {}/{} ({}:{}): not programmed: {e:#}",
-                    frontend.service,
-                    frontend.port,
-                    fk.proto.name(),
-                    fk.vip,
-                    fk.port
-                ));
+                report.errors.push(SyncError::FrontendNotProgrammed {
+                    service: frontend.service.clone(),
+                    port: frontend.port,
+                    proto: fk.proto,
+                    vip: fk.vip,
+                    vip_port: fk.port,
+                    cause: format!("{e:#}"),
+                });
             }
         }
 
@@ -369,9 +398,12 @@ impl<S: Store> Syncer<S> {
         for fk in stale {
             match self.remove_frontend(fk) {
                 Ok(()) => report.frontends_removed += 1,
-                Err(e) => {
-                    report.errors.push(format!("removing {}:{}/{}: {e:#}", fk.vip, fk.port, fk.proto.name()))
-                }
+                Err(e) => report.errors.push(SyncError::FrontendNotRemoved {
+                    vip: fk.vip,
+                    port: fk.port,
+                    proto: fk.proto,
+                    cause: format!("{e:#}"),
+                }),
             }
         }
         self.reconcile_vips(&mut report);
@@ -400,7 +432,11 @@ impl<S: Store> Syncer<S> {
                     self.backends.insert(*key, BackendEntry { id: entry.id, flags: target });
                     report.backends_updated += 1;
                 }
-                Err(e) => report.errors.push(format!("updating backend {}/{}: {e:#}", key.0, key.1.name())),
+                Err(e) => report.errors.push(SyncError::BackendNotUpdated {
+                    backend: key.0,
+                    proto: key.1,
+                    cause: format!("{e:#}"),
+                }),
             }
         }
     }
@@ -432,7 +468,7 @@ impl<S: Store> Syncer<S> {
                 Ok(()) => {
                     self.vips.insert(*vip, *count);
                 }
-                Err(e) => report.errors.push(format!("VIP {vip}: {e:#}")),
+                Err(e) => report.errors.push(SyncError::VipNotWritten { vip: *vip, cause: format!("{e:#}") }),
             }
         }
         let gone: Vec<Ipv4Addr> = self.vips.keys().filter(|v| !counts.contains_key(v)).copied().collect();
@@ -441,7 +477,7 @@ impl<S: Store> Syncer<S> {
                 Ok(()) => {
                     self.vips.remove(&vip);
                 }
-                Err(e) => report.errors.push(format!("removing VIP {vip}: {e:#}")),
+                Err(e) => report.errors.push(SyncError::VipNotRemoved { vip, cause: format!("{e:#}") }),
             }
         }
     }
@@ -544,10 +580,12 @@ impl<S: Store> Syncer<S> {
                     maglev_table = Some(table);
                 }
                 None => {
-                    report.errors.push(format!(
-                        "Service {} ({}:{}): all {} Maglev tables are in use (--maglev-tables): random selection",
-                        frontend.service, fk.vip, fk.port, settings.tables
-                    ));
+                    report.errors.push(SyncError::MaglevTablesExhausted {
+                        service: frontend.service.clone(),
+                        vip: fk.vip,
+                        port: fk.port,
+                        tables: settings.tables,
+                    });
                     slots[0].1.flags &= !SVC_FLAG_MAGLEV;
                 }
             }
@@ -647,9 +685,9 @@ impl<S: Store> Syncer<S> {
                     report.removed_backends.push((id, key.1));
                     report.removed_backend_addrs.push(key);
                 }
-                Err(e) => {
-                    report.errors.push(format!("removing backend {}:{}: {e:#}", key.0.addr, key.0.port))
-                }
+                Err(e) => report
+                    .errors
+                    .push(SyncError::BackendNotRemoved { backend: key.0, cause: format!("{e:#}") }),
             }
         }
     }

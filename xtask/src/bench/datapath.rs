@@ -210,7 +210,10 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
         let started = std::time::Instant::now();
         let report = syncer.apply(&Desired::new(all.iter().map(frontend).collect()));
         if !report.errors.is_empty() {
-            bail!("programming {via_syncer} Services failed: {}", report.errors.join("; "));
+            bail!(
+                "programming {via_syncer} Services failed: {}",
+                report.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+            );
         }
         if report.frontends_added > 1 {
             notes.push(format!(
