@@ -14,7 +14,9 @@ pub enum Stat {
     PassMalformed,
     /// Packets too short for their L4 header.
     PassTruncated,
-    /// TCP/UDP that matched no Service and no conntrack entry.
+    /// Matched no Service and no translated flow: TCP/UDP to no frontend (a
+    /// pod, most often), a packet into a pod or to a SNAT port or the hairpin
+    /// address that is no reply of one, an ICMP error quoting none.
     PassNoService,
     /// A new flow translated to a backend.
     DnatNew,
@@ -61,7 +63,7 @@ pub enum Stat {
     FibLookupFailed,
     /// XDP sent a rewritten packet out without the stack.
     XdpForwarded,
-    /// XDP left a packet to the stack (and tc).
+    /// XDP left a packet to the stack (and tc); its reason is counted too.
     XdpPass,
     /// A connect() or sendmsg() to a Service was sent to a backend.
     SockTranslated,
@@ -86,10 +88,22 @@ pub enum Stat {
     /// 0.0.0.0/8, 240.0.0.0/4) or that was sent to a link-layer group:
     /// dropped without an answer (RFC 1122).
     RejectUnanswerable,
+    /// XDP left a Service's packet to tc by design: a local backend (its
+    /// choice recorded for tc), externalTrafficPolicy: Local, a cluster IP
+    /// reached from outside, a refusal or invalid segment, a fragment, a flow
+    /// tc must re-balance or expire, an unresolved neighbour, a route out of
+    /// another interface. Counted with `XdpPass`.
+    XdpToTc,
+    /// A source-NATed or port-remapped flow whose SNAT_V4 translation is gone
+    /// (evicted from the LRU): its packet was left untranslated.
+    SnatEntryMissing,
+    /// A flow to source-NAT arrived on an external interface the agent has
+    /// given no node address (EXTERNAL_IFACES): left untranslated.
+    PassNoNodeAddress,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 38;
+    pub const COUNT: u32 = 41;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -130,6 +144,9 @@ impl Stat {
         Stat::PortRemapped,
         Stat::ClashYielded,
         Stat::RejectUnanswerable,
+        Stat::XdpToTc,
+        Stat::SnatEntryMissing,
+        Stat::PassNoNodeAddress,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -172,6 +189,9 @@ impl Stat {
             Stat::PortRemapped => "port_remapped",
             Stat::ClashYielded => "clash_yielded",
             Stat::RejectUnanswerable => "reject_unanswerable",
+            Stat::XdpToTc => "xdp_to_tc",
+            Stat::SnatEntryMissing => "snat_entry_missing",
+            Stat::PassNoNodeAddress => "pass_no_node_address",
         }
     }
 }

@@ -23,7 +23,7 @@ pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     // Where the client sent the flow, and from which port (a remapped flow's
     // is in SNAT_V4).
     let client_port = if reply.flags & CT_FLAG_REMAP != 0 {
-        snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?.port
+        snat::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?.port
     } else {
         flow.dport
     };

@@ -115,7 +115,7 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
     }
     if flags & CT_FLAG_REMAP != 0 {
         // The client's socket knows its own port, not the remapped one.
-        let client = snat::reverse(&quote.reply_key()).ok_or(Verdict::pass(Stat::PassNoService))?;
+        let client = snat::reverse(&quote.reply_key()).ok_or(Verdict::pass(Stat::SnatEntryMissing))?;
         quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
     }
     if service != quote.daddr {
@@ -149,7 +149,7 @@ pub fn unnat_snat_error(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdi
     if flags & CT_FLAG_SNAT == 0 {
         return Err(Verdict::pass(Stat::PassNoService));
     }
-    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
+    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?;
     quoted_addr(ctx, &error, QUOTE_OFF_SADDR, quote.saddr, client.addr)?;
     quoted_port(ctx, &error, QUOTE_OFF_SPORT, quote.sport, client.port)?;
     quoted_addr(ctx, &error, QUOTE_OFF_DADDR, quote.daddr, frontend)?;

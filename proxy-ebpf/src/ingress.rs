@@ -311,7 +311,7 @@ fn plan_new_flow<const EXTERNAL: bool>(
             // SAFETY: the value is copied out at once.
             let node_addr = unsafe { EXTERNAL_IFACES.get(ifindex) }
                 .map(|i| i.addr)
-                .ok_or(Verdict::pass(Stat::PassNoService))?;
+                .ok_or(Verdict::pass(Stat::PassNoNodeAddress))?;
             let port = snat::allocate(flow, key, choice.backend.addr, choice.backend.port, node_addr, now)?;
             plan.reply_to = ReplyTo::snat(node_addr, port);
             *route = backend_route;
@@ -418,7 +418,7 @@ fn snat_reply(ctx: &TcContext, flow: &parse::Flow, route: &mut fib::Route) -> Re
     if flags & CT_FLAG_SNAT == 0 {
         return Err(Verdict::pass(Stat::PassNoService));
     }
-    let Some(client) = snat::reverse(&key) else { return Err(Verdict::pass(Stat::PassNoService)) };
+    let Some(client) = snat::reverse(&key) else { return Err(Verdict::pass(Stat::SnatEntryMissing)) };
     let now = conntrack::now();
     // SAFETY: as in `ingress`.
     unsafe {
@@ -464,7 +464,7 @@ fn hairpin_reply(ctx: &TcContext, flow: &parse::Flow) -> Result<Verdict, Verdict
         ((*entry).nat_addr, (*entry).nat_port, (*entry).flags)
     };
     let client_port = if flags & CT_FLAG_REMAP != 0 {
-        snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?.port
+        snat::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?.port
     } else {
         flow.dport
     };

@@ -70,7 +70,7 @@ fn parse(ctx: &XdpContext) -> Result<Flow, Verdict> {
         .map_err(|skip| Verdict::pass(parse::skip_stat(skip)))?;
     if loc.fragment != Fragment::Whole {
         // Fragments are tc's, which follows a datagram from its first fragment.
-        return Err(Verdict::NEXT);
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     let ports: *mut [u8; 4] = pointer(ctx, L4)?;
     // SAFETY: as above.
@@ -171,10 +171,10 @@ fn route_back_out(
     let route = fib::route(ctx, ingress, saddr, daddr, flow.ip_total_len)?;
     if !route.neighbour_known {
         // Not a failure: tc's redirect resolves the neighbour.
-        return Err(Verdict::NEXT);
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     if route.ifindex != ingress {
-        return Err(Verdict::pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     Ok(route)
 }
@@ -239,7 +239,7 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
     if found.scope == SCOPE_EXTERNAL || frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
         // externalTrafficPolicy: Local (local backends only) and cluster IPs
         // reached from outside (masqueraded whatever the backend) are tc's.
-        return Err(Verdict::pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
         Some(entry) => established(ctx, &flow, entry, out)?,
@@ -289,7 +289,7 @@ fn snat_reply(
 ) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let key = flow.ct_key(CT_DIR_REPLY);
-    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
+    let client = snat::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?;
     // SAFETY: a map value valid for this program run.
     let (frontend, frontend_port) = unsafe { ((*entry).nat_addr, (*entry).nat_port) };
     let route = route_back_out(ctx, ingress, frontend, client.addr, flow)?;
@@ -325,10 +325,11 @@ fn established(
         || conntrack::expired(&key, &entry_copy, &config, now)
         || !lb::keeps_backend(&entry_copy, flow.proto)
     {
-        return Err(Verdict::pass(Stat::PassNoService));
+        // Not source-NATed (tc's flow), or tc must expire or re-balance it.
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     let to_node = snat::forward(&key, entry_copy.nat_addr, entry_copy.nat_port, entry_copy.flags)
-        .ok_or(Verdict::pass(Stat::PassNoService))?;
+        .ok_or(Verdict::pass(Stat::SnatEntryMissing))?;
     let route = route_back_out(ctx, ingress, to_node.addr, entry_copy.nat_addr, flow)?;
     // SAFETY: as above.
     unsafe { conntrack::touch(entry, flow, CT_DIR_FORWARD, now) };
@@ -356,7 +357,7 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
     let frontend = found.value;
     if frontend.count == 0 || (flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags)) {
         // Refusals and invalid segments are the tc program's.
-        return Err(Verdict::pass(Stat::PassNoService));
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     let choice = lb::select_backend(flow, found, conntrack::now())?;
     let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)?;
@@ -367,14 +368,14 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
         let key = flow.ct_key(CT_DIR_FORWARD);
         if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some() {
             // Another flow has the reply tuple: tc resolves the clash.
-            return Err(Verdict::NEXT);
+            return Err(Verdict::pass(Stat::XdpToTc));
         }
         conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::CLIENT)?;
-        return Err(Verdict::NEXT);
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     if !route.neighbour_known {
         // Not a failure: tc's redirect resolves the neighbour.
-        return Err(Verdict::NEXT);
+        return Err(Verdict::pass(Stat::XdpToTc));
     }
     *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
     Ok(())
@@ -387,8 +388,9 @@ fn commit(ctx: &XdpContext, flow: &Flow, pick: &Pick, out: &mut Translation) -> 
     let now = conntrack::now();
     let backend = pick.choice.backend;
     // SAFETY: the value is copied out at once.
-    let node_addr =
-        unsafe { EXTERNAL_IFACES.get(ingress) }.map(|i| i.addr).ok_or(Verdict::pass(Stat::PassNoService))?;
+    let node_addr = unsafe { EXTERNAL_IFACES.get(ingress) }
+        .map(|i| i.addr)
+        .ok_or(Verdict::pass(Stat::PassNoNodeAddress))?;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let port = snat::allocate(flow, &key, backend.addr, backend.port, node_addr, now)?;
     if let Err(verdict) =

@@ -30,7 +30,7 @@ use common::external_node::{
 };
 use common::{
     Packet, checksums_valid,
-    harness::{ct_key, test_run},
+    harness::{PASS as TCX_NEXT, ct_key, test_run},
     icmp_error,
 };
 
@@ -58,6 +58,8 @@ struct Xdp0 {
     conntrack:
         aya::maps::HashMap<aya::maps::MapData, proxy_common::maps::CtKeyV4, proxy_common::maps::CtEntryV4>,
     stats: aya::maps::PerCpuArray<aya::maps::MapData, u64>,
+    snat:
+        aya::maps::HashMap<aya::maps::MapData, proxy_common::maps::CtKeyV4, proxy_common::maps::SnatEntryV4>,
     ingress: u32,
 }
 
@@ -66,7 +68,7 @@ impl Xdp0 {
         let mut ebpf = bpf::load_unpinned().expect("loading the datapath needs root");
         let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
-        let (conntrack, stats) = (maps.conntrack, maps.stats);
+        let (conntrack, stats, snat) = (maps.conntrack, maps.stats, maps.snat);
         let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .unwrap()
             .with_vips(maps.vips)
@@ -75,7 +77,7 @@ impl Xdp0 {
             .unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(frontends));
         assert!(report.errors.is_empty(), "{:?}", report.errors);
-        Self { ebpf, _syncer: syncer, conntrack, stats, ingress }
+        Self { ebpf, _syncer: syncer, conntrack, stats, snat, ingress }
     }
 
     fn xdp(&self, frame: &[u8]) -> (u32, Vec<u8>) {
@@ -222,6 +224,9 @@ fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_range
             let (action, out) = x.xdp(&frame);
             assert_eq!((action, &out), (XDP_PASS, &frame), "port {port} is tc's, untouched");
         }
+        // The metric says why: two Service packets left to tc by design, one to no Service.
+        let reasons = |x: &Xdp0| (x.stat(Stat::XdpToTc), x.stat(Stat::PassNoService), x.stat(Stat::XdpPass));
+        assert_eq!(reasons(&x), (2, 1, 3));
         // The local backend XDP picked is recorded, so tc follows that choice rather than
         // picking again; policy Local and other ports leave no trace.
         let fwd =
@@ -238,5 +243,33 @@ fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_range
         // A segment that is not a SYN starts no flow (tc drops it).
         let stray = frame_to_node(&Packet::tcp(CLIENT, 40002, [192, 168, 200, 11], 80, TCP_ACK));
         assert_eq!(x.xdp(&stray).0, XDP_PASS);
+        assert_eq!(reasons(&x), (3, 1, 4));
+    });
+}
+
+/// A source-NATed flow whose SNAT translation was evicted (SNAT_V4 is an LRU): its reply cannot
+/// be un-NATed, so XDP and then tc leave it untouched, and the metric names the cause rather
+/// than "no service".
+#[test]
+fn a_reply_whose_snat_translation_is_gone_passes_counted_as_snat_entry_missing() {
+    in_private_netns(|ingress| {
+        let mut x = Xdp0::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet::tcp(CLIENT, 40000, NODE, 30080, TCP_SYN);
+        let (action, out) = x.xdp(&frame_to_node(&syn));
+        assert_eq!(action, XDP_REDIRECT);
+        let port = u16::from_be_bytes([out[34], out[35]]);
+        let reverse = ct_key(REMOTE_BACKEND, 80, NODE, port, IPPROTO_TCP, CT_DIR_REPLY);
+        x.snat.remove(&reverse).expect("the flow's SNAT translation");
+
+        let reply = Packet::tcp(REMOTE_BACKEND, 80, NODE, port, TCP_SYN | TCP_ACK);
+        let mut frame = reply.frame();
+        frame[..6].copy_from_slice(&NODE_MAC);
+        frame[6..12].copy_from_slice(&PEER_MAC);
+        let (action, out) = x.xdp(&frame);
+        assert_eq!((action, &out), (XDP_PASS, &frame));
+        assert_eq!(x.stat(Stat::SnatEntryMissing), 1);
+        let (action, out) = x.tc(&frame);
+        assert_eq!((action, &out), (TCX_NEXT, &frame), "tc passes it too, untouched");
+        assert_eq!((x.stat(Stat::SnatEntryMissing), x.stat(Stat::PassNoService)), (2, 0));
     });
 }
