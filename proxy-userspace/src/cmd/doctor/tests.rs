@@ -1,0 +1,289 @@
+use super::agent::*;
+use super::datapath::*;
+use super::kernel::*;
+use super::kube_proxy::*;
+use super::sysctl::*;
+use super::*;
+use crate::bpf;
+
+#[test]
+fn ephemeral_ports_inside_the_snat_range_are_reported_unless_reserved() {
+    let value = |v: &str| Runtime::Value(v.to_owned());
+    let snat = (61000, 65535);
+    let clear = snat_ports_check(value("32768\t60999"), value(""), snat);
+    assert_eq!(clear.status, Status::Ok, "{clear:?}");
+    let overlap = snat_ports_check(value("1024 65535"), value(""), snat);
+    assert_eq!(overlap.status, Status::Warn, "{overlap:?}");
+    assert!(overlap.finding.contains("61000-65535"), "{overlap:?}");
+    assert!(overlap.fix.as_deref().unwrap().contains("ip_local_reserved_ports=61000-65535"));
+    let reserved = snat_ports_check(value("1024 65535"), value("30000-32767,61000-65535"), snat);
+    assert_eq!(reserved.status, Status::Ok, "{reserved:?}");
+    let partly = snat_ports_check(value("32768 62000"), value("61000-61500"), snat);
+    assert_eq!(partly.status, Status::Warn, "{partly:?}");
+    let unreadable = snat_ports_check(Runtime::Unknown("no".into()), value(""), snat);
+    assert_eq!(unreadable.status, Status::Ok);
+}
+
+#[test]
+fn kernel_versions() {
+    assert_eq!(parse_kernel_version("6.18.0-1-amd64"), Some((6, 18)));
+    assert_eq!(parse_kernel_version("5.15.0\n"), Some((5, 15)));
+    assert_eq!(parse_kernel_version("6.6"), Some((6, 6)));
+    assert_eq!(parse_kernel_version("linux"), None);
+    assert_eq!(kernel_verdict("6.6.1", "running").status, Status::Ok);
+    assert_eq!(kernel_verdict("6.5.13", "running").status, Status::Fail);
+    assert_eq!(kernel_verdict("5.15.0-91-generic", "running").status, Status::Fail);
+    assert_eq!(kernel_verdict("10.0.0", "running").status, Status::Ok);
+}
+
+#[test]
+fn mounts_bpffs_and_cgroup2() {
+    let hybrid = "sysfs /sys sysfs rw 0 0\nbpf /sys/fs/bpf bpf rw,relatime 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n";
+    assert_eq!(bpffs_check(Some(hybrid), false).status, Status::Ok);
+    let c = cgroup2_check(Some(hybrid), false);
+    assert_eq!(c.status, Status::Ok);
+    assert!(c.finding.contains("hybrid"), "{}", c.finding);
+    let unified = "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n";
+    assert!(cgroup2_check(Some(unified), false).finding.contains("unified"));
+    assert_eq!(bpffs_check(Some(unified), false).status, Status::Warn);
+    let v1 = "cgroup /sys/fs/cgroup/memory cgroup rw 0 0\nbpf /mnt/bpf bpf rw 0 0\n";
+    assert_eq!(cgroup2_check(Some(v1), false).status, Status::Warn);
+    assert!(bpffs_check(Some(v1), false).finding.contains("/mnt/bpf"));
+    let c = bpffs_check(None, true);
+    assert!(c.finding.contains("cannot read runtime value under --root"));
+}
+
+#[test]
+fn sysctl_lines() {
+    let text = "# comment\n; also\n\n  net.ipv4.ip_forward   =   0  \n-net/ipv4/conf/all/rp_filter=2\nnet/ipv4/conf/eth0.100/rp_filter = 1\nkernel.foo=bar baz\nnot an assignment\n";
+    let a = parse_sysctl(text);
+    assert_eq!(
+        a,
+        vec![
+            Assignment { key: "net.ipv4.ip_forward".into(), value: "0".into(), line: 4 },
+            Assignment { key: "net.ipv4.conf.all.rp_filter".into(), value: "2".into(), line: 5 },
+            Assignment { key: "net.ipv4.conf.eth0/100.rp_filter".into(), value: "1".into(), line: 6 },
+            Assignment { key: "kernel.foo".into(), value: "bar baz".into(), line: 7 },
+        ]
+    );
+    assert_eq!(normalize_key("net.ipv4.conf.eth0/100.rp_filter"), "net.ipv4.conf.eth0/100.rp_filter");
+}
+
+#[test]
+fn sysctl_precedence() {
+    let listing = vec![
+        ("/etc/sysctl.d", vec!["99-sysctl.conf".into(), "50-default.conf".into(), "README".into()]),
+        ("/run/sysctl.d", vec![]),
+        ("/usr/local/lib/sysctl.d", vec![]),
+        ("/usr/lib/sysctl.d", vec!["50-default.conf".into(), "10-net.conf".into()]),
+        ("/lib/sysctl.d", vec!["10-net.conf".into()]),
+    ];
+    assert_eq!(
+        sysctl_order(&listing),
+        vec![
+            "/usr/lib/sysctl.d/10-net.conf",
+            "/etc/sysctl.d/50-default.conf",
+            "/etc/sysctl.d/99-sysctl.conf",
+            "/etc/sysctl.conf",
+        ]
+    );
+    let files = SysctlFiles {
+        files: vec![
+            (
+                "/usr/lib/sysctl.d/10-net.conf".into(),
+                parse_sysctl("net.ipv4.ip_forward = 1\n-net.ipv4.conf.*.rp_filter = 2\n"),
+            ),
+            ("/etc/sysctl.d/50-default.conf".into(), parse_sysctl("net.ipv4.conf.default.rp_filter = 1\n")),
+            ("/etc/sysctl.d/99-sysctl.conf".into(), parse_sysctl("# x\n\nnet.ipv4.ip_forward=0\n")),
+            ("/etc/sysctl.conf".into(), vec![]),
+        ],
+    };
+    let s = files.effective("net.ipv4.ip_forward").unwrap();
+    assert_eq!((s.file.as_str(), s.line, s.value.as_str()), ("/etc/sysctl.d/99-sysctl.conf", 3, "0"));
+    // The explicit assignment wins over a later glob, a glob applies otherwise.
+    assert_eq!(files.effective("net.ipv4.conf.default.rp_filter").unwrap().value, "1");
+    let all = files.effective("net.ipv4.conf.all.rp_filter").unwrap();
+    assert_eq!((all.value.as_str(), all.glob.as_deref()), ("2", Some("net.ipv4.conf.*.rp_filter")));
+    assert_eq!(files.effective("net.ipv4.tcp_syncookies"), None);
+}
+
+fn setting(value: &str) -> Setting {
+    Setting { file: "/etc/sysctl.d/99-sysctl.conf".into(), line: 12, value: value.into(), glob: None }
+}
+
+#[test]
+fn ip_forward_decisions() {
+    let v = |s: &str| Runtime::Value(s.into());
+    let c = ip_forward_check(v("1"), Some(setting("0")));
+    assert_eq!(c.status, Status::Warn);
+    assert!(
+        c.finding.starts_with("/etc/sysctl.d/99-sysctl.conf:12 sets net.ipv4.ip_forward = 0: the next reboot disables forwarding (the incident of cases/001)"),
+        "{}",
+        c.finding
+    );
+    assert!(c.fix.unwrap().contains("line 12"));
+    assert_eq!(ip_forward_check(v("1"), Some(setting("1"))).status, Status::Ok);
+    assert_eq!(ip_forward_check(v("1"), None).status, Status::Warn);
+    let c = ip_forward_check(v("0"), Some(setting("0")));
+    assert_eq!(c.status, Status::Fail);
+    assert!(c.fix.unwrap().starts_with("sysctl -w net.ipv4.ip_forward=1; then edit"));
+    assert_eq!(ip_forward_check(v("0"), Some(setting("1"))).status, Status::Fail);
+    let unknown = Runtime::Unknown("cannot read runtime value under --root".into());
+    let c = ip_forward_check(unknown.clone(), Some(setting("1")));
+    assert_eq!(c.status, Status::Warn);
+    assert!(c.finding.contains("cannot read runtime value under --root"));
+    assert!(ip_forward_check(unknown, Some(setting("0"))).finding.contains("99-sysctl.conf:12"));
+}
+
+#[test]
+fn rp_filter_decisions() {
+    let v = |s: &str| Runtime::Value(s.into());
+    assert_eq!(rp_filter_check([("all", v("0"), None), ("default", v("2"), None)]).status, Status::Ok);
+    let c = rp_filter_check([("all", v("1"), None), ("default", v("0"), None)]);
+    assert_eq!(c.status, Status::Warn);
+    assert!(c.finding.contains("net.ipv4.conf.all.rp_filter = 1"), "{}", c.finding);
+    assert!(c.finding.contains("multi-homed"), "{}", c.finding);
+    let c = rp_filter_check([("all", v("0"), None), ("default", v("0"), Some(setting("1")))]);
+    assert_eq!(c.status, Status::Warn, "strict after the next reboot");
+    let unknown = Runtime::Unknown("cannot read runtime value under --root".into());
+    let c = rp_filter_check([("all", unknown.clone(), None), ("default", unknown, Some(setting("2")))]);
+    assert_eq!(c.status, Status::Ok);
+}
+
+#[test]
+fn map_fill() {
+    assert_eq!(map_fill_check("services_v4", 10, 100).status, Status::Ok);
+    assert_eq!(map_fill_check("services_v4", 81, 100).status, Status::Warn);
+    assert_eq!(map_fill_check("backends_v4", 100, 100).status, Status::Fail);
+    assert_eq!(map_fill_check("conntrack_v4", 85, 100).status, Status::Ok);
+    let c = map_fill_check("conntrack_v4", 100, 100);
+    assert_eq!((c.status, c.name.as_str()), (Status::Warn, "conntrack fill"));
+    assert!(c.finding.contains("evicts"));
+}
+
+#[test]
+fn attach_per_interface() {
+    let ifaces = vec![
+        bpf::Interface { name: "lo".into(), index: 1 },
+        bpf::Interface { name: "veth0-a".into(), index: 5 },
+        bpf::Interface { name: "veth1.100".into(), index: 6 },
+    ];
+    let selector = InterfaceSelector::new(&["veth*".to_owned()]).unwrap();
+    let globs = ["veth*".to_owned()];
+    let mut links: std::collections::BTreeSet<String> =
+        ["veth0-a@5-ingress", "veth0-a@5-egress", "veth1%2E100@6-ingress"].map(String::from).into();
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    assert_eq!(checks.len(), 1);
+    assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Warn, "attach veth1.100"));
+    assert!(checks[0].finding.contains("no egress"), "{}", checks[0].finding);
+    links.insert("veth1%2E100@6-egress".into());
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    assert_eq!(checks[0].status, Status::Ok);
+    assert!(checks[0].finding.contains("2 interfaces"));
+
+    // A Calico node checked with the default glob: FAIL, naming what is there.
+    let calico = vec![
+        bpf::Interface { name: "lo".into(), index: 1 },
+        bpf::Interface { name: "eth0".into(), index: 2 },
+        bpf::Interface { name: "cali12ab34cd".into(), index: 7 },
+    ];
+    let checks = attach_checks(&calico, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    assert_eq!(checks.len(), 1);
+    assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Fail, "attach"));
+    assert!(checks[0].finding.contains("no interface matches veth*"), "{}", checks[0].finding);
+    assert!(checks[0].finding.ends_with("its interfaces: lo, eth0, cali12ab34cd"), "{}", checks[0].finding);
+    assert!(checks[0].fix.as_deref().unwrap_or_default().contains("cali*"), "{:?}", checks[0].fix);
+}
+
+#[test]
+fn agent_health() {
+    let r = parse_http_response("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{\"x\":1}");
+    assert_eq!(r, Some((200, "{\"x\":1}".to_owned())));
+    assert_eq!(parse_http_response("SSH-2.0"), None);
+    assert_eq!(agent_verdict("a:1", &Ok((200, String::new()))).status, Status::Ok);
+    assert_eq!(agent_verdict("a:1", &Ok((503, String::new()))).status, Status::Fail);
+    let refused = Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+    let c = agent_verdict("a:1", &refused);
+    assert_eq!(c.status, Status::Warn);
+    assert!(c.finding.contains("no agent is running"));
+}
+
+#[test]
+fn kube_proxy_decisions() {
+    assert_eq!(kube_proxy_verdict(&[], &[], &[]).status, Status::Ok);
+    let c = kube_proxy_verdict(&[], &["nftables table ip kube-proxy".into()], &[]);
+    assert_eq!(c.status, Status::Warn);
+    assert_eq!(c.fix.as_deref(), Some("kproxy cleanup-kube-proxy --apply"));
+    let c = kube_proxy_verdict(&[42], &[], &[]);
+    assert_eq!(c.status, Status::Fail);
+    assert!(c.finding.contains("kube-proxy and kproxy both translate Service traffic"));
+    let saved = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-ABC - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j KUBE-SVC-ABC\nCOMMIT\n";
+    let plans = crate::cmd::kube_proxy_rules::plan_save(saved).unwrap();
+    let lines = leftover_lines("iptables-nft", &plans);
+    assert_eq!(
+        lines,
+        vec!["iptables-nft table nat: KUBE-SERVICES, KUBE-SVC-ABC (2 chains, 1 jumps from built-in chains)"]
+    );
+}
+
+#[test]
+fn symlinks_resolve_inside_the_root() {
+    let dir = std::env::temp_dir().join(format!("kproxy-doctor-unit-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(dir.join("etc/sysctl.d")).unwrap();
+    fs::write(dir.join("etc/sysctl.conf"), "net.ipv4.ip_forward = 0\n").unwrap();
+    std::os::unix::fs::symlink("../sysctl.conf", dir.join("etc/sysctl.d/99-sysctl.conf")).unwrap();
+    std::os::unix::fs::symlink("/dev/null", dir.join("etc/sysctl.d/50-masked.conf")).unwrap();
+    std::os::unix::fs::symlink("/etc/sysctl.conf", dir.join("etc/sysctl.d/60-abs.conf")).unwrap();
+    assert_eq!(
+        read_in_root(Some(&dir), "/etc/sysctl.d/99-sysctl.conf").unwrap(),
+        "net.ipv4.ip_forward = 0\n"
+    );
+    assert_eq!(read_in_root(Some(&dir), "/etc/sysctl.d/60-abs.conf").unwrap(), "net.ipv4.ip_forward = 0\n");
+    assert_eq!(read_in_root(Some(&dir), "/etc/sysctl.d/50-masked.conf").unwrap(), "");
+    let files = SysctlFiles::read(Some(&dir));
+    assert_eq!(files.effective("net.ipv4.ip_forward").unwrap().file, "/etc/sysctl.conf");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn socket_lb_check_names_the_mode_and_warns_when_the_node_is_not_served() {
+    use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF};
+    let links: std::collections::BTreeSet<String> = [
+        "veth1@5-ingress",
+        "cgroup@2f7379732f66732f636772-kproxy_connect4",
+        "cgroup@2f7379732f66732f636772-kproxy_sendmsg4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let host_only = socket_lb_check(&links, Some(SOCKET_LB_HOST_ONLY));
+    assert_eq!(host_only.status, Status::Ok);
+    assert!(host_only.finding.contains("host-only (2 cgroup hooks)"), "{}", host_only.finding);
+    let on = socket_lb_check(&links, Some(SOCKET_LB_ALL));
+    assert!(on.finding.contains("on (2 cgroup hooks)"), "{}", on.finding);
+    let none = std::collections::BTreeSet::new();
+    for off in [socket_lb_check(&none, Some(SOCKET_LB_OFF)), socket_lb_check(&none, None)] {
+        assert_eq!(off.status, Status::Warn, "{}", off.finding);
+        assert!(off.finding.contains("cannot reach cluster IPs"), "{}", off.finding);
+    }
+}
+
+#[test]
+fn north_south_check_names_external_interfaces_and_xdp() {
+    let links: std::collections::BTreeSet<String> = [
+        "eth0@2-external",
+        "eth0@2-egress",
+        "eth0@2-xdp",
+        "veth1@5-ingress",
+        "cgroup@2f7379732f66732f636772-kproxy_connect4",
+        "cgroup@2f7379732f66732f636772-kproxy_sendmsg4",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let check = north_south_check(&links);
+    assert!(check.finding.contains("external interfaces eth0 (XDP on eth0)"), "{}", check.finding);
+    let none = north_south_check(&std::collections::BTreeSet::new());
+    assert!(none.finding.contains("no external interface"), "{}", none.finding);
+}
