@@ -6,6 +6,7 @@ pub mod gc;
 pub mod http;
 pub mod kube_proxy_config;
 pub mod nodeport;
+mod reconcile;
 pub mod sockdiag;
 
 use std::{
@@ -13,7 +14,7 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     sync::Arc,
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result};
@@ -21,19 +22,20 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use proxy_common::{
     conntrack::Timeouts,
-    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR, SockRevNatKeyV4},
+    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR},
 };
 
 use crate::{
     agent::http::health::{self, Health},
     agent::http::metrics::Metrics,
-    agent::nodeport::{NodeAddresses, NorthSouthOptions},
-    bpf::{self, Capacities, InterfaceSelector, Maps, PinDir, open_sock_revnat},
+    agent::nodeport::NorthSouthOptions,
+    bpf::{self, Capacities, InterfaceSelector, Maps, PinDir},
     k8s::api_watch::{self, Changes, KubeOptions},
-    model::{self, ModelOptions},
+    model::ModelOptions,
     net::Protocol,
     sync::{SyncReport, Syncer},
 };
+use reconcile::SyncLoop;
 
 pub enum Source {
     /// Manifests on disk, re-read when a file changes (no cluster needed).
@@ -371,180 +373,6 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     stop_logs.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!("stopping; the pinned datapath stays in place");
     Ok(())
-}
-
-struct SyncLoop<'a> {
-    /// `--nodeport-addresses primary` with `--manifests`: the default route's address.
-    fixed_primary: Option<std::net::Ipv4Addr>,
-    syncer: &'a mut Syncer,
-    metrics: &'a Metrics,
-    health: &'a Health,
-    /// The next sync is a full one in kube-proxy's sense (the first, and each after the maps were
-    /// re-read for the periodic resync), for the full and partial sync histograms.
-    full_sync_due: bool,
-    /// Errors already logged: a bad object is reported once per version.
-    logged: BTreeSet<String>,
-    pins: PinDir,
-    /// Per-Service model results, for the API-server source (where
-    /// namespace/name is unique); manifests are always modelled whole, which
-    /// also reports a Service defined twice.
-    cache: Option<crate::model::cache::ModelCache>,
-    north_south: NorthSouthOptions,
-    socket_lb: SocketLbMode,
-    pod_interfaces: InterfaceSelector,
-    /// As last written to the maps.
-    node_addresses: Option<NodeAddresses>,
-    /// Objects whose new version is invalid keep their last valid one.
-    last_good: crate::model::last_good::LastGood,
-}
-
-impl SyncLoop<'_> {
-    /// The node's NodePort addresses and external interfaces, read again at
-    /// every sync (addresses come and go with DHCP and operators); the
-    /// datapath's view is updated when they change.
-    fn refresh_node_addresses(&mut self, primary: Option<std::net::Ipv4Addr>) -> Vec<std::net::Ipv4Addr> {
-        let primary = self.fixed_primary.or(primary);
-        let addresses = match nodeport::local_addresses() {
-            Ok(local) => nodeport::select(&self.north_south, &local, &self.pod_interfaces, primary),
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "reading the node's addresses failed");
-                return self.node_addresses.as_ref().map(|a| a.nodeport.clone()).unwrap_or_default();
-            }
-        };
-        if self.node_addresses.as_ref() != Some(&addresses) {
-            match Maps::from_pins(&self.pins)
-                .and_then(|mut maps| nodeport::write_maps(&mut maps, &self.north_south, &addresses))
-            {
-                Ok(_) => {
-                    tracing::info!(
-                        nodeport_addresses = ?addresses.nodeport,
-                        external_interfaces = ?addresses.interface_names(),
-                        "north-south addresses"
-                    );
-                    self.node_addresses = Some(addresses.clone());
-                }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "writing the external interfaces failed"),
-            }
-        }
-        addresses.nodeport
-    }
-
-    /// Applies the current objects; returns the healthCheckNodePorts to serve.
-    fn sync(&mut self, changes: &Changes, options: &ModelOptions) -> Vec<model::HealthCheck> {
-        let started = Instant::now();
-        let pending = changes.take_pending();
-        let options = &ModelOptions {
-            node_addresses: self.refresh_node_addresses(changes.node_primary_ipv4()),
-            // --node-zone wins over the Node object's label.
-            zone: options.zone.clone().or_else(|| changes.node_zone()),
-            ..options.clone()
-        };
-        let snapshot = self.last_good.admit(changes.objects(), options);
-        let (desired, model_errors) = match &mut self.cache {
-            Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
-            None => model::build_with(&snapshot.services, &snapshot.slices, options),
-        };
-        let report = self.syncer.apply(&desired);
-        self.metrics.set_no_local_endpoints(&desired.frontends);
-        // Only UDP sockets: a TCP connection to a backend that left the slice carries on while
-        // the pod answers, as kube-proxy leaves established TCP flows alone.
-        let peers: Vec<crate::agent::sockdiag::Peer> = report
-            .removed_backend_addrs
-            .iter()
-            .filter(|(_, proto)| *proto == Protocol::Udp)
-            .map(|(b, _)| crate::agent::sockdiag::Peer { addr: b.addr, port: b.port })
-            .collect();
-        if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
-            let destroyed = open_sock_revnat(&self.pins).and_then(|sock_revnat| {
-                let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| {
-                    let key = SockRevNatKeyV4 {
-                        cookie,
-                        addr: peer.addr.octets(),
-                        port: peer.port.to_be_bytes(),
-                        _pad: [0; 2],
-                    };
-                    sock_revnat.get(&key, 0).is_ok()
-                };
-                crate::agent::sockdiag::destroy_everywhere(&peers, &translated)
-            });
-            match destroyed {
-                Ok(0) => {}
-                Ok(n) => {
-                    tracing::info!(sockets = n, "destroyed the UDP sockets connected to removed backends")
-                }
-                Err(e) => {
-                    tracing::warn!(error = %format!("{e:#}"), "destroying UDP sockets of removed backends failed")
-                }
-            }
-        }
-        if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
-            // At once, so a UDP client that keeps its source port reaches a live
-            // backend with its next packet (the CoreDNS problem).
-            let reconcile_started = Instant::now();
-            match Maps::from_pins(&self.pins)
-                .and_then(|mut maps| purge_removed_udp_backends(&mut maps, &report))
-            {
-                Ok(purged) => {
-                    self.metrics.add_conntrack_purged(purged);
-                    if purged > 0 {
-                        tracing::info!(
-                            entries = purged,
-                            "purged the conntrack entries of removed UDP backends"
-                        );
-                    }
-                }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "purging conntrack entries failed"),
-            }
-            self.metrics.observe_conntrack_reconcile(reconcile_started.elapsed());
-        }
-        let finished = SystemTime::now();
-
-        let errors: BTreeSet<String> = snapshot
-            .errors
-            .iter()
-            .chain(&model_errors)
-            .map(ToString::to_string)
-            .chain(report.errors.iter().map(ToString::to_string))
-            .collect();
-        for error in errors.difference(&self.logged) {
-            tracing::error!("{error}");
-        }
-        self.logged = errors;
-
-        self.metrics.observe_sync(started.elapsed(), finished, std::mem::take(&mut self.full_sync_due));
-        self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
-        self.metrics.set_changes_pending(0, 0);
-        self.metrics.inc_sync_errors(report.errors.len() as u64);
-        self.metrics.set_programmed(self.syncer.frontend_count() as u64, self.syncer.backend_count() as u64);
-        if let Some(queued) = pending.oldest_queued {
-            self.metrics.set_last_queued(queued);
-        }
-        for trigger in pending.trigger_times {
-            if let Ok(latency) = finished.duration_since(trigger) {
-                self.metrics.observe_network_programming(latency);
-            }
-        }
-        if report.errors.is_empty() {
-            self.health.updated(finished);
-        }
-        if report.changed() || !report.errors.is_empty() {
-            tracing::info!(
-                services = snapshot.services.len(),
-                endpoint_slices = snapshot.slices.len(),
-                frontends = desired.frontends.len(),
-                added = report.frontends_added,
-                updated = report.frontends_updated,
-                removed = report.frontends_removed,
-                backends_added = report.backends_added,
-                backends_removed = report.backends_removed,
-                backends_updated = report.backends_updated,
-                errors = self.logged.len(),
-                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-                "synced"
-            );
-        }
-        desired.health_checks
-    }
 }
 
 /// Attaches to matching interfaces (and the external ones) as they appear;
