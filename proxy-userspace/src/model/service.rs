@@ -139,6 +139,62 @@ pub(super) fn plan_service<'a>(
     seen: &mut HashMap<ServiceName, &'a str>,
 ) -> Option<ServicePlan<'a>> {
     let origin = svc.origin.as_str();
+    let (name, spec) = identify(svc, filter, errors, stats, not_ours, seen)?;
+    let vips = cluster_ips(spec, origin, name.clone(), errors, stats, not_ours)?;
+    let ports = ports(spec, origin, &name, errors);
+    let affinity_timeout = affinity_timeout(spec, &mut |field, message| {
+        errors.push(service_error(origin, &name, field.to_string(), message))
+    });
+    let local_only = traffic_policy(
+        spec.internal_traffic_policy.as_deref(),
+        "internalTrafficPolicy",
+        origin,
+        &name,
+        errors,
+    );
+    let external_local = traffic_policy(
+        spec.external_traffic_policy.as_deref(),
+        "externalTrafficPolicy",
+        origin,
+        &name,
+        errors,
+    );
+    let external_ips = external_ips(spec, origin, &name, errors);
+    let (load_balancer_ips, source_ranges) = if spec.type_.as_deref() == Some("LoadBalancer") {
+        (
+            load_balancer_ips(svc, origin, &name, errors),
+            load_balancer_source_ranges(spec, origin, &name, errors),
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let health_check_port = health_check_port(spec, external_local, origin, &name, errors);
+    Some(ServicePlan {
+        origin,
+        name,
+        vips,
+        ports,
+        external_ips,
+        load_balancer_ips,
+        source_ranges,
+        affinity_timeout,
+        local_only,
+        external_local,
+        health_check_port,
+    })
+}
+
+/// The Service's name, unless it is unnamed, a repeat, or one kproxy leaves alone (headless by label,
+/// another proxy's, without spec, ExternalName).
+fn identify<'a>(
+    svc: &'a Sourced<Service>,
+    filter: &Filter,
+    errors: &mut Vec<ManifestError>,
+    stats: &mut ModelStats,
+    not_ours: &mut HashSet<ServiceName>,
+    seen: &mut HashMap<ServiceName, &'a str>,
+) -> Option<(ServiceName, &'a ServiceSpec)> {
+    let origin = svc.origin.as_str();
     let meta = &svc.object.metadata;
     let namespace = namespace_of(meta);
     let Some(name) = meta.name.as_deref().filter(|name| !name.is_empty()) else {
@@ -181,7 +237,19 @@ pub(super) fn plan_service<'a>(
         not_ours.insert(name);
         return None;
     }
+    Some((name, spec))
+}
 
+/// The IPv4 cluster IPs (`spec.clusterIP` and `spec.clusterIPs`, each once); `None` skips the Service
+/// (headless, an unusable or unparsable address, or no IPv4 one).
+fn cluster_ips(
+    spec: &ServiceSpec,
+    origin: &str,
+    name: ServiceName,
+    errors: &mut Vec<ManifestError>,
+    stats: &mut ModelStats,
+    not_ours: &mut HashSet<ServiceName>,
+) -> Option<Vec<Ipv4Addr>> {
     let mut candidates: Vec<(String, &str)> = Vec::new();
     if let Some(ip) = spec.cluster_ip.as_deref().filter(|ip| !ip.is_empty()) {
         candidates.push(("spec.clusterIP".to_string(), ip));
@@ -222,21 +290,29 @@ pub(super) fn plan_service<'a>(
         debug!(service = %name, "skipping a Service without an IPv4 cluster IP");
         return None;
     }
+    Some(vips)
+}
 
+/// The valid ports, each once by number/protocol and by name, with their node port.
+fn ports(
+    spec: &ServiceSpec,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> Vec<PortPlan> {
     let has_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
-    let is_load_balancer = spec.type_.as_deref() == Some("LoadBalancer");
     let mut ports: Vec<PortPlan> = Vec::new();
     for (index, sp) in spec.ports.iter().flatten().enumerate() {
         let proto = match parse_protocol(sp.protocol.as_deref()) {
             Ok(proto) => proto,
             Err(message) => {
-                errors.push(service_error(origin, &name, format!("spec.ports[{index}].protocol"), message));
+                errors.push(service_error(origin, name, format!("spec.ports[{index}].protocol"), message));
                 continue;
             }
         };
         let Some(port) = port_number(sp.port) else {
             let message = format!("port {} is not in 1-65535; the port is skipped", sp.port);
-            errors.push(service_error(origin, &name, format!("spec.ports[{index}].port"), message));
+            errors.push(service_error(origin, name, format!("spec.ports[{index}].port"), message));
             continue;
         };
         let port_name = sp.name.clone().unwrap_or_default();
@@ -245,7 +321,7 @@ pub(super) fn plan_service<'a>(
                 "duplicate port {port}/{proto} (also spec.ports[{}]); the port is skipped",
                 first.index
             );
-            errors.push(service_error(origin, &name, format!("spec.ports[{index}]"), message));
+            errors.push(service_error(origin, name, format!("spec.ports[{index}]"), message));
             continue;
         }
         if let Some(first) = ports.iter().find(|p| p.name == port_name) {
@@ -253,7 +329,7 @@ pub(super) fn plan_service<'a>(
                 "duplicate port name {port_name:?} (also spec.ports[{}]); the port is skipped",
                 first.index
             );
-            errors.push(service_error(origin, &name, format!("spec.ports[{index}].name"), message));
+            errors.push(service_error(origin, name, format!("spec.ports[{index}].name"), message));
             continue;
         }
         let node_port = match sp.node_port {
@@ -265,35 +341,42 @@ pub(super) fn plan_service<'a>(
             Some(number) => port_number(number).or_else(|| {
                 let message =
                     format!("nodePort {number} is not in 1-65535; no NodePort is programmed for the port");
-                errors.push(service_error(origin, &name, format!("spec.ports[{index}].nodePort"), message));
+                errors.push(service_error(origin, name, format!("spec.ports[{index}].nodePort"), message));
                 None
             }),
         };
         ports.push(PortPlan { index, name: port_name, port, proto, node_port });
     }
+    ports
+}
 
-    let affinity_timeout = affinity_timeout(spec, &mut |field, message| {
-        errors.push(service_error(origin, &name, field.to_string(), message))
-    });
-    let local_only = match spec.internal_traffic_policy.as_deref() {
+/// `internalTrafficPolicy` or `externalTrafficPolicy` (`policy`): true for Local; anything but Cluster or
+/// Local is reported and read as Cluster.
+fn traffic_policy(
+    value: Option<&str>,
+    policy: &str,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> bool {
+    match value {
         None | Some("") | Some("Cluster") => false,
         Some("Local") => true,
         Some(other) => {
-            let message = format!("internalTrafficPolicy {other:?} is not Cluster or Local; Cluster is used");
-            errors.push(service_error(origin, &name, "spec.internalTrafficPolicy".to_string(), message));
+            let message = format!("{policy} {other:?} is not Cluster or Local; Cluster is used");
+            errors.push(service_error(origin, name, format!("spec.{policy}"), message));
             false
         }
-    };
-    let external_local = match spec.external_traffic_policy.as_deref() {
-        None | Some("") | Some("Cluster") => false,
-        Some("Local") => true,
-        Some(other) => {
-            let message = format!("externalTrafficPolicy {other:?} is not Cluster or Local; Cluster is used");
-            errors.push(service_error(origin, &name, "spec.externalTrafficPolicy".to_string(), message));
-            false
-        }
-    };
+    }
+}
 
+/// `spec.externalIPs` (IPv4, each once) with their index.
+fn external_ips(
+    spec: &ServiceSpec,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> Vec<(Ipv4Addr, usize)> {
     let mut external_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
     for (index, text) in spec.external_ips.iter().flatten().enumerate() {
         match north_south_address(text, "external IP") {
@@ -303,78 +386,92 @@ pub(super) fn plan_service<'a>(
             Ok(Some(_)) => {}
             Ok(None) => debug!(service = %name, ip = text, "IPv6 external IPs are not programmed yet"),
             Err(message) => {
-                errors.push(service_error(origin, &name, format!("spec.externalIPs[{index}]"), message));
+                errors.push(service_error(origin, name, format!("spec.externalIPs[{index}]"), message));
             }
         }
     }
+    external_ips
+}
 
+/// The `status.loadBalancer.ingress` IPs to answer on (IPv4, each once, not `ipMode: Proxy`) with
+/// their index.
+fn load_balancer_ips(
+    svc: &Sourced<Service>,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> Vec<(Ipv4Addr, usize)> {
     let mut load_balancer_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
-    let mut source_ranges = Vec::new();
-    if is_load_balancer {
-        let ingress = svc.object.status.as_ref().and_then(|status| status.load_balancer.as_ref());
-        for (index, entry) in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten().enumerate() {
-            // Hostname-only entries (e.g. AWS ELB) have no address to answer on.
-            let Some(text) = entry.ip.as_deref().filter(|ip| !ip.is_empty()) else { continue };
-            if entry.ip_mode.as_deref() == Some("Proxy") {
-                // The load balancer proxies to the nodes itself; answering its IP on the node would let
-                // in-cluster clients bypass it (and whatever it does, e.g. TLS or PROXY protocol).
-                debug!(service = %name, ip = text, "not programming a load-balancer IP with ipMode Proxy");
-                continue;
+    let ingress = svc.object.status.as_ref().and_then(|status| status.load_balancer.as_ref());
+    for (index, entry) in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten().enumerate() {
+        // Hostname-only entries (e.g. AWS ELB) have no address to answer on.
+        let Some(text) = entry.ip.as_deref().filter(|ip| !ip.is_empty()) else { continue };
+        if entry.ip_mode.as_deref() == Some("Proxy") {
+            // The load balancer proxies to the nodes itself; answering its IP on the node would let
+            // in-cluster clients bypass it (and whatever it does, e.g. TLS or PROXY protocol).
+            debug!(service = %name, ip = text, "not programming a load-balancer IP with ipMode Proxy");
+            continue;
+        }
+        match north_south_address(text, "load-balancer IP") {
+            Ok(Some(ip)) if !load_balancer_ips.iter().any(|&(seen, _)| seen == ip) => {
+                load_balancer_ips.push((ip, index))
             }
-            match north_south_address(text, "load-balancer IP") {
-                Ok(Some(ip)) if !load_balancer_ips.iter().any(|&(seen, _)| seen == ip) => {
-                    load_balancer_ips.push((ip, index))
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => {
-                    debug!(service = %name, ip = text, "IPv6 load-balancer IPs are not programmed yet")
-                }
-                Err(message) => {
-                    let field = format!("status.loadBalancer.ingress[{index}].ip");
-                    errors.push(service_error(origin, &name, field, message));
-                }
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                debug!(service = %name, ip = text, "IPv6 load-balancer IPs are not programmed yet")
+            }
+            Err(message) => {
+                let field = format!("status.loadBalancer.ingress[{index}].ip");
+                errors.push(service_error(origin, name, field, message));
             }
         }
-        for (index, text) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
-            match source_range(text) {
-                Ok(Some(range)) => {
-                    if !source_ranges.contains(&range) {
-                        source_ranges.push(range);
-                    }
-                }
-                Ok(None) => debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4"),
-                Err(message) => {
-                    let field = format!("spec.loadBalancerSourceRanges[{index}]");
-                    errors.push(service_error(origin, &name, field, message));
-                }
-            }
-        }
-        source_ranges.sort();
     }
+    load_balancer_ips
+}
 
-    let health_check_port = match spec.health_check_node_port {
+/// `spec.loadBalancerSourceRanges` (IPv4, each once, sorted).
+fn load_balancer_source_ranges(
+    spec: &ServiceSpec,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> Vec<Cidr4> {
+    let mut source_ranges = Vec::new();
+    for (index, text) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+        match source_range(text) {
+            Ok(Some(range)) => {
+                if !source_ranges.contains(&range) {
+                    source_ranges.push(range);
+                }
+            }
+            Ok(None) => debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4"),
+            Err(message) => {
+                let field = format!("spec.loadBalancerSourceRanges[{index}]");
+                errors.push(service_error(origin, name, field, message));
+            }
+        }
+    }
+    source_ranges.sort();
+    source_ranges
+}
+
+/// `spec.healthCheckNodePort`, served only with `externalTrafficPolicy: Local`.
+fn health_check_port(
+    spec: &ServiceSpec,
+    external_local: bool,
+    origin: &str,
+    name: &ServiceName,
+    errors: &mut Vec<ManifestError>,
+) -> Option<u16> {
+    match spec.health_check_node_port {
         Some(number) if external_local && number != 0 => port_number(number).or_else(|| {
             let message =
                 format!("healthCheckNodePort {number} is not in 1-65535; no health check is served");
-            errors.push(service_error(origin, &name, "spec.healthCheckNodePort".to_string(), message));
+            errors.push(service_error(origin, name, "spec.healthCheckNodePort".to_string(), message));
             None
         }),
         _ => None,
-    };
-
-    Some(ServicePlan {
-        origin,
-        name,
-        vips,
-        ports,
-        external_ips,
-        load_balancer_ips,
-        source_ranges,
-        affinity_timeout,
-        local_only,
-        external_local,
-        health_check_port,
-    })
+    }
 }
 
 /// An external or load-balancer address: `Ok(None)` for IPv6 (not programmed yet), `Err` for text that
