@@ -14,10 +14,11 @@ use crate::{
     agent::http::metrics::Metrics,
     agent::nodeport::{NodeAddresses, NorthSouthOptions},
     bpf::{InterfaceSelector, Maps, PinDir, open_sock_revnat},
-    k8s::api_watch::Changes,
-    model::{self, ModelOptions},
+    k8s::api_watch::{Changes, Objects, Pending},
+    k8s::manifest::ManifestError,
+    model::{self, Desired, ModelOptions},
     net::Protocol,
-    sync::Syncer,
+    sync::{SyncReport, Syncer},
 };
 
 pub(super) struct SyncLoop<'a> {
@@ -89,6 +90,7 @@ impl SyncLoop<'_> {
             zone: options.zone.clone().or_else(|| changes.node_zone()),
             ..options.clone()
         };
+        // Reconcile: the objects → the model → the maps.
         let snapshot = self.last_good.admit(changes.objects(), options);
         let (desired, model_errors) = match &mut self.cache {
             Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
@@ -96,6 +98,21 @@ impl SyncLoop<'_> {
         };
         let report = self.syncer.apply(&desired);
         self.metrics.set_no_local_endpoints(&desired.frontends);
+        // Effects: what removed backends leave behind.
+        self.destroy_udp_sockets(&report);
+        self.purge_udp_conntrack(&report);
+        // Report: logs, metrics, health.
+        let finished = SystemTime::now();
+        self.log_new_errors(&snapshot.errors, &model_errors, &report);
+        self.record(&report, pending, started, finished);
+        if report.changed() || !report.errors.is_empty() {
+            self.log_summary(&snapshot, &desired, &report, started);
+        }
+        desired.health_checks
+    }
+
+    /// Destroys the UDP sockets connected to removed backends (socket-level load balancing).
+    fn destroy_udp_sockets(&self, report: &SyncReport) {
         // Only UDP sockets: a TCP connection to a backend that left the slice carries on while
         // the pod answers, as kube-proxy leaves established TCP flows alone.
         let peers: Vec<crate::agent::sockdiag::Peer> = report
@@ -127,12 +144,16 @@ impl SyncLoop<'_> {
                 }
             }
         }
+    }
+
+    /// Purges the conntrack entries of removed UDP backends.
+    fn purge_udp_conntrack(&self, report: &SyncReport) {
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live
             // backend with its next packet (the CoreDNS problem).
             let reconcile_started = Instant::now();
             match Maps::from_pins(&self.pins)
-                .and_then(|mut maps| purge_removed_udp_backends(&mut maps, &report))
+                .and_then(|mut maps| purge_removed_udp_backends(&mut maps, report))
             {
                 Ok(purged) => {
                     self.metrics.add_conntrack_purged(purged);
@@ -147,12 +168,18 @@ impl SyncLoop<'_> {
             }
             self.metrics.observe_conntrack_reconcile(reconcile_started.elapsed());
         }
-        let finished = SystemTime::now();
+    }
 
-        let errors: BTreeSet<String> = snapshot
-            .errors
+    /// Logs each source, model and sync error once, when it first appears.
+    fn log_new_errors(
+        &mut self,
+        source_errors: &[ManifestError],
+        model_errors: &[ManifestError],
+        report: &SyncReport,
+    ) {
+        let errors: BTreeSet<String> = source_errors
             .iter()
-            .chain(&model_errors)
+            .chain(model_errors)
             .map(ToString::to_string)
             .chain(report.errors.iter().map(ToString::to_string))
             .collect();
@@ -160,7 +187,10 @@ impl SyncLoop<'_> {
             tracing::error!("{error}");
         }
         self.logged = errors;
+    }
 
+    /// The sync's metrics, and `/healthz` when it succeeded.
+    fn record(&mut self, report: &SyncReport, pending: Pending, started: Instant, finished: SystemTime) {
         self.metrics.observe_sync(started.elapsed(), finished, std::mem::take(&mut self.full_sync_due));
         self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
         self.metrics.set_changes_pending(0, 0);
@@ -177,22 +207,22 @@ impl SyncLoop<'_> {
         if report.errors.is_empty() {
             self.health.updated(finished);
         }
-        if report.changed() || !report.errors.is_empty() {
-            tracing::info!(
-                services = snapshot.services.len(),
-                endpoint_slices = snapshot.slices.len(),
-                frontends = desired.frontends.len(),
-                added = report.frontends_added,
-                updated = report.frontends_updated,
-                removed = report.frontends_removed,
-                backends_added = report.backends_added,
-                backends_removed = report.backends_removed,
-                backends_updated = report.backends_updated,
-                errors = self.logged.len(),
-                elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
-                "synced"
-            );
-        }
-        desired.health_checks
+    }
+
+    fn log_summary(&self, snapshot: &Objects, desired: &Desired, report: &SyncReport, started: Instant) {
+        tracing::info!(
+            services = snapshot.services.len(),
+            endpoint_slices = snapshot.slices.len(),
+            frontends = desired.frontends.len(),
+            added = report.frontends_added,
+            updated = report.frontends_updated,
+            removed = report.frontends_removed,
+            backends_added = report.backends_added,
+            backends_removed = report.backends_removed,
+            backends_updated = report.backends_updated,
+            errors = self.logged.len(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+            "synced"
+        );
     }
 }
