@@ -39,6 +39,7 @@ use aya_ebpf::{
 
 use crate::verdict::finish;
 
+/// tc ingress of a pod's host-side veth: packets leaving the pod.
 #[classifier]
 pub fn kproxy_ingress(ctx: TcContext) -> i32 {
     let mut route = fib::Route::NONE;
@@ -87,6 +88,8 @@ pub fn kproxy_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
 }
 
+/// tc egress of a pod's veth (and of the external interfaces): replies on
+/// their way to the client.
 #[classifier]
 pub fn kproxy_egress(ctx: TcContext) -> i32 {
     let result = egress::egress(&ctx);

@@ -33,8 +33,11 @@ use crate::{
 };
 
 const ECONNREFUSED: i32 = 111;
-/// What a cgroup sock_addr program returns to let the call go on.
+/// What a cgroup sock_addr program returns to let the call go on (the kernel
+/// has no name for it; aya's bindings neither).
 const PROCEED: i32 = 1;
+/// What it returns to make the call fail (with the error `bpf_set_retval` set).
+const REFUSE: i32 = 0;
 
 /// Which sockets the hooks translate.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -176,7 +179,7 @@ fn refuse() -> i32 {
     stats::count(Stat::SockRefused);
     // SAFETY: a helper setting this program's return value to the caller.
     unsafe { bpf_set_retval(-ECONNREFUSED) };
-    0
+    REFUSE
 }
 
 /// recvmsg4 and getpeername4: a backend's address becomes the Service's.
