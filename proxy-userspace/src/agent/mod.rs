@@ -208,6 +208,49 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         (Source::Files(_), nodeport::NodePortAddresses::Primary) => Some(nodeport::default_route_address()?),
         _ => None,
     };
+    let socket_lb = prepare_datapath(&config)?;
+    let mut syncer = Syncer::from_maps_with(Maps::from_pins(&config.pins)?, config.maglev)
+        .context("reading the pinned maps")?;
+    tracing::info!(
+        frontends = syncer.frontend_count(),
+        backends = syncer.backend_count(),
+        "adopted the maps' contents"
+    );
+
+    // kube-proxy reports unhealthy when a change waits longer than two sync periods.
+    let health = Health::new(config.sync_period * 2);
+    let metrics = Metrics::new();
+    let changes = Arc::new(Changes::with_health(Arc::new(health.clone())));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    serve_http(&config, &health, &metrics, &stop_rx).await?;
+    start_source(&config, &changes).await?;
+    let stop_logs = spawn_background(&config, &selector, &metrics);
+
+    let loop_state = SyncLoop {
+        fixed_primary,
+        syncer: &mut syncer,
+        metrics: &metrics,
+        health: &health,
+        full_sync_due: true,
+        logged: BTreeSet::new(),
+        pins: config.pins.clone(),
+        cache: matches!(config.source, Source::Cluster(_)).then(crate::model::cache::ModelCache::default),
+        north_south: config.north_south.clone(),
+        socket_lb: socket_lb.mode,
+        pod_interfaces: selector,
+        node_addresses: None,
+        last_good: Default::default(),
+    };
+    sync_until_stopped(&config, &changes, loop_state).await?;
+    let _ = stop_tx.send(true);
+    stop_logs.store(true, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!("stopping; the pinned datapath stays in place");
+    Ok(())
+}
+
+/// Loads (or reloads) the datapath, writes its configuration and attaches or detaches the socket
+/// hooks. Returns the socket-level load balancing in effect.
+fn prepare_datapath(config: &AgentConfig) -> Result<SocketLbOptions> {
     let capacities = Capacities {
         conntrack: config.conntrack.max,
         maglev_tables: config.maglev.map_or(1, |m| m.tables),
@@ -249,20 +292,17 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             tracing::info!(cgroup = %cgroup.display(), ?mode, hooks = attached.len(), "socket-level load balancing on");
         }
     }
-    let mut syncer = Syncer::from_maps_with(Maps::from_pins(&config.pins)?, config.maglev)
-        .context("reading the pinned maps")?;
-    tracing::info!(
-        frontends = syncer.frontend_count(),
-        backends = syncer.backend_count(),
-        "adopted the maps' contents"
-    );
+    Ok(socket_lb)
+}
 
-    // kube-proxy reports unhealthy when a change waits longer than two sync periods.
-    let health = Health::new(config.sync_period * 2);
-    let metrics = Metrics::new();
-    let changes = Arc::new(Changes::with_health(Arc::new(health.clone())));
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-
+/// The /healthz and /metrics servers; a port that cannot be bound is retried, unless
+/// `--bind-address-hard-fail`.
+async fn serve_http(
+    config: &AgentConfig,
+    health: &Health,
+    metrics: &Metrics,
+    stop_rx: &tokio::sync::watch::Receiver<bool>,
+) -> Result<()> {
     for (server, addr) in
         [(health::Server::Health, config.healthz_bind), (health::Server::Metrics, config.metrics_bind)]
     {
@@ -281,18 +321,22 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         let (health, metrics, stop) = (health.clone(), metrics.clone(), stop_rx.clone());
         tokio::spawn(health::serve_retrying(server, addr, first, health, metrics, stop));
     }
+    Ok(())
+}
 
+/// Starts reading the manifests or watching the API server into `changes`.
+async fn start_source(config: &AgentConfig, changes: &Arc<Changes>) -> Result<()> {
     match &config.source {
         Source::Files(path) => {
             tokio::spawn(crate::k8s::manifest_watch::watch_files(
                 path.clone(),
                 config.poll,
-                Arc::clone(&changes),
+                Arc::clone(changes),
             ));
         }
         Source::Cluster(options) => {
             let client = api_watch::client(options).await?;
-            let (changes, node, watch) = (Arc::clone(&changes), config.model.node_name.clone(), config.watch);
+            let (changes, node, watch) = (Arc::clone(changes), config.model.node_name.clone(), config.watch);
             let proxy_name = config.model.service_proxy_name.clone();
             tokio::spawn(async move {
                 if let Err(e) = api_watch::watch_cluster(client, node, proxy_name, changes, watch).await {
@@ -301,7 +345,16 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             });
         }
     }
+    Ok(())
+}
 
+/// The datapath log, interface attachment, datapath metrics and conntrack GC, each on its own task.
+/// Returns the flag that stops the log forwarding.
+fn spawn_background(
+    config: &AgentConfig,
+    selector: &InterfaceSelector,
+    metrics: &Metrics,
+) -> Arc<std::sync::atomic::AtomicBool> {
     let stop_logs = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let (pins, stop) = (config.pins.clone(), Arc::clone(&stop_logs));
@@ -314,24 +367,18 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     tokio::spawn(attach_loop(config.pins.clone(), selector.clone(), config.north_south.clone(), config.poll));
     tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
     tokio::spawn(gc_loop(config.pins.clone(), config.conntrack, metrics.clone()));
+    stop_logs
+}
 
+/// Syncs on every change (no closer together than `--min-sync-period`) and fully every
+/// `--sync-period`, until SIGTERM or SIGINT.
+async fn sync_until_stopped(
+    config: &AgentConfig,
+    changes: &Changes,
+    mut loop_state: SyncLoop<'_>,
+) -> Result<()> {
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut loop_state = SyncLoop {
-        fixed_primary,
-        syncer: &mut syncer,
-        metrics: &metrics,
-        health: &health,
-        full_sync_due: true,
-        logged: BTreeSet::new(),
-        pins: config.pins.clone(),
-        cache: matches!(config.source, Source::Cluster(_)).then(crate::model::cache::ModelCache::default),
-        north_south: config.north_south.clone(),
-        socket_lb: socket_lb.mode,
-        pod_interfaces: selector,
-        node_addresses: None,
-        last_good: Default::default(),
-    };
     // healthCheckNodePorts answer on every address, as kube-proxy's do when
     // --nodeport-addresses is not restricted.
     let mut service_health =
@@ -365,13 +412,10 @@ async fn run_async(config: AgentConfig) -> Result<()> {
             next_full_resync = Instant::now() + config.sync_period;
             loop_state.full_sync_due = true;
         }
-        let health_checks = loop_state.sync(&changes, &config.model);
+        let health_checks = loop_state.sync(changes, &config.model);
         service_health.update(&health_checks).await;
         last_sync = Some(Instant::now());
     }
-    let _ = stop_tx.send(true);
-    stop_logs.store(true, std::sync::atomic::Ordering::Relaxed);
-    tracing::info!("stopping; the pinned datapath stays in place");
     Ok(())
 }
 
