@@ -554,76 +554,14 @@ impl<S: Store> Syncer<S> {
         let mut slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
         // The table is written before slot 0 points at it; its entries name
         // backends that exist already (new ones were written above).
-        let mut maglev_table = None;
-        let mut maglev_entries = Vec::new();
-        if let Some(settings) = maglev {
-            let table = previous
-                .as_ref()
-                .and_then(|p| p.maglev_table)
-                .or_else(|| self.free_maglev_table(settings.tables));
-            match table {
-                Some(table) => {
-                    let pairs: Vec<(BackendAddr, u32)> =
-                        frontend.backends.iter().copied().zip(ids.iter().copied()).collect();
-                    maglev_entries = build_maglev_table(&pairs, fk.proto, settings.seed)?;
-                    let old = previous
-                        .as_ref()
-                        .filter(|p| p.maglev_table == Some(table))
-                        .map(|p| &p.maglev_entries);
-                    let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
-                    for (i, id) in maglev_entries.iter().enumerate() {
-                        if old.and_then(|o| o.get(i)) != Some(id) {
-                            self.store.put_maglev(base + i as u32, *id)?;
-                        }
-                    }
-                    slots[0].1.backend_id = table + 1;
-                    maglev_table = Some(table);
-                }
-                None => {
-                    report.errors.push(SyncError::MaglevTablesExhausted {
-                        service: frontend.service.clone(),
-                        vip: fk.vip,
-                        port: fk.port,
-                        tables: settings.tables,
-                    });
-                    slots[0].1.flags &= !SVC_FLAG_MAGLEV;
-                }
+        let (maglev_table, maglev_entries) = match maglev {
+            Some(settings) => {
+                self.write_maglev_table(fk, frontend, &ids, settings, previous.as_ref(), &mut slots, report)?
             }
-        }
+            None => (None, Vec::new()),
+        };
         let flags = slots[0].1.flags;
-        if previous.is_none() {
-            let rev = RevNatV4 {
-                vip: fk.vip.octets(),
-                port: fk.port.to_be_bytes(),
-                proto: fk.proto.number(),
-                _pad: 0,
-            };
-            self.store.put_rev_nat(rev_nat_id, rev).context("rev_nat map")?;
-        }
-        if previous.as_ref().is_none_or(|p| p.name != name) {
-            self.store.put_name(rev_nat_id, &name).context("names map")?;
-        }
-        // New ranges go in before slot 0 may carry the flag that makes the
-        // datapath check them; stale ones leave after it.
-        let old_ranges: Vec<Cidr4> = previous.as_ref().map(|p| p.source_ranges.clone()).unwrap_or_default();
-        for range in source_ranges.iter().filter(|r| !old_ranges.contains(r)) {
-            self.store.put_source_range(rev_nat_id, *range).context("source ranges map")?;
-        }
-        let old_ids: Vec<u32> =
-            previous.as_ref().map(|p| p.slot_ids().copied().collect()).unwrap_or_default();
-        for (slot, value) in &slots[1..] {
-            if old_ids.get(usize::from(*slot) - 1) == Some(&value.backend_id) {
-                continue;
-            }
-            self.store.put_service(fk.slot(*slot), *value).context("services map (slot)")?;
-        }
-        self.store.put_service(fk.slot(0), slots[0].1).context("services map (slot 0)")?;
-        for slot in slots.len()..=old_ids.len() {
-            self.store.del_service(&fk.slot(slot as u16))?;
-        }
-        for range in old_ranges.iter().filter(|r| !source_ranges.contains(r)) {
-            self.store.del_source_range(rev_nat_id, *range)?;
-        }
+        self.write_frontend(fk, rev_nat_id, &name, previous.as_ref(), &slots, &source_ranges)?;
         if previous.is_some() {
             report.frontends_updated += 1;
         } else {
@@ -643,6 +581,95 @@ impl<S: Store> Syncer<S> {
                 maglev_entries,
             },
         );
+        Ok(())
+    }
+
+    /// Writes the frontend's Maglev table (only the entries that changed) before slot 0 points at it;
+    /// its entries name backends that exist already. Without a free table the frontend falls back to
+    /// random selection, reported. Returns the table and its entries.
+    #[allow(clippy::too_many_arguments)]
+    fn write_maglev_table(
+        &mut self,
+        fk: FrontendKey,
+        frontend: &Frontend,
+        ids: &[u32],
+        settings: MaglevSettings,
+        previous: Option<&Programmed>,
+        slots: &mut [(u16, ServiceValueV4)],
+        report: &mut SyncReport,
+    ) -> Result<(Option<u32>, Vec<u32>)> {
+        let table = previous.and_then(|p| p.maglev_table).or_else(|| self.free_maglev_table(settings.tables));
+        match table {
+            Some(table) => {
+                let pairs: Vec<(BackendAddr, u32)> =
+                    frontend.backends.iter().copied().zip(ids.iter().copied()).collect();
+                let maglev_entries = build_maglev_table(&pairs, fk.proto, settings.seed)?;
+                let old = previous.filter(|p| p.maglev_table == Some(table)).map(|p| &p.maglev_entries);
+                let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
+                for (i, id) in maglev_entries.iter().enumerate() {
+                    if old.and_then(|o| o.get(i)) != Some(id) {
+                        self.store.put_maglev(base + i as u32, *id)?;
+                    }
+                }
+                slots[0].1.backend_id = table + 1;
+                Ok((Some(table), maglev_entries))
+            }
+            None => {
+                report.errors.push(SyncError::MaglevTablesExhausted {
+                    service: frontend.service.clone(),
+                    vip: fk.vip,
+                    port: fk.port,
+                    tables: settings.tables,
+                });
+                slots[0].1.flags &= !SVC_FLAG_MAGLEV;
+                Ok((None, Vec::new()))
+            }
+        }
+    }
+
+    /// Writes a frontend's entries in the order that drops no packet: rev-NAT and name, new source
+    /// ranges, slots 1.., slot 0, then the slots and ranges it no longer has.
+    fn write_frontend(
+        &mut self,
+        fk: FrontendKey,
+        rev_nat_id: u16,
+        name: &str,
+        previous: Option<&Programmed>,
+        slots: &[(u16, ServiceValueV4)],
+        source_ranges: &[Cidr4],
+    ) -> Result<()> {
+        if previous.is_none() {
+            let rev = RevNatV4 {
+                vip: fk.vip.octets(),
+                port: fk.port.to_be_bytes(),
+                proto: fk.proto.number(),
+                _pad: 0,
+            };
+            self.store.put_rev_nat(rev_nat_id, rev).context("rev_nat map")?;
+        }
+        if previous.is_none_or(|p| p.name != name) {
+            self.store.put_name(rev_nat_id, name).context("names map")?;
+        }
+        // New ranges go in before slot 0 may carry the flag that makes the
+        // datapath check them; stale ones leave after it.
+        let old_ranges: Vec<Cidr4> = previous.map(|p| p.source_ranges.clone()).unwrap_or_default();
+        for range in source_ranges.iter().filter(|r| !old_ranges.contains(r)) {
+            self.store.put_source_range(rev_nat_id, *range).context("source ranges map")?;
+        }
+        let old_ids: Vec<u32> = previous.map(|p| p.slot_ids().copied().collect()).unwrap_or_default();
+        for (slot, value) in &slots[1..] {
+            if old_ids.get(usize::from(*slot) - 1) == Some(&value.backend_id) {
+                continue;
+            }
+            self.store.put_service(fk.slot(*slot), *value).context("services map (slot)")?;
+        }
+        self.store.put_service(fk.slot(0), slots[0].1).context("services map (slot 0)")?;
+        for slot in slots.len()..=old_ids.len() {
+            self.store.del_service(&fk.slot(slot as u16))?;
+        }
+        for range in old_ranges.iter().filter(|r| !source_ranges.contains(r)) {
+            self.store.del_source_range(rev_nat_id, *range)?;
+        }
         Ok(())
     }
 
