@@ -143,6 +143,9 @@ pub struct HealthReport {
     pub unsynced: Option<String>,
     /// Why the agent cannot see the cluster, if it cannot (`/healthz` only).
     pub blind: Option<String>,
+    /// Set until the first successful sync (`/healthz` only): a node whose datapath holds nothing yet
+    /// is not ready for traffic, but the process is alive.
+    pub not_synced_yet: Option<String>,
 }
 
 impl Health {
@@ -236,12 +239,17 @@ impl Health {
                 seconds(state.health_timeout)
             )
         });
+        let not_synced_yet = state.last_updated.is_none().then(|| {
+            let since = now.duration_since(state.started).unwrap_or_default();
+            format!("no sync has been programmed yet (started {} ago)", seconds(since))
+        });
         HealthReport {
             healthy: unsynced.is_none(),
             last_updated: state.last_updated.unwrap_or(state.started),
             current_time: now,
             unsynced,
             blind,
+            not_synced_yet,
         }
     }
 }
@@ -549,6 +557,8 @@ fn health_response(health: &Health, with_node: bool) -> Response<Body> {
             );
         }
         reasons.extend(report.blind.iter().cloned());
+        // Readiness must not lie: kube-proxy's node is not ready until its rules are written once.
+        reasons.extend(report.not_synced_yet.iter().cloned());
     }
     let healthy = reasons.is_empty();
     let last_updated = if healthy { report.current_time } else { report.last_updated };
@@ -826,6 +836,7 @@ mod tests {
             let _ = stop_rx.await;
         }));
 
+        health.updated(SystemTime::now());
         // A Service watch that has failed its lists: /healthz 503 with the reason, /livez 200.
         let services = health.watch_source("Service watch", Duration::from_secs(120), SystemTime::now());
         for _ in 0..LIST_FAILURES_BLIND {
@@ -910,7 +921,13 @@ mod tests {
             let _ = stop_rx.await;
         }));
 
-        // Healthy at start.
+        // Not ready until the first sync is programmed (readiness must not lie), alive all along.
+        let healthz = get(health_addr, "/healthz").await;
+        assert_eq!(healthz.status, 503);
+        let reason = json(&healthz)["reason"].as_str().unwrap().to_owned();
+        assert!(reason.starts_with("no sync has been programmed yet (started "), "{reason}");
+        assert_eq!(get(health_addr, "/livez").await.status, 200);
+        health.updated(SystemTime::now());
         let healthz = get(health_addr, "/healthz").await;
         assert_eq!(healthz.status, 200);
         let body = json(&healthz);
