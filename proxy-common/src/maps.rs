@@ -19,6 +19,7 @@ pub const MAP_SOCK_REVNAT_V4: &str = "SOCK_REVNAT_V4";
 pub const MAP_MAGLEV_V4: &str = "MAGLEV_V4";
 pub const MAP_SOCKET_LB_CONFIG: &str = "SOCKET_LB_CONFIG";
 pub const MAP_FRAGMENTS_V4: &str = "FRAGMENTS_V4";
+pub const MAP_INHERITED_V4: &str = "INHERITED_V4";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";
@@ -46,6 +47,9 @@ pub const EXTERNAL_IFACES_CAPACITY: u32 = 64;
 pub const SOCK_REVNAT_V4_CAPACITY: u32 = 262_144;
 /// Datagrams being fragmented at one time (an LRU: the oldest go first).
 pub const FRAGMENTS_V4_CAPACITY: u32 = 8_192;
+/// Up to three keys per inherited flow ([`crate::inherited`]); the agent
+/// marks no more than fit.
+pub const INHERITED_V4_CAPACITY: u32 = 131_072;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -323,6 +327,20 @@ pub struct FragmentPortsV4 {
     pub dport: [u8; 2],
 }
 
+/// A flow netfilter translated before kproxy attached (kube-proxy's DNAT),
+/// under one of the keys [`crate::inherited::keys`] gives it: where
+/// netfilter sends the flow (forward keys) or the address its replies are
+/// rewritten to (the reply key).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct InheritedFlowV4 {
+    pub nat_addr: [u8; 4],
+    pub nat_port: [u8; 2],
+    /// Whether the flow is still open (forward keys exist only then).
+    pub open: u8,
+    pub _pad: u8,
+}
+
 /// `(socket cookie, backend)` → the Service address the socket asked for:
 /// what recvmsg and getpeername show instead of the backend.
 #[repr(C)]
@@ -516,6 +534,7 @@ mod pod {
     unsafe impl aya::Pod for SockRevNatKeyV4 {}
     unsafe impl aya::Pod for FragmentKeyV4 {}
     unsafe impl aya::Pod for FragmentPortsV4 {}
+    unsafe impl aya::Pod for InheritedFlowV4 {}
     unsafe impl aya::Pod for SockRevNatV4 {}
     unsafe impl aya::Pod for SocketLbConfigV4 {}
 }
@@ -547,6 +566,7 @@ mod tests {
         assert_eq!(size_of::<SockRevNatKeyV4>(), 8 + 4 + 2 + 2);
         assert_eq!(size_of::<FragmentKeyV4>(), 4 + 4 + 2 + 1 + 1);
         assert_eq!(size_of::<FragmentPortsV4>(), 4);
+        assert_eq!(size_of::<InheritedFlowV4>(), 4 + 2 + 1 + 1);
         assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2);
         assert_eq!(size_of::<SocketLbConfigV4>(), 8 + 4 + 4);
     }

@@ -100,10 +100,13 @@ pub enum Stat {
     /// A flow to source-NAT arrived on an external interface the agent has
     /// given no node address (EXTERNAL_IFACES): left untranslated.
     PassNoNodeAddress,
+    /// A packet of a flow netfilter translated before kproxy attached
+    /// (kube-proxy's): left to netfilter until the flow ends.
+    PassInheritedFlow,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 41;
+    pub const COUNT: u32 = 42;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -147,6 +150,7 @@ impl Stat {
         Stat::XdpToTc,
         Stat::SnatEntryMissing,
         Stat::PassNoNodeAddress,
+        Stat::PassInheritedFlow,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -192,6 +196,7 @@ impl Stat {
             Stat::XdpToTc => "xdp_to_tc",
             Stat::SnatEntryMissing => "snat_entry_missing",
             Stat::PassNoNodeAddress => "pass_no_node_address",
+            Stat::PassInheritedFlow => "pass_inherited_flow",
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::{
     conntrack::{self, ReplyTo},
     events, fib,
     fib::ingress_ifindex,
-    icmp, lb,
+    icmp, inherited, lb,
     maps::EXTERNAL_IFACES,
     nat, parse, reject, snat, stats,
     verdict::Verdict,
@@ -101,8 +101,13 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
             let backend = &plan.choice.backend;
             let mut reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
             reply_key.daddr = plan.reply_to.client_addr(reply_key.daddr);
-            // Source-NATed flows have ports of their own, taken free.
-            if !plan.reply_to.is(CT_FLAG_SNAT) && conntrack::claim(&flow, &reply_key, found.now).is_some() {
+            // Source-NATed flows have ports of their own, taken free. A reply
+            // tuple netfilter still holds for a flow it translated would make
+            // netfilter drop this one.
+            if !plan.reply_to.is(CT_FLAG_SNAT)
+                && (conntrack::claim(&flow, &reply_key, found.now).is_some()
+                    || inherited::holds_reply(&reply_key))
+            {
                 plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
             new_flow(ctx, &flow, &found, &plan)
@@ -156,6 +161,11 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
     let Some(frontend) = frontend else {
         if lb::is_vip(&flow.daddr) {
+            // The port may have been removed from the Service while
+            // netfilter's connection through it goes on.
+            if inherited::is_open(&key) {
+                return Step::Pass(Stat::PassInheritedFlow);
+            }
             // A port the Service does not have.
             events::untranslated(flow, EV_REJECT, 0, now);
             return Step::Refuse;
@@ -165,6 +175,11 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
         }
         return Step::Pass(Stat::PassNoService);
     };
+    // A connection opened through kube-proxy's rules before kproxy attached:
+    // netfilter translates it until it ends (and un-NATs its replies).
+    if inherited::is_open(&key) {
+        return Step::Pass(Stat::PassInheritedFlow);
+    }
     let value = frontend.value;
     // Pods are filtered too: kube-proxy checks every source before DNAT, so an
     // allow-list cannot be bypassed from inside the cluster.

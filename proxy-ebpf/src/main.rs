@@ -21,6 +21,7 @@ mod events;
 mod fib;
 mod icmp;
 mod ingress;
+mod inherited;
 mod lb;
 mod maps;
 mod nat;

@@ -95,3 +95,14 @@ pub static MAGLEV_V4: Array<u32> = Array::with_max_entries(proxy_common::maglev:
 #[map(name = "FRAGMENTS_V4")]
 pub static FRAGMENTS_V4: LruHashMap<FragmentKeyV4, FragmentPortsV4> =
     LruHashMap::with_max_entries(FRAGMENTS_V4_CAPACITY, 0);
+
+/// Flows netfilter translated before kproxy attached, written by the agent
+/// from nf_conntrack (see [`proxy_common::inherited`]). Read only here.
+#[map(name = "INHERITED_V4")]
+pub static INHERITED_V4: HashMap<CtKeyV4, InheritedFlowV4> =
+    HashMap::with_max_entries(INHERITED_V4_CAPACITY, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
+/// Where XDP builds the keys it looks up in INHERITED_V4: its stack is full.
+/// Not pinned.
+#[map(name = "KEY_SCRATCH")]
+pub static KEY_SCRATCH: PerCpuArray<CtKeyV4> = PerCpuArray::with_max_entries(1, 0);

@@ -39,7 +39,9 @@ pub fn allocate(
         // SAFETY: a helper without side effects.
         let port = snat_port_candidate(unsafe { bpf_get_prandom_u32() }, min, max).to_be_bytes();
         let reverse = snat_reply_key(flow.proto, backend, backend_port, node_addr, port);
-        if CONNTRACK_V4.get_ptr(reverse).is_some() {
+        // A port netfilter's masquerade gave a flow that is still its own
+        // would send that flow's replies here.
+        if CONNTRACK_V4.get_ptr(reverse).is_some() || crate::inherited::holds_reply(&reverse) {
             continue;
         }
         if SNAT_V4.insert(reverse, to_client, u64::from(BPF_NOEXIST)).is_ok() {

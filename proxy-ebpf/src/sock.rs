@@ -18,8 +18,8 @@ use aya_ebpf::{
 use proxy_common::{
     maglev::flow_hash,
     maps::{
-        IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY,
-        SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
+        CT_DIR_FORWARD, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY,
+        SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
     },
     packet::Fragment,
     stats::Stat,
@@ -126,6 +126,12 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         }
         return PROCEED;
     };
+    if proto == IPPROTO_UDP && sends_inherited_flow(ctx, &flow) {
+        // Untranslated, so that netfilter's entry for this port goes on
+        // carrying it; tc tells this sender's flow from others by address.
+        stats::count(Stat::PassInheritedFlow);
+        return PROCEED;
+    }
     let frontend = found.value;
     if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
         return PROCEED;
@@ -172,6 +178,29 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     }
     stats::count(Stat::SockTranslated);
     PROCEED
+}
+
+/// Whether a flow netfilter translated before kproxy attached still uses the
+/// socket's port towards this Service address (whatever the client address:
+/// an unbound socket's is not known here).
+#[inline(always)]
+fn sends_inherited_flow(ctx: &SockAddrContext, flow: &Flow) -> bool {
+    // SAFETY: the context's socket, always set in these hooks; `src_port` is
+    // readable (host byte order, 0 before the socket is bound).
+    let port = unsafe { (*(*ctx.sock_addr).__bindgen_anon_1.sk).src_port } as u16;
+    if port == 0 {
+        return false;
+    }
+    let key = CtKeyV4 {
+        saddr: [0; 4],
+        daddr: flow.daddr,
+        sport: port.to_be_bytes(),
+        dport: flow.dport,
+        proto: flow.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    };
+    crate::inherited::is_open_for_any_client(&key)
 }
 
 #[inline(always)]

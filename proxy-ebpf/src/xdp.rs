@@ -243,6 +243,9 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
         Some(entry) => established(ctx, &flow, entry, out)?,
+        // Netfilter's own flows (kube-proxy's, from before kproxy) are the tc
+        // program's.
+        None if crate::inherited::is_open_off_stack(&flow) => return Err(Verdict::pass(Stat::XdpToTc)),
         None => {
             let mut pick = Pick {
                 choice: lb::Choice {
@@ -366,7 +369,9 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
         // recorded here, so tc follows it as an established flow instead of
         // picking again (which would favour remote backends).
         let key = flow.ct_key(CT_DIR_FORWARD);
-        if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some() {
+        if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some()
+            || crate::inherited::holds_reply_off_stack(&key, choice.backend.addr, choice.backend.port)
+        {
             // Another flow has the reply tuple: tc resolves the clash.
             return Err(Verdict::pass(Stat::XdpToTc));
         }

@@ -81,6 +81,8 @@ map_table! {
         sock_revnat: HashMap<MapData, SockRevNatKeyV4, SockRevNatV4> = MAP_SOCK_REVNAT_V4, LruHashMap, (SockRevNatKeyV4, SockRevNatV4);
         socket_lb_config: Array<MapData, SocketLbConfigV4> = MAP_SOCKET_LB_CONFIG, Array, (u32, SocketLbConfigV4);
         maglev: Array<MapData, u32> = MAP_MAGLEV_V4, Array, (u32, u32);
+        /// Flows netfilter translated before kproxy attached (`agent::inherited` keeps it).
+        inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4> = MAP_INHERITED_V4, HashMap, (CtKeyV4, InheritedFlowV4), usage "inherited_v4";
     }
     pinned {
         MAP_EVENTS;

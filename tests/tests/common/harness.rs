@@ -16,7 +16,8 @@ use kproxy::{
     sync::Syncer,
 };
 use proxy_common::{
-    maps::{AffinityKeyV4, AffinityValueV4, ConfigV4, CtEntryV4, CtKeyV4},
+    inherited::{NfTuple, keys},
+    maps::{AffinityKeyV4, AffinityValueV4, ConfigV4, CtEntryV4, CtKeyV4, InheritedFlowV4},
     stats::Stat,
 };
 
@@ -36,6 +37,7 @@ pub struct Harness {
     pub stats: PerCpuArray<MapData, u64>,
     pub config: Array<MapData, ConfigV4>,
     pub affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4>,
+    pub inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4>,
 }
 
 pub fn frontend(
@@ -85,6 +87,7 @@ impl Harness {
             stats: maps.stats,
             config: maps.config,
             affinity: maps.affinity,
+            inherited: maps.inherited,
         };
         harness.apply(desired);
         harness
@@ -112,6 +115,27 @@ impl Harness {
 
     pub fn stat(&self, stat: Stat) -> u64 {
         self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
+    }
+
+    /// Marks a flow netfilter translated, as the agent does from nf_conntrack: `orig` as the client
+    /// sent it, `reply` as its replies arrive; `(addr, port)` pairs.
+    pub fn mark_inherited(
+        &mut self,
+        proto: u8,
+        orig: [([u8; 4], u16); 2],
+        reply: [([u8; 4], u16); 2],
+        open: bool,
+    ) {
+        let tuple = |t: [([u8; 4], u16); 2]| NfTuple {
+            src: t[0].0,
+            dst: t[1].0,
+            sport: t[0].1.to_be_bytes(),
+            dport: t[1].1.to_be_bytes(),
+        };
+        let (entries, n) = keys(proto, tuple(orig), tuple(reply), open);
+        for (key, value) in &entries[..n] {
+            self.inherited.insert(key, value, 0).unwrap();
+        }
     }
 
     pub fn ct(&self, key: &CtKeyV4) -> Option<CtEntryV4> {
