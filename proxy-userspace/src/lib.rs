@@ -14,6 +14,8 @@ pub mod k8s;
 pub mod model;
 /// Protocol and IPv4 prefix, the leaf every module may use.
 pub mod net;
+/// The kernel's nf_conntrack table over ctnetlink: dump, delete, create (a leaf beside `net`).
+pub mod nf_conntrack;
 /// The desired frontends → the service maps, and what the maps should hold (`sync::image`).
 pub mod sync;
 
