@@ -36,9 +36,21 @@ pub(crate) struct AgentArgs {
     /// Kubeconfig file (default: in-cluster config, then ~/.kube/config).
     #[arg(long)]
     pub(crate) kubeconfig: Option<PathBuf>,
-    /// API server URL; overrides the kubeconfig's.
+    /// API server URL; overrides the kubeconfig's and --api-server-host.
     #[arg(long)]
     pub(crate) master: Option<String>,
+    /// The API server itself (a name or address its certificate holds, e.g. kubeadm's
+    /// controlPlaneEndpoint), for nodes where nothing translates the `kubernetes` Service's
+    /// ClusterIP yet (no kube-proxy): the agent connects to https://HOST:PORT with the pod's
+    /// service-account token and CA (or the kubeconfig's credentials). Default: the environment's
+    /// KPROXY_API_SERVER_HOST (the DaemonSet sets it from ConfigMap kproxy-api-endpoint), else the
+    /// kubeconfig's server, else in-cluster KUBERNETES_SERVICE_HOST, the ClusterIP.
+    #[arg(long, value_name = "HOST", conflicts_with = "manifests")]
+    pub(crate) api_server_host: Option<String>,
+    /// The port of --api-server-host [default: 6443; with KPROXY_API_SERVER_HOST,
+    /// KPROXY_API_SERVER_PORT].
+    #[arg(long, value_name = "PORT", conflicts_with = "manifests")]
+    pub(crate) api_server_port: Option<u16>,
     /// This node's name, for traffic policies Local and node hints; as kube-proxy, the host name
     /// (lowercased) when neither this nor NODE_NAME is set.
     #[arg(long, env = "NODE_NAME")]

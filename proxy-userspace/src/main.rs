@@ -247,7 +247,12 @@ fn run(cli: Cli) -> Result<()> {
             let cluster_cidrs = cluster_cidrs(&args)?;
             let source = match args.manifests {
                 Some(path) => Source::Files(path),
-                None => Source::Cluster(KubeOptions { kubeconfig: args.kubeconfig, master: args.master }),
+                None => Source::Cluster(KubeOptions {
+                    kubeconfig: args.kubeconfig,
+                    master: args.master,
+                    api_server_host: args.api_server_host,
+                    api_server_port: args.api_server_port,
+                }),
             };
             let bind = |flag: &str, value: &str| -> Result<Option<SocketAddr>> {
                 if value.is_empty() {

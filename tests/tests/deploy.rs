@@ -95,6 +95,9 @@ fn substituted(args: &[String]) -> Vec<String> {
     assert_eq!(agent["name"].as_str(), Some("kproxy"));
     let mut env = Vec::new();
     for var in agent["env"].as_sequence().unwrap() {
+        if var["valueFrom"]["configMapKeyRef"]["optional"].as_bool() == Some(true) {
+            continue; // an optional ConfigMap deploy/ does not create (kproxy-api-endpoint): unset
+        }
         let value = match var["valueFrom"]["configMapKeyRef"]["key"].as_str() {
             Some(key) => config["data"][key].as_str().unwrap().to_owned(),
             None => "node-1".to_owned(),

@@ -26,6 +26,9 @@ use k8s_openapi::{
 };
 use serde_yaml::Value;
 
+/// The optional ConfigMap naming the API server (kproxy::k8s::api_endpoint::ENDPOINT_CONFIG_MAP).
+const ENDPOINT_CONFIG_MAP: &str = kproxy::k8s::api_endpoint::ENDPOINT_CONFIG_MAP;
+
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
 }
@@ -429,6 +432,9 @@ fn agent_flags_come_from_the_config_map() {
     let mut used_keys = BTreeSet::new();
     for var in env {
         if let Some(key_ref) = var.value_from.as_ref().and_then(|v| v.config_map_key_ref.as_ref()) {
+            if key_ref.name == ENDPOINT_CONFIG_MAP {
+                continue; // optional, and not flags: api_endpoint_comes_from_an_optional_config_map
+            }
             assert_eq!(key_ref.name, "kproxy-config");
             assert!(data.contains_key(&key_ref.key), "ConfigMap has no key {}", key_ref.key);
             assert_ne!(key_ref.optional, Some(true));
@@ -460,6 +466,33 @@ fn agent_flags_come_from_the_config_map() {
         agent.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap().port,
         IntOrString::Int(port)
     );
+}
+
+/// The explicit API server endpoint: every overlay's agent takes KPROXY_API_SERVER_HOST/PORT (the
+/// names the agent reads) from keys host and port of the optional ConfigMap kproxy-api-endpoint,
+/// which no kustomization creates (unset: the in-cluster ClusterIP, and a re-apply must not
+/// overwrite the operator's ConfigMap).
+#[test]
+fn api_endpoint_comes_from_an_optional_config_map() {
+    use kproxy::k8s::api_endpoint::{API_SERVER_HOST_ENV, API_SERVER_PORT_ENV};
+    for entry in ENTRY_POINTS.iter().filter(|e| !e.starts_with("uninstall")) {
+        let built = built(entry);
+        assert!(
+            built
+                .objects
+                .iter()
+                .all(|o| object_id(o) != ("ConfigMap".to_owned(), ENDPOINT_CONFIG_MAP.to_owned())),
+            "{entry} creates {ENDPOINT_CONFIG_MAP}"
+        );
+        let ds = agent_daemonset(&built);
+        let env = container(&ds, "kproxy").env.clone().unwrap_or_default();
+        for (name, key) in [(API_SERVER_HOST_ENV, "host"), (API_SERVER_PORT_ENV, "port")] {
+            let var = env.iter().find(|e| e.name == name).unwrap_or_else(|| panic!("{entry}: no env {name}"));
+            let key_ref = var.value_from.as_ref().and_then(|v| v.config_map_key_ref.as_ref()).unwrap();
+            assert_eq!((key_ref.name.as_str(), key_ref.key.as_str()), (ENDPOINT_CONFIG_MAP, key), "{entry}");
+            assert_eq!(key_ref.optional, Some(true), "{entry}: {name} must not need the ConfigMap");
+        }
+    }
 }
 
 /// Every DaemonSet of every kustomization an operator applies selects Linux nodes (the uninstall

@@ -206,7 +206,7 @@ fn desired(args: &DiffArgs) -> Result<Desired> {
             from_files(manifest::load_path(path))
         }
         None => from_cluster(
-            &KubeOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() },
+            &KubeOptions { kubeconfig: args.kubeconfig.clone(), master: args.master.clone(), ..Default::default() },
             args.service_proxy_name.as_deref(),
         )?,
     };

@@ -4,12 +4,11 @@
 
 use std::{
     collections::BTreeMap,
-    path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use futures::AsyncBufReadExt as _;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use kube::{
@@ -20,6 +19,8 @@ use kube::{
 use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
+// The watchers' client comes from where the API server is decided (one place for agent, diff, doctor).
+pub use crate::k8s::api_endpoint::{KubeOptions, client};
 use crate::k8s::manifest::{ManifestError, Sourced};
 use crate::k8s::time::parse_rfc3339;
 use crate::k8s::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
@@ -237,35 +238,6 @@ impl Changes {
         *self.ready.lock().expect("poisoned") = (true, true);
         self.queue(services, slices, None);
     }
-}
-
-/// How to reach the API server.
-#[derive(Clone, Debug, Default)]
-pub struct KubeOptions {
-    pub kubeconfig: Option<PathBuf>,
-    pub master: Option<String>,
-}
-
-pub async fn client(options: &KubeOptions) -> Result<Client> {
-    let mut config = match &options.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("--kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-                .await
-                .with_context(|| format!("--kubeconfig {}", path.display()))?
-        }
-        None if options.master.is_some() => {
-            kube::Config::new("http://localhost".parse().expect("a valid URI"))
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no --kubeconfig or --master, and neither in-cluster config nor ~/.kube/config works")?,
-    };
-    if let Some(master) = &options.master {
-        config.cluster_url = master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
-    }
-    Client::try_from(config).context("building the Kubernetes client")
 }
 
 fn origin(kind: &str, resource_version: Option<String>) -> String {
@@ -777,8 +749,8 @@ fn status_text(status: &kube::core::Status) -> String {
 }
 
 /// An API error as its Status, anything else with its causes
-/// (`... tcp connect error: Connection refused (os error 111)`).
-fn describe(error: &kube::Error) -> String {
+/// (`... tcp connect error: Connection refused (os error 111)`); doctor's API check says it too.
+pub(crate) fn describe(error: &kube::Error) -> String {
     if let kube::Error::Api(status) = error {
         return status_text(status);
     }

@@ -1,7 +1,9 @@
 //! What the cluster says: Services and EndpointSlices read from manifest files ([`manifest`],
 //! [`manifest_watch`]) or watched on the API server ([`api_watch`]), with the labels and annotations
-//! kproxy reads. It knows nothing of the agent: health follows the watchers from outside.
+//! kproxy reads, and where the API server is ([`api_endpoint`]). It knows nothing of the agent: health
+//! follows the watchers from outside.
 
+pub mod api_endpoint;
 pub mod api_watch;
 pub mod manifest;
 pub mod manifest_watch;

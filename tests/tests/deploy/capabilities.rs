@@ -126,6 +126,9 @@ fn deployed_agent_args(node_name: &str, cgroup: &Path) -> Vec<String> {
     let mut env = BTreeMap::new();
     for var in agent["env"].as_sequence().unwrap() {
         let name = var["name"].as_str().unwrap().to_owned();
+        if var["valueFrom"]["configMapKeyRef"]["optional"].as_bool() == Some(true) {
+            continue; // an optional ConfigMap deploy/ does not create (kproxy-api-endpoint): unset
+        }
         let value = if let Some(key) = var["valueFrom"]["configMapKeyRef"]["key"].as_str() {
             config["data"][key].as_str().unwrap_or_else(|| panic!("ConfigMap key {key}")).to_owned()
         } else if var["valueFrom"]["fieldRef"]["fieldPath"].as_str() == Some("spec.nodeName") {
