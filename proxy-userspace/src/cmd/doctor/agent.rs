@@ -37,16 +37,53 @@ pub fn parse_http_response(text: &str) -> Option<(u16, String)> {
     Some((code, body.trim().to_owned()))
 }
 
+/// The `reason` of an unhealthy `/healthz` body (`{"lastUpdated": …, "reason": "…"}`), if it has one.
+fn health_reason(body: &str) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_str(body).ok()?;
+    value.get("reason")?.as_str().map(str::to_owned)
+}
+
+/// What to do about each part of an unhealthy answer's reason (the agent joins them with "; ").
+fn unhealthy_fix(reason: &str) -> String {
+    let mut fixes: Vec<&str> = Vec::new();
+    if reason.contains("watch:") {
+        fixes.push("the agent cannot see the API server: see the api-server check and the agent's log");
+    } else if reason.contains("no sync has been programmed yet") {
+        fixes.push(
+            "the agent has not programmed the maps once: it waits for a complete list of Services and \
+             EndpointSlices (see the api-server check and the agent's log)",
+        );
+    }
+    if reason.contains("not eligible") {
+        fixes.push(
+            "the Node is being deleted or tainted ToBeDeletedByClusterAutoscaler: load balancers stop \
+             sending it traffic, as intended",
+        );
+    }
+    if reason.contains("for a successful sync") {
+        fixes.push("read the agent's log for sync errors; restart it if it is stuck");
+    }
+    if fixes.is_empty() {
+        fixes.push("read the agent's log (sync errors, API server access); restart it if it is stuck");
+    }
+    fixes.join("; ")
+}
+
 pub fn agent_verdict(address: &str, result: &std::io::Result<(u16, String)>) -> Check {
     match result {
         Ok((200, body)) => Check::ok("agent", format!("healthy: GET http://{address}/healthz → 200 {body}")),
-        Ok((503, body)) => Check::fail(
-            "agent",
-            format!(
-                "unhealthy: GET http://{address}/healthz → 503 {body}: a change has waited over 2 × --sync-period, the maps lag the cluster"
-            ),
-            "read the agent's log (sync errors, API server access); restart it if it is stuck",
-        ),
+        Ok((503, body)) => {
+            let reason = health_reason(body);
+            let finding = match &reason {
+                Some(reason) => format!("unhealthy: GET http://{address}/healthz → 503: {reason}"),
+                // An agent from before `reason`: a change waited, the only cause then.
+                None => format!(
+                    "unhealthy: GET http://{address}/healthz → 503 {body}: a change has waited over \
+                     2 × --sync-period, the maps lag the cluster"
+                ),
+            };
+            Check::fail("agent", finding, unhealthy_fix(reason.as_deref().unwrap_or_default()))
+        }
         Ok((code, body)) => Check::warn(
             "agent",
             format!("GET http://{address}/healthz → {code} {body}: is this kproxy's health server?"),

@@ -19,7 +19,13 @@
 //! - **north-south**: the external interfaces (tc, XDP) from the link pins (informational).
 //! - **socket-lb**: the socket hooks and their mode: host-only or on OK; off WARN (the node's own
 //!   processes cannot reach cluster IPs).
-//! - **agent**: `GET /healthz` on `--healthz-address`: 200 OK, 503 FAIL, nothing listening WARN.
+//! - **agent**: `GET /healthz` on `--healthz-address`: 200 OK, 503 FAIL with the body's `reason`,
+//!   nothing listening WARN.
+//! - **api-server**: `GET /version` on the endpoint the agent would use (`k8s::api_endpoint`, from
+//!   `--kubeconfig`, `--master`, `--api-server-host/--api-server-port` and the environment, as the
+//!   agent decides): it answers OK; no answer FAIL, and when that endpoint is the in-cluster
+//!   ClusterIP the fix names `--api-server-host/--api-server-port` and ConfigMap
+//!   `kproxy-api-endpoint`; no endpoint at all (not in a pod, no kubeconfig) WARN.
 //! - **ip_forward**: at runtime and after the next boot, following sysctl's precedence (which file
 //!   and line sets it): runtime 0 FAIL, runtime 1 but persisted 0 (the incident of
 //!   shared/cases/001) or not persisted WARN.
@@ -40,13 +46,16 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::bpf::{InterfaceSelector, PinDir};
+use crate::k8s::api_endpoint::KubeOptions;
 use agent::agent_check;
+use api::api_check;
 use datapath::datapath_checks;
 use kernel::{btf_check, kernel_check};
 use kube_proxy::kube_proxy_check;
 use sysctl::runtime_sysctl;
 
 mod agent;
+mod api;
 mod datapath;
 mod kernel;
 mod kube_proxy;
@@ -55,6 +64,7 @@ mod sysctl;
 mod tests;
 
 pub use agent::{agent_verdict, parse_http_response};
+pub use api::{Probe, api_verdict};
 pub use datapath::{attach_checks, link_pin_name, map_fill_check, north_south_check, socket_lb_check};
 pub use kernel::{bpffs_check, bpffs_host_check, cgroup2_check, kernel_verdict, parse_kernel_version};
 pub use kube_proxy::{kube_proxy_verdict, leftover_lines};
@@ -78,6 +88,31 @@ pub struct DoctorArgs {
     /// Where the agent serves /healthz.
     #[arg(long, default_value = "127.0.0.1:10256")]
     pub healthz_address: String,
+    /// The agent's --kubeconfig, for the api-server check (without it, as the agent: the
+    /// environment's KPROXY_API_SERVER_HOST, else in-cluster KUBERNETES_SERVICE_HOST).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The agent's --master, for the api-server check.
+    #[arg(long)]
+    pub master: Option<String>,
+    /// The agent's --api-server-host, for the api-server check.
+    #[arg(long, value_name = "HOST")]
+    pub api_server_host: Option<String>,
+    /// The agent's --api-server-port, for the api-server check.
+    #[arg(long, value_name = "PORT")]
+    pub api_server_port: Option<u16>,
+}
+
+impl DoctorArgs {
+    /// The API server settings, as the agent takes them.
+    fn kube_options(&self) -> KubeOptions {
+        KubeOptions {
+            kubeconfig: self.kubeconfig.clone(),
+            master: self.master.clone(),
+            api_server_host: self.api_server_host.clone(),
+            api_server_port: self.api_server_port,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -189,9 +224,10 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
         checks.push(bpffs_host_check(pins));
         checks.extend(datapath_checks(pins, &selector, &args.interfaces));
         checks.push(agent_check(&args.healthz_address));
+        checks.push(api_check(&args.kube_options()));
     } else {
         skipped.push(
-            "bpffs-host, datapath, attach, maps and agent: they belong to a running node, not an image"
+            "bpffs-host, datapath, attach, maps, agent and api-server: they belong to a running node, not an image"
                 .to_owned(),
         );
     }

@@ -209,6 +209,87 @@ fn agent_health() {
 }
 
 #[test]
+fn an_unhealthy_agent_is_quoted_with_its_reason_and_the_fix_that_goes_with_it() {
+    let body = |reason: &str| {
+        format!(
+            r#"{{"lastUpdated": "2026-01-01T00:00:00Z","currentTime": "2026-01-01T00:00:40Z", "nodeEligible": true, "reason": {}}}"#,
+            serde_json::Value::String(reason.into())
+        )
+    };
+    let blind = "Service watch: list failed 5 times: tcp connect error; no sync has been programmed yet (started 40s ago)";
+    let c = agent_verdict("127.0.0.1:10256", &Ok((503, body(blind))));
+    assert_eq!(c.status, Status::Fail);
+    assert_eq!(c.finding, format!("unhealthy: GET http://127.0.0.1:10256/healthz → 503: {blind}"));
+    assert!(c.fix.as_deref().unwrap().contains("api-server check"), "{c:?}");
+    let first = agent_verdict("a:1", &Ok((503, body("no sync has been programmed yet (started 2s ago)"))));
+    assert!(first.fix.as_deref().unwrap().contains("has not programmed the maps once"), "{first:?}");
+    let leaving = agent_verdict(
+        "a:1",
+        &Ok((
+            503,
+            body(
+                "this node is not eligible for traffic (being deleted, or tainted ToBeDeletedByClusterAutoscaler)",
+            ),
+        )),
+    );
+    assert!(leaving.fix.as_deref().unwrap().contains("as intended"), "{leaving:?}");
+    let stuck =
+        agent_verdict("a:1", &Ok((503, body("a change has waited 65s for a successful sync (limit 60s)"))));
+    assert!(stuck.fix.as_deref().unwrap().contains("sync errors"), "{stuck:?}");
+    // A body without a reason (an older agent) is quoted whole.
+    let old = agent_verdict("a:1", &Ok((503, r#"{"lastUpdated": "x"}"#.to_owned())));
+    assert!(
+        old.finding.contains(r#"{"lastUpdated": "x"}"#) && old.finding.contains("--sync-period"),
+        "{old:?}"
+    );
+}
+
+fn endpoint(url: &str, origin: crate::k8s::api_endpoint::Origin) -> crate::k8s::api_endpoint::Endpoint {
+    crate::k8s::api_endpoint::Endpoint {
+        url: url.to_owned(),
+        origin,
+        credentials: crate::k8s::api_endpoint::Credentials::ServiceAccount("/sa".into()),
+        overridden: None,
+    }
+}
+
+#[test]
+fn an_unanswered_cluster_ip_names_the_explicit_endpoint_to_set() {
+    use crate::k8s::api_endpoint::Origin;
+    let cluster_ip = endpoint("https://10.96.0.1:443", Origin::InCluster);
+    let c = api_verdict(&cluster_ip, &Probe::Unreachable("tcp connect error: timed out".into()));
+    assert_eq!((c.name.as_str(), c.status), ("api-server", Status::Fail));
+    assert!(c.finding.starts_with("https://10.96.0.1:443 (from in-cluster KUBERNETES_SERVICE_HOST"), "{c:?}");
+    assert!(c.finding.contains("does not answer GET /version: tcp connect error: timed out"), "{c:?}");
+    let fix = c.fix.unwrap();
+    assert!(
+        fix.contains("--api-server-host HOST --api-server-port PORT") && fix.contains("kproxy-api-endpoint"),
+        "{fix}"
+    );
+
+    // An explicit endpoint that does not answer: check that one (no advice to set what is set).
+    let explicit = endpoint("https://10.0.0.1:6443", Origin::ApiServerEnv);
+    let c = api_verdict(&explicit, &Probe::Unreachable("connection refused".into()));
+    assert_eq!(c.status, Status::Fail);
+    assert!(
+        c.fix.as_deref().unwrap().starts_with("check host and port of ConfigMap kproxy-api-endpoint"),
+        "{c:?}"
+    );
+
+    let ok = api_verdict(&explicit, &Probe::Answered("v1.34.1".into()));
+    assert_eq!(ok.status, Status::Ok);
+    assert_eq!(
+        ok.finding,
+        "https://10.0.0.1:6443 (from KPROXY_API_SERVER_HOST/KPROXY_API_SERVER_PORT, set from ConfigMap kproxy-api-endpoint) answers GET /version: v1.34.1"
+    );
+    let refused = api_verdict(&explicit, &Probe::Refused { code: 401, message: "Unauthorized".into() });
+    assert_eq!(refused.status, Status::Fail);
+    assert!(refused.fix.as_deref().unwrap().contains("/sa"), "{refused:?}");
+    let odd = api_verdict(&explicit, &Probe::Refused { code: 404, message: "not found".into() });
+    assert_eq!(odd.status, Status::Warn);
+}
+
+#[test]
 fn kube_proxy_decisions() {
     assert_eq!(kube_proxy_verdict(&[], &[], &[]).status, Status::Ok);
     let c = kube_proxy_verdict(&[], &["nftables table ip kube-proxy".into()], &[]);
