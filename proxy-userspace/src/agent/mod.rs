@@ -4,6 +4,7 @@
 
 pub mod gc;
 pub mod http;
+pub mod inherited;
 pub mod kube_proxy_config;
 pub mod nodeport;
 mod reconcile;
@@ -209,6 +210,9 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         _ => None,
     };
     let socket_lb = prepare_datapath(&config)?;
+    // Before the first sync gives any Service a frontend: until then the
+    // programs pass every packet and netfilter carries every flow.
+    let inherited_first = inherit_flows(&config.pins);
     let mut syncer = Syncer::from_maps_with(Maps::from_pins(&config.pins)?, config.maglev)
         .context("reading the pinned maps")?;
     tracing::info!(
@@ -220,11 +224,16 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     // kube-proxy reports unhealthy when a change waits longer than two sync periods.
     let health = Health::new(config.sync_period * 2);
     let metrics = Metrics::new();
-    let changes = Arc::new(Changes::with_health(Arc::new(health.clone())));
+    let changes = Arc::new(
+        Changes::with_health(Arc::new(health.clone())).with_queue_metrics(Arc::new(metrics.clone())),
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     serve_http(&config, &health, &metrics, &stop_rx).await?;
     start_source(&config, &changes).await?;
     let stop_logs = spawn_background(&config, &selector, &metrics);
+    if let Some(first) = inherited_first {
+        tokio::spawn(inherited_loop(config.pins.clone(), health.clone(), metrics.clone(), first));
+    }
 
     let loop_state = SyncLoop {
         fixed_primary,
@@ -417,6 +426,56 @@ async fn sync_until_stopped(
         last_sync = Some(Instant::now());
     }
     Ok(())
+}
+
+/// The first scan of nf_conntrack for flows to leave to netfilter; `None` when
+/// there is nothing to inherit from (no conntrack table here) or it cannot be
+/// read, which is logged.
+fn inherit_flows(pins: &PinDir) -> Option<inherited::ScanReport> {
+    if !inherited::available() {
+        tracing::info!("nf_conntrack is not loaded here: no connection to inherit from netfilter");
+        return None;
+    }
+    match inherited::scan_pinned(pins) {
+        Ok(report) => {
+            inherited::log(&report, None);
+            Some(report)
+        }
+        Err(e) => {
+            tracing::warn!(
+                error = %format!("{e:#}"),
+                "cannot read nf_conntrack: connections opened through kube-proxy stall when kproxy serves \
+                 their Service"
+            );
+            None
+        }
+    }
+}
+
+/// Scans again once the first sync is programmed (flows opened before it),
+/// then while inherited flows remain, and seldom after.
+async fn inherited_loop(pins: PinDir, health: Health, metrics: Metrics, first: inherited::ScanReport) {
+    metrics.set_inherited_open(first.open as u64);
+    while health.check(std::time::SystemTime::now()).not_synced_yet.is_some() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut previous = first;
+    loop {
+        let p = pins.clone();
+        match tokio::task::spawn_blocking(move || inherited::scan_pinned(&p)).await {
+            Ok(Ok(report)) => {
+                inherited::log(&report, Some(&previous));
+                metrics.set_inherited_open(report.open as u64);
+                previous = report;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %format!("{e:#}"), "reading nf_conntrack failed; will retry")
+            }
+            Err(e) => tracing::warn!(error = %e, "nf_conntrack scan task failed"),
+        }
+        let idle = previous.open == 0 && previous.over == 0;
+        tokio::time::sleep(if idle { inherited::IDLE_SCAN_PERIOD } else { inherited::SCAN_PERIOD }).await;
+    }
 }
 
 /// Attaches to matching interfaces (and the external ones) as they appear;

@@ -15,6 +15,17 @@
 //!   whole or left as it was.
 //! - nftables: the tables `ip kube-proxy` and `ip6 kube-proxy`.
 //!
+//! Connections opened through kube-proxy's rules before kproxy took over
+//! ("inherited": the agent leaves them to netfilter, see
+//! `agent::inherited`) are translated by nf_conntrack's NAT bindings, which
+//! netfilter applies only while a NAT hook is registered. Deleting kube-proxy's
+//! nftables table unregisters its NAT chains — and with the last of them the
+//! hooks, cutting those connections. So while any is open, the table is
+//! replaced in the same transaction by [`KEEPER_TABLE`], empty NAT base chains
+//! that keep the hooks (and translate nothing new); a later run removes it once
+//! none is left. iptables' `nat` table keeps its built-in chains, and with them
+//! the hooks, whatever is removed from it.
+//!
 //! Nothing else is touched: kubelet's chains (`KUBE-FIREWALL`,
 //! `KUBE-KUBELET-CANARY`), other `KUBE-*` chains (kube-router's
 //! `KUBE-ROUTER-*`...), other tables, and every rule that does not jump into a
@@ -32,6 +43,38 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use super::kube_proxy_rules::{find_tool, kube_proxy_nft_tables, plan_save};
+
+/// The nftables table of empty NAT base chains that keeps netfilter's NAT
+/// hooks while inherited connections remain.
+pub const KEEPER_TABLE: &str = "kproxy-inherited-nat";
+
+/// `nft -f` input: [`KEEPER_TABLE`] created (if missing), then `tables` deleted,
+/// in one transaction so the NAT hooks never go away in between.
+fn keeper_script(tables: &[(String, String)]) -> String {
+    let mut script = format!(
+        "table ip {KEEPER_TABLE} {{\n\
+         \tchain prerouting {{ type nat hook prerouting priority dstnat; }}\n\
+         \tchain output {{ type nat hook output priority dstnat; }}\n\
+         \tchain input {{ type nat hook input priority srcnat; }}\n\
+         \tchain postrouting {{ type nat hook postrouting priority srcnat; }}\n\
+         }}\n"
+    );
+    for (family, name) in tables {
+        let _ = writeln!(script, "delete table {family} {name}");
+    }
+    script
+}
+
+/// Connections netfilter translated that are still open, from nf_conntrack;
+/// an error says why they could not be counted.
+pub fn open_inherited_connections() -> Result<usize, String> {
+    if !crate::nf_conntrack::is_available() {
+        return Ok(0);
+    }
+    crate::nf_conntrack::dump_v4()
+        .map(|entries| entries.iter().filter(|e| e.is_dst_nat() && !e.is_over()).count())
+        .map_err(|e| format!("{e:#}"))
+}
 
 /// An installed iptables flavour: its save and restore commands.
 struct Backend {
@@ -178,29 +221,98 @@ pub fn run(apply: bool) -> Result<String> {
                 if found.is_empty() {
                     out.push_str("nftables: nothing of kube-proxy's\n");
                 }
-                for (family, name) in found {
-                    let result = if apply {
-                        run_command(Command::new(nft).args(["delete", "table", &family, &name]), None)
-                            .map(drop)
-                    } else {
-                        Ok(())
-                    };
-                    match result {
-                        Ok(()) => {
+                let keeper_there = super::kube_proxy_rules::parse_nft_tables(&listed)
+                    .iter()
+                    .any(|(family, name)| family == "ip" && name == KEEPER_TABLE);
+                let inherited = open_inherited_connections();
+                let still_open = match &inherited {
+                    Ok(n) => *n > 0,
+                    // Not counted: keep the hooks rather than risk cutting them.
+                    Err(_) => true,
+                };
+                let shown = match &inherited {
+                    Ok(n) => format!("{n} connection(s) translated by netfilter (kube-proxy) are still open"),
+                    Err(e) => format!("connections translated by netfilter could not be counted ({e})"),
+                };
+                let keep = still_open && !found.is_empty();
+                let result = if !apply || found.is_empty() {
+                    Ok(())
+                } else if keep {
+                    run_command(Command::new(nft).args(["-f", "-"]), Some(&keeper_script(&found))).map(drop)
+                } else {
+                    found.iter().try_for_each(|(family, name)| {
+                        run_command(Command::new(nft).args(["delete", "table", family, name]), None).map(drop)
+                    })
+                };
+                match result {
+                    Ok(()) => {
+                        for (family, name) in &found {
                             tables += 1;
                             let _ = writeln!(out, "nftables: {table_verb} {family} {name}");
                         }
-                        Err(error) => {
-                            failures += 1;
-                            let _ =
-                                writeln!(out, "nftables: FAILED to delete table {family} {name}: {error:#}");
+                        if keep {
+                            let verb = if apply { "kept" } else { "would keep" };
+                            let _ = writeln!(
+                                out,
+                                "nftables: {verb} netfilter's NAT hooks (table ip {KEEPER_TABLE}, no rules): \
+                                 {shown}; run `kproxy cleanup-kube-proxy --apply` again once they have ended"
+                            );
                         }
+                    }
+                    Err(error) => {
+                        failures += 1;
+                        let _ = writeln!(out, "nftables: FAILED, tables left as they were: {error:#}");
+                    }
+                }
+                if keeper_there && found.is_empty() {
+                    if still_open {
+                        let _ = writeln!(out, "nftables: keeping table ip {KEEPER_TABLE}: {shown}");
+                    } else if apply {
+                        match run_command(
+                            Command::new(nft).args(["delete", "table", "ip", KEEPER_TABLE]),
+                            None,
+                        ) {
+                            Ok(_) => {
+                                tables += 1;
+                                let _ = writeln!(
+                                    out,
+                                    "nftables: deleted table ip {KEEPER_TABLE}: no connection inherited from \
+                                     kube-proxy is left"
+                                );
+                            }
+                            Err(error) => {
+                                failures += 1;
+                                let _ = writeln!(
+                                    out,
+                                    "nftables: FAILED to delete table ip {KEEPER_TABLE}: {error:#}"
+                                );
+                            }
+                        }
+                    } else {
+                        tables += 1;
+                        let _ = writeln!(
+                            out,
+                            "nftables: would delete table ip {KEEPER_TABLE}: no connection inherited from kube-proxy \
+                             is left"
+                        );
                     }
                 }
             }
         },
     }
 
+    match open_inherited_connections() {
+        Ok(0) => out.push_str("connections opened through kube-proxy still open: none\n"),
+        Ok(n) => {
+            let _ = writeln!(
+                out,
+                "connections opened through kube-proxy still open: {n} (netfilter translates them until they end)"
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(out, "connections opened through kube-proxy: not counted: {e}");
+        }
+    }
     let what = format!("{rules} rules, {chains} chains, {tables} nftables tables");
     if rules + chains + tables == 0 && failures == 0 {
         out.push_str("nothing of kube-proxy's found\n");

@@ -56,6 +56,7 @@ const CT_GC_RUNS: &str = "kproxy_conntrack_gc_runs_total";
 const CT_GC_DELETED: &str = "kproxy_conntrack_gc_deleted_total";
 const CT_GC_INTERVAL: &str = "kproxy_conntrack_gc_interval_seconds";
 const CT_PURGED: &str = "kproxy_conntrack_purged_total";
+const INHERITED_OPEN: &str = "kproxy_inherited_connections";
 const CT_CREATED: &str = "kproxy_conntrack_created_total";
 const CT_EVICTED: &str = "kproxy_conntrack_evicted_total";
 const AFFINITY_GC_DELETED: &str = "kproxy_affinity_gc_deleted_total";
@@ -231,6 +232,8 @@ struct Inner {
     /// entries deleted at once for removed UDP backends
     purged_total: u64,
     affinity_gc_deleted_total: u64,
+    /// Connections netfilter translated before kproxy took over, still open.
+    inherited_open: u64,
 }
 
 impl Default for Inner {
@@ -258,6 +261,7 @@ impl Default for Inner {
             gc_interval_seconds: 0.0,
             purged_total: 0,
             affinity_gc_deleted_total: 0,
+            inherited_open: 0,
         }
     }
 }
@@ -378,6 +382,11 @@ impl Metrics {
     /// The current conntrack GC interval.
     pub fn set_gc_interval(&self, interval: Duration) {
         self.lock().gc_interval_seconds = interval.as_secs_f64();
+    }
+
+    /// The open connections the last nf_conntrack scan left to netfilter.
+    pub fn set_inherited_open(&self, open: u64) {
+        self.lock().inherited_open = open;
     }
 
     /// Conntrack entries purged for deleted UDP backends.
@@ -553,6 +562,14 @@ impl Metrics {
             "Current (adaptive) interval between conntrack garbage collection runs",
             "gauge",
             &format_float(inner.gc_interval_seconds),
+        );
+        scalar(
+            &mut out,
+            INHERITED_OPEN,
+            "Connections netfilter (kube-proxy) translated before kproxy took over that are still open: left to \
+             netfilter until they end",
+            "gauge",
+            &inner.inherited_open.to_string(),
         );
         scalar(
             &mut out,
@@ -1045,6 +1062,7 @@ mod tests {
             (CT_GC_DELETED, "counter"),
             (CT_GC_INTERVAL, "gauge"),
             (CT_PURGED, "counter"),
+            (INHERITED_OPEN, "gauge"),
             (CT_CREATED, "counter"),
             (CT_EVICTED, "counter"),
             (AFFINITY_GC_DELETED, "counter"),

@@ -137,3 +137,57 @@ pub(super) fn kube_proxy_check() -> Check {
     let (found, unchecked) = kube_proxy_leftovers();
     kube_proxy_verdict(&kube_proxy_pids(), &found, &unchecked)
 }
+
+/// Whether netfilter has a NAT hook registered in this network namespace: a NAT base chain in
+/// nftables (kube-proxy's, iptables-nft's `nat` table, kproxy's keeper table) or an
+/// iptables-legacy `nat` table. `None` when neither tool could tell.
+fn nat_hooks_present() -> Option<bool> {
+    let mut known = false;
+    if let Some(nft) = find_tool("nft")
+        && let Ok(ruleset) = output(&nft, &["list", "ruleset"])
+    {
+        known = true;
+        if ruleset.contains("type nat hook") {
+            return Some(true);
+        }
+    }
+    if let Some(save) = find_tool("iptables-legacy-save")
+        && let Ok(saved) = output(&save, &["-t", "nat"])
+    {
+        known = true;
+        if saved.lines().any(|l| l.trim() == "*nat") {
+            return Some(true);
+        }
+    }
+    known.then_some(false)
+}
+
+/// Connections netfilter translated before kproxy took over (kube-proxy's), still open: whether
+/// netfilter can still translate them.
+pub fn inherited_verdict(open: Result<usize, String>, nat_hooks: Option<bool>) -> Check {
+    let name = "inherited";
+    match (open, nat_hooks) {
+        (Err(e), _) => {
+            Check::warn(name, format!("nf_conntrack not read: {e}"), "run as root (CAP_NET_ADMIN)")
+        }
+        (Ok(0), _) => Check::ok(name, "no connection translated by netfilter (kube-proxy) is open"),
+        (Ok(n), Some(false)) => Check::fail(
+            name,
+            format!(
+                "{n} connection(s) translated by netfilter are open but no NAT hook is left: they are no longer translated"
+            ),
+            "reconnect their clients; next time let `kproxy cleanup-kube-proxy --apply` remove kube-proxy's rules (it keeps the hooks)",
+        ),
+        (Ok(n), _) => Check::ok(
+            name,
+            format!(
+                "{n} connection(s) opened through kube-proxy are still open; netfilter translates them until they end \
+                 (`kproxy cleanup-kube-proxy --apply` removes what keeps its NAT hooks once none is left)"
+            ),
+        ),
+    }
+}
+
+pub(super) fn inherited_check() -> Check {
+    inherited_verdict(crate::cmd::cleanup::open_inherited_connections(), nat_hooks_present())
+}

@@ -31,6 +31,8 @@
 //!   shared/cases/001) or not persisted WARN.
 //! - **rp_filter**: `net.ipv4.conf.{all,default}.rp_filter` strict (1) WARN.
 //! - **kube-proxy**: kube-proxy running FAIL (both translate); its rules left behind WARN.
+//! - **inherited**: connections netfilter translated before kproxy took over (kube-proxy's), from
+//!   nf_conntrack: open ones are OK while a NAT hook remains to translate them, FAIL when none does.
 //!
 //! With `--root DIR` the files of a mounted node image are read instead
 //! (`DIR/etc/sysctl.d/...`, `DIR/proc/...` when present); the checks of
@@ -262,6 +264,7 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
     ));
     if root.is_none() {
         checks.push(kube_proxy_check());
+        checks.push(kube_proxy::inherited_check());
     } else {
         skipped.push("kube-proxy: its rules live in the running kernel".to_owned());
     }

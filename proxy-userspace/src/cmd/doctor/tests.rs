@@ -368,3 +368,16 @@ fn north_south_check_names_external_interfaces_and_xdp() {
     let none = north_south_check(&std::collections::BTreeSet::new());
     assert!(none.finding.contains("no external interface"), "{}", none.finding);
 }
+
+#[test]
+fn inherited_connections_are_ok_while_netfilter_can_translate_them_and_fail_when_it_cannot() {
+    use super::kube_proxy::inherited_verdict;
+    assert_eq!(inherited_verdict(Ok(0), Some(false)).status, Status::Ok);
+    let kept = inherited_verdict(Ok(3), Some(true));
+    assert_eq!(kept.status, Status::Ok);
+    assert!(kept.finding.starts_with("3 connection(s) opened through kube-proxy"), "{}", kept.finding);
+    let cut = inherited_verdict(Ok(2), Some(false));
+    assert_eq!(cut.status, Status::Fail);
+    assert!(cut.finding.contains("no NAT hook"), "{}", cut.finding);
+    assert_eq!(inherited_verdict(Err("EPERM".into()), None).status, Status::Warn);
+}
