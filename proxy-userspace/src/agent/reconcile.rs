@@ -192,13 +192,11 @@ impl SyncLoop<'_> {
     /// The sync's metrics, and `/healthz` when it succeeded.
     fn record(&mut self, report: &SyncReport, pending: Pending, started: Instant, finished: SystemTime) {
         self.metrics.observe_sync(started.elapsed(), finished, std::mem::take(&mut self.full_sync_due));
+        // The pending gauges and the last-queued time are the queue's (Changes): set as changes
+        // arrive, zeroed as this sync took them.
         self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
-        self.metrics.set_changes_pending(0, 0);
         self.metrics.inc_sync_errors(report.errors.len() as u64);
         self.metrics.set_programmed(self.syncer.frontend_count() as u64, self.syncer.backend_count() as u64);
-        if let Some(queued) = pending.oldest_queued {
-            self.metrics.set_last_queued(queued);
-        }
         for trigger in pending.trigger_times {
             if let Ok(latency) = finished.duration_since(trigger) {
                 self.metrics.observe_network_programming(latency);

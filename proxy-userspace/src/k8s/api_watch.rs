@@ -94,8 +94,6 @@ pub struct Objects {
 pub struct Pending {
     pub service_changes: u64,
     pub endpoint_changes: u64,
-    /// When the oldest unapplied change arrived.
-    pub oldest_queued: Option<SystemTime>,
     /// `last-change-trigger-time` of changed slices, for the network
     /// programming latency.
     pub trigger_times: Vec<SystemTime>,
@@ -122,6 +120,18 @@ pub trait WatchObserver: Send + Sync {
     fn blind(&self, now: SystemTime) -> Option<String>;
 }
 
+/// What the metrics learn as changes are queued and taken, outside this module (the agent's
+/// `/metrics` implements it). kube-proxy sets its `_changes_pending` gauges and the last-queued
+/// time in its change trackers as a change arrives, and zeroes the gauges when a sync takes the
+/// changes, so a sync loop that hangs shows as changes pending and a last-queued time after the
+/// last sync.
+pub trait QueueObserver: Send + Sync {
+    /// `services` and `endpoints` changes now wait for a sync; the latest was queued at `at`.
+    fn queued(&self, services: u64, endpoints: u64, at: SystemTime);
+    /// A sync took every pending change.
+    fn taken(&self);
+}
+
 /// One API watch's reports (see [`WatchObserver::watch_source`]).
 pub trait WatchProgress: Send + Sync {
     /// An event, a bookmark, or a watch the server accepted at `at`: current as of then.
@@ -146,6 +156,7 @@ pub struct Changes {
     ready: Mutex<(bool, bool)>,
     pub notify: Notify,
     health: Option<Arc<dyn WatchObserver>>,
+    queue_metrics: Option<Arc<dyn QueueObserver>>,
     /// This node's `topology.kubernetes.io/zone` label, from the Node watch.
     node_zone: Mutex<Option<String>>,
     /// This node's primary IPv4 address, from the Node watch (`--nodeport-addresses primary`).
@@ -156,6 +167,11 @@ impl Changes {
     /// Changes that also tell the health server when a change is queued.
     pub fn with_health(health: Arc<dyn WatchObserver>) -> Self {
         Self { health: Some(health), ..Default::default() }
+    }
+
+    /// These changes, also telling `metrics` when changes are queued and taken.
+    pub fn with_queue_metrics(self, metrics: Arc<dyn QueueObserver>) -> Self {
+        Self { queue_metrics: Some(metrics), ..self }
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -169,8 +185,13 @@ impl Changes {
         Objects { services: snapshot.services(), slices: snapshot.slices(), errors: snapshot.errors.clone() }
     }
 
+    /// Every change queued since the last call (a sync takes them as it starts).
     pub fn take_pending(&self) -> Pending {
-        std::mem::take(&mut *self.pending.lock().expect("poisoned"))
+        let mut pending = self.pending.lock().expect("poisoned");
+        if let Some(metrics) = &self.queue_metrics {
+            metrics.taken();
+        }
+        std::mem::take(&mut *pending)
     }
 
     pub fn is_ready(&self) -> bool {
@@ -183,8 +204,11 @@ impl Changes {
         pending.service_changes += service;
         pending.endpoint_changes += endpoint;
         let now = SystemTime::now();
-        pending.oldest_queued.get_or_insert(now);
         pending.trigger_times.extend(trigger);
+        // Under the lock, so a sync taking the changes meanwhile cannot zero the gauges first.
+        if let Some(metrics) = &self.queue_metrics {
+            metrics.queued(pending.service_changes, pending.endpoint_changes, now);
+        }
         drop(pending);
         if let Some(health) = &self.health {
             health.queued(now);

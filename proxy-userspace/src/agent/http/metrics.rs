@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::k8s::api_watch::QueueObserver;
 use crate::k8s::manifest_watch;
 use crate::model::{Frontend, Scope};
 
@@ -266,6 +267,23 @@ impl Default for Inner {
     }
 }
 
+/// kube-proxy's pending gauges and last-queued time follow the change trackers: set as a change
+/// arrives, the gauges zeroed when a sync takes the changes.
+impl QueueObserver for Metrics {
+    fn queued(&self, services: u64, endpoints: u64, at: SystemTime) {
+        let mut inner = self.lock();
+        inner.service_changes_pending = services;
+        inner.endpoint_changes_pending = endpoints;
+        inner.last_queued_timestamp = unix_seconds(at);
+    }
+
+    fn taken(&self) {
+        let mut inner = self.lock();
+        inner.service_changes_pending = 0;
+        inner.endpoint_changes_pending = 0;
+    }
+}
+
 impl Metrics {
     pub fn new() -> Self {
         Self::default()
@@ -321,23 +339,11 @@ impl Metrics {
         self.lock().network_programming.observe_duration(latency);
     }
 
-    /// Changes received but not yet applied.
-    pub fn set_changes_pending(&self, endpoints: u64, services: u64) {
-        let mut inner = self.lock();
-        inner.endpoint_changes_pending = endpoints;
-        inner.service_changes_pending = services;
-    }
-
     /// Count newly received changes.
     pub fn add_changes(&self, endpoints: u64, services: u64) {
         let mut inner = self.lock();
         inner.endpoint_changes_total = inner.endpoint_changes_total.saturating_add(endpoints);
         inner.service_changes_total = inner.service_changes_total.saturating_add(services);
-    }
-
-    /// A sync was queued at `at`.
-    pub fn set_last_queued(&self, at: SystemTime) {
-        self.lock().last_queued_timestamp = unix_seconds(at);
     }
 
     pub fn inc_sync_errors(&self, n: u64) {
@@ -1216,6 +1222,48 @@ mod tests {
         assert!(exp.value(PROCESS_RESIDENT, &[]).unwrap().parse::<u64>().unwrap() > 0);
     }
 
+    /// kube-proxy's change trackers set the pending gauges and the last-queued time as a change
+    /// arrives, and a sync zeroes the gauges when it takes the changes: the page shows what waits.
+    #[test]
+    fn pending_gauges_follow_the_queue_and_a_sync_taking_it() {
+        use crate::k8s::api_watch::{Changes, Snapshot};
+        use crate::k8s::manifest::Sourced;
+        use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+        let metrics = Metrics::new();
+        let changes = Changes::default().with_queue_metrics(Arc::new(metrics.clone()));
+        let pending = |exp: &Exposition| {
+            let value = |name| exp.value(name, &[]).unwrap().parse::<u64>().unwrap();
+            (value(SERVICE_CHANGES_PENDING), value(ENDPOINT_CHANGES_PENDING))
+        };
+        let last_queued = |exp: &Exposition| {
+            exp.value(LAST_QUEUED_TIMESTAMP, &[("ip_family", "IPv4")]).unwrap().parse::<f64>().unwrap()
+        };
+        let exp = parse(&metrics.render());
+        assert_eq!((pending(&exp), last_queued(&exp)), ((0, 0), 0.0));
+
+        let before = unix_seconds(SystemTime::now());
+        let mut snapshot = Snapshot::default();
+        let service = Arc::new(Sourced { origin: "test".to_owned(), object: Service::default() });
+        snapshot.services.insert(("default".into(), "web".into(), 0), service);
+        for name in ["web-a", "web-b"] {
+            let slice = Arc::new(Sourced { origin: "test".to_owned(), object: EndpointSlice::default() });
+            snapshot.slices.insert(("default".into(), name.into(), 0), slice);
+        }
+        changes.replace_all(snapshot);
+        let exp = parse(&metrics.render());
+        assert_eq!(pending(&exp), (1, 2), "queued, not yet synced");
+        let queued_at = last_queued(&exp);
+        assert!(queued_at >= before.floor(), "{queued_at} vs {before}");
+
+        // The sync loop takes the changes as it starts: nothing pending, the queue time stays.
+        let taken = changes.take_pending();
+        assert_eq!((taken.service_changes, taken.endpoint_changes), (1, 2));
+        let exp = parse(&metrics.render());
+        assert_eq!(pending(&exp), (0, 0), "taken by the sync");
+        assert_eq!(last_queued(&exp), queued_at);
+    }
+
     #[test]
     fn rendered_text_reflects_updates() {
         let m = Metrics::new();
@@ -1225,10 +1273,9 @@ mod tests {
         m.observe_sync(Duration::from_secs(60), finished, false);
         m.observe_network_programming(Duration::from_millis(700));
         m.observe_network_programming(Duration::from_secs(400));
-        m.set_changes_pending(4, 1);
+        m.queued(1, 4, UNIX_EPOCH + Duration::from_secs(1_700_000_100));
         m.add_changes(3, 2);
         m.add_changes(2, 0);
-        m.set_last_queued(UNIX_EPOCH + Duration::from_secs(1_700_000_100));
         m.inc_sync_errors(1);
         m.inc_sync_errors(2);
         m.set_map_usage("services", 10, 65536);
