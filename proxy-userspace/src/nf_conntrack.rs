@@ -331,11 +331,12 @@ pub fn delete(entry: &Entry) -> Result<bool, NfConntrackError> {
 
 /// Creates a confirmed, assured entry for `flow`: original client → vip, reply backend → client,
 /// destination NATed, so that netfilter translates the flow's packets both ways as if its own DNAT
-/// rule had chosen `backend`. A TCP entry starts ESTABLISHED with liberal window tracking: the
-/// kernel knows nothing of the connection's sequence numbers or window scale, and would otherwise
-/// mark segments of a window-scaled connection INVALID (which kube-proxy's rules drop).
-/// `Ok(false)` if an entry with the same original tuple, or whose reply tuple is backend → client,
-/// already exists (nothing is changed then).
+/// rule had chosen `backend`. A TCP entry starts ESTABLISHED with liberal window tracking
+/// (`IP_CT_TCP_FLAG_BE_LIBERAL` both ways): the kernel knows nothing of the connection's sequence
+/// numbers or window scale, and without it marks the segments of a window-scaled connection
+/// handed over mid-stream INVALID, which kube-proxy's rules drop (the connection stalls; the root
+/// test shows both). `Ok(false)` if an entry with the same original tuple, or whose reply tuple is
+/// backend → client, already exists (nothing is changed then).
 pub fn create_dnat(flow: &DnatFlow) -> Result<bool, NfConntrackError> {
     let seq = next_sequence();
     let socket = Socket::open(OP_CREATE)?;

@@ -30,13 +30,18 @@ const BACKEND_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 3);
 const TCP_BACKEND_PORT: u16 = 8080;
 const UDP_BACKEND_PORT: u16 = 5353;
 
-/// kube-proxy's DNAT for one ClusterIP, as an nft table in the node namespace. Its nat chain is
-/// also what makes netfilter apply the NAT of entries made over ctnetlink.
+/// kube-proxy's DNAT for one ClusterIP, and its drop of packets conntrack finds INVALID, as an nft
+/// table in the node namespace. Its nat chain is also what makes netfilter apply the NAT of
+/// entries made over ctnetlink.
 const RULES: &str = "table ip kp_nfct {
   chain prerouting {
     type nat hook prerouting priority dstnat; policy accept;
     ip daddr 10.96.0.10 tcp dport 80 dnat to 10.244.1.3:8080
     ip daddr 10.96.0.10 udp dport 53 dnat to 10.244.1.3:5353
+  }
+  chain forward {
+    type filter hook forward priority filter; policy accept;
+    ct state invalid counter drop
   }
 }
 ";
@@ -78,6 +83,30 @@ while s.recv(4096):
     pass
 s.close()
 print('closed', flush=True)
+"#;
+
+/// A TCP connection from a fixed port that exchanges 1 MiB, waits for a file, then exchanges
+/// 8 MiB more (far past any unscaled window) and checks every byte came back.
+const BULK_CLIENT: &str = r#"
+import hashlib, os, socket, sys, threading, time
+port, addr, go_when = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', port)); s.settimeout(20); s.connect((addr, 80))
+def exchange(size):
+    data = os.urandom(size)
+    sender = threading.Thread(target=s.sendall, args=(data,)); sender.start()
+    got = bytearray()
+    while len(got) < size:
+        chunk = s.recv(1 << 16)
+        assert chunk, 'closed by the peer'
+        got += chunk
+    sender.join()
+    return hashlib.sha256(data).digest() == hashlib.sha256(got).digest()
+assert exchange(1 << 20)
+print('open', flush=True)
+while not os.path.exists(go_when):
+    time.sleep(0.02)
+print('intact' if exchange(8 << 20) else 'corrupted', flush=True)
 "#;
 
 /// One UDP exchange from a fixed port: prints the answer and where it came from, or the error.
@@ -459,4 +488,52 @@ fn a_table_of_100k_entries_is_read_whole() {
     assert_eq!(ours, ENTRIES as usize);
     let distinct: BTreeSet<Tuple> = entries.iter().map(|e| e.orig).collect();
     assert_eq!(distinct.len(), entries.len(), "no entry twice");
+}
+
+/// A TCP connection whose conntrack entry is replaced mid-stream by one from `create_dnat` (as
+/// when kproxy hands a flow it translated to netfilter) goes on: 8 MiB each way, window-scaled,
+/// with nothing dropped as INVALID.
+#[test]
+fn a_tcp_connection_carries_on_through_an_entry_created_mid_stream() {
+    let node = Node::new("nfct-handoff");
+    // No picking up of mid-stream packets: between the delete and the create, a packet would
+    // otherwise make an entry of its own.
+    node.sandbox.node_exec(["sysctl", "-q", "-w", "net.netfilter.nf_conntrack_tcp_loose=0"]).unwrap();
+    let go_when = node.client.dir().join("go");
+    let client = node
+        .client
+        .spawn(["python3", "-c", BULK_CLIENT, "40500", &VIP.to_string(), &go_when.display().to_string()])
+        .unwrap();
+    wait_for_log(&client, "open");
+    let orig = tuple(CLIENT_IP, 40500, VIP, 80);
+    let by_rule = node.find(Protocol::Tcp, orig).expect("the rule's entry");
+    assert_eq!(by_rule.reply, tuple(BACKEND_IP, TCP_BACKEND_PORT, CLIENT_IP, 40500));
+    let flow = DnatFlow {
+        proto: Protocol::Tcp,
+        client: SocketAddrV4::new(CLIENT_IP, 40500),
+        vip: SocketAddrV4::new(VIP, 80),
+        backend: SocketAddrV4::new(BACKEND_IP, TCP_BACKEND_PORT),
+        timeout_secs: 600,
+        mark: 0,
+        zone: 0,
+    };
+    node.inside(|| {
+        assert!(nf_conntrack::delete(&by_rule).unwrap());
+        assert!(nf_conntrack::create_dnat(&flow).unwrap(), "created in the rule's entry's place");
+    });
+    let invalid_before = invalid_drops(&node);
+    std::fs::write(&go_when, b"").unwrap();
+    wait_for_log(&client, "intact");
+    assert_eq!(invalid_drops(&node), invalid_before, "no packet of the flow was INVALID");
+    // The client has closed by now: the created entry followed the connection to its end.
+    let entry = node.find(Protocol::Tcp, orig).expect("the created entry");
+    assert!(entry.is_dst_nat() && entry.is_over(), "{entry:?}");
+}
+
+/// Packets the node's `ct state invalid counter drop` rule has dropped.
+fn invalid_drops(node: &Node) -> u64 {
+    let table = node.sandbox.node_exec(["nft", "list", "chain", "ip", "kp_nfct", "forward"]).unwrap();
+    let words: Vec<&str> = table.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "packets").unwrap_or_else(|| panic!("a counter in {table}"));
+    words[at + 1].parse().unwrap()
 }
