@@ -38,15 +38,14 @@
 //! NATed, so `kproxy trace` (tc and XDP events only) shows nothing for it; the test asserts that
 //! instead, with the socket hooks' counter and `getpeername()`/`recvfrom()` showing the Service.
 //!
-//! **Status: fails until kproxy hands legacy flows to netfilter** (the datapath/agent side of
-//! issue 17, in progress). Today, once the agents attach, the TCP segments of both TCP
-//! exchanges reach kproxy's tc program with no kproxy conntrack entry and are dropped as invalid
-//! (`drop_invalid_tcp`): both stall for good. The UDP exchange is taken over by kproxy as a new
-//! flow (tc: `dnat_new_flow`; socket LB: `socket_lb_translated` at each `sendto`) to a random
-//! backend: half the time the other one; when it is the same one, netfilter's NAT clash
-//! resolution gives kproxy's post-DNAT tuple another source port (the legacy entry holds the
-//! reply tuple), so the backend sees the client change ports. The test fails naming what each
-//! end saw, with each step's figures.
+//! What makes it pass (docs/architecture.md, "Inherited flows"): the agent marks nf_conntrack's
+//! DNAT entries in INHERITED_V4 before its first sync, and kproxy's tc programs pass those flows'
+//! packets to netfilter untouched (`pass_inherited_flow`) instead of dropping their TCP segments
+//! as invalid (`drop_invalid_tcp`: both TCP streams stalled for good at attach) or translating
+//! their datagrams anew (the UDP exchange moved to a random backend, or kept it with a source port
+//! netfilter remapped); `cleanup-kube-proxy --apply` keeps conntrack and the NAT hooks running
+//! (table ip kproxy-inherited-nat) while they are open (without it every inherited connection
+//! stopped the moment kube-proxy's rules went).
 //!
 //! Run: `cargo xtask test -p kproxy-tests --test migration -- --nocapture` (root; one
 //! combination: `-- --nocapture iptables_rules_tc`).

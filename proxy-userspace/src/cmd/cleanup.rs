@@ -18,13 +18,13 @@
 //! Connections opened through kube-proxy's rules before kproxy took over
 //! ("inherited": the agent leaves them to netfilter, see
 //! `agent::inherited`) are translated by nf_conntrack's NAT bindings, which
-//! netfilter applies only while a NAT hook is registered. Deleting kube-proxy's
-//! nftables table unregisters its NAT chains — and with the last of them the
-//! hooks, cutting those connections. So while any is open, the table is
-//! replaced in the same transaction by [`KEEPER_TABLE`], empty NAT base chains
-//! that keep the hooks (and translate nothing new); a later run removes it once
-//! none is left. iptables' `nat` table keeps its built-in chains, and with them
-//! the hooks, whatever is removed from it.
+//! netfilter applies only while conntrack runs in the network namespace and a
+//! NAT hook is registered. Both are there only while some rule needs them:
+//! kube-proxy's DNAT, masquerade and `ct state` rules, not the empty built-in
+//! chains they leave. So while any inherited connection is open, before the
+//! first rule or table of kube-proxy's goes, [`KEEPER_TABLE`] is created: NAT
+//! base chains with one rule that reads conntrack state and changes nothing;
+//! a later run deletes it once none is left.
 //!
 //! Nothing else is touched: kubelet's chains (`KUBE-FIREWALL`,
 //! `KUBE-KUBELET-CANARY`), other `KUBE-*` chains (kube-router's
@@ -48,21 +48,54 @@ use super::kube_proxy_rules::{find_tool, kube_proxy_nft_tables, plan_save};
 /// hooks while inherited connections remain.
 pub const KEEPER_TABLE: &str = "kproxy-inherited-nat";
 
-/// `nft -f` input: [`KEEPER_TABLE`] created (if missing), then `tables` deleted,
-/// in one transaction so the NAT hooks never go away in between.
-fn keeper_script(tables: &[(String, String)]) -> String {
-    let mut script = format!(
-        "table ip {KEEPER_TABLE} {{\n\
-         \tchain prerouting {{ type nat hook prerouting priority dstnat; }}\n\
-         \tchain output {{ type nat hook output priority dstnat; }}\n\
-         \tchain input {{ type nat hook input priority srcnat; }}\n\
-         \tchain postrouting {{ type nat hook postrouting priority srcnat; }}\n\
-         }}\n"
-    );
-    for (family, name) in tables {
-        let _ = writeln!(script, "delete table {family} {name}");
+/// `nft -f` input creating [`KEEPER_TABLE`] (a no-op when it exists). The
+/// `ct state` rule makes netfilter track connections in this namespace (a rule
+/// that needs conntrack is what turns it on); the NAT base chains register the
+/// NAT hooks that apply the existing bindings. Neither translates a new flow.
+const KEEPER_SCRIPT: &str = "table ip kproxy-inherited-nat {
+\tchain prerouting { type nat hook prerouting priority -100; ct state established,related counter; }
+\tchain output { type nat hook output priority -100; }
+\tchain input { type nat hook input priority 100; }
+\tchain postrouting { type nat hook postrouting priority 100; }
+}
+";
+
+/// Keeps netfilter translating inherited connections while kube-proxy's rules go.
+struct Keeper {
+    /// Why it is needed (how many connections are open), `None` when it is not.
+    needed: Option<String>,
+    /// There already, or created by this run.
+    present: bool,
+    /// Created by this run (or, in a dry run, would be).
+    created: bool,
+}
+
+impl Keeper {
+    fn new(inherited: &Result<usize, String>, present: bool) -> Self {
+        let needed = match inherited {
+            Ok(0) => None,
+            Ok(n) => Some(format!("{n} connection(s) opened through kube-proxy are still open")),
+            // Not counted: keep the hooks rather than risk cutting them.
+            Err(e) => Some(format!("connections netfilter translated could not be counted ({e})")),
+        };
+        Keeper { needed, present, created: false }
     }
-    script
+
+    /// Called before removing anything of kube-proxy's.
+    fn ensure(&mut self, apply: bool, nft: Option<&std::path::Path>) -> Result<()> {
+        if self.present || self.needed.is_none() {
+            return Ok(());
+        }
+        if apply {
+            let nft = nft.context(
+                "nft is not installed: cannot keep netfilter's NAT hooks for inherited connections",
+            )?;
+            run_command(Command::new(nft).args(["-f", "-"]), Some(KEEPER_SCRIPT))?;
+        }
+        self.present = true;
+        self.created = true;
+        Ok(())
+    }
 }
 
 /// Connections netfilter translated that are still open, from nf_conntrack;
@@ -145,6 +178,15 @@ pub fn run(apply: bool) -> Result<String> {
         );
     }
     let (mut rules, mut chains, mut tables, mut failures) = (0usize, 0usize, 0usize, 0usize);
+    let inherited = open_inherited_connections();
+    let keeper_there = nft.as_ref().is_some_and(|nft| {
+        run_command(Command::new(nft).args(["list", "tables"]), None).is_ok_and(|listed| {
+            super::kube_proxy_rules::parse_nft_tables(&listed)
+                .iter()
+                .any(|(family, name)| family == "ip" && name == KEEPER_TABLE)
+        })
+    });
+    let mut keeper = Keeper::new(&inherited, keeper_there);
 
     for backend in &backends {
         let saved = match run_command(&mut Command::new(&backend.save), None) {
@@ -176,15 +218,17 @@ pub fn run(apply: bool) -> Result<String> {
             if plan.is_empty() {
                 continue;
             }
-            let result = if apply {
-                run_command(
-                    Command::new(&backend.restore).args(["-w", "5", "--noflush"]),
-                    Some(&plan.restore_input()),
-                )
-                .map(drop)
-            } else {
-                Ok(())
-            };
+            let result = keeper.ensure(apply, nft.as_deref()).and_then(|()| {
+                if apply {
+                    run_command(
+                        Command::new(&backend.restore).args(["-w", "5", "--noflush"]),
+                        Some(&plan.restore_input()),
+                    )
+                    .map(drop)
+                } else {
+                    Ok(())
+                }
+            });
             match result {
                 Ok(()) => {
                     for rule in &plan.delete_rules {
@@ -221,87 +265,66 @@ pub fn run(apply: bool) -> Result<String> {
                 if found.is_empty() {
                     out.push_str("nftables: nothing of kube-proxy's\n");
                 }
-                let keeper_there = super::kube_proxy_rules::parse_nft_tables(&listed)
-                    .iter()
-                    .any(|(family, name)| family == "ip" && name == KEEPER_TABLE);
-                let inherited = open_inherited_connections();
-                let still_open = match &inherited {
-                    Ok(n) => *n > 0,
-                    // Not counted: keep the hooks rather than risk cutting them.
-                    Err(_) => true,
-                };
-                let shown = match &inherited {
-                    Ok(n) => format!("{n} connection(s) translated by netfilter (kube-proxy) are still open"),
-                    Err(e) => format!("connections translated by netfilter could not be counted ({e})"),
-                };
-                let keep = still_open && !found.is_empty();
-                let result = if !apply || found.is_empty() {
-                    Ok(())
-                } else if keep {
-                    run_command(Command::new(nft).args(["-f", "-"]), Some(&keeper_script(&found))).map(drop)
-                } else {
-                    found.iter().try_for_each(|(family, name)| {
-                        run_command(Command::new(nft).args(["delete", "table", family, name]), None).map(drop)
-                    })
-                };
-                match result {
-                    Ok(()) => {
-                        for (family, name) in &found {
+                for (family, name) in found {
+                    let result = keeper.ensure(apply, Some(nft)).and_then(|()| {
+                        if apply {
+                            run_command(Command::new(nft).args(["delete", "table", &family, &name]), None)
+                                .map(drop)
+                        } else {
+                            Ok(())
+                        }
+                    });
+                    match result {
+                        Ok(()) => {
                             tables += 1;
                             let _ = writeln!(out, "nftables: {table_verb} {family} {name}");
                         }
-                        if keep {
-                            let verb = if apply { "kept" } else { "would keep" };
-                            let _ = writeln!(
-                                out,
-                                "nftables: {verb} netfilter's NAT hooks (table ip {KEEPER_TABLE}, no rules): \
-                                 {shown}; run `kproxy cleanup-kube-proxy --apply` again once they have ended"
-                            );
+                        Err(error) => {
+                            failures += 1;
+                            let _ =
+                                writeln!(out, "nftables: FAILED to delete table {family} {name}: {error:#}");
                         }
-                    }
-                    Err(error) => {
-                        failures += 1;
-                        let _ = writeln!(out, "nftables: FAILED, tables left as they were: {error:#}");
-                    }
-                }
-                if keeper_there && found.is_empty() {
-                    if still_open {
-                        let _ = writeln!(out, "nftables: keeping table ip {KEEPER_TABLE}: {shown}");
-                    } else if apply {
-                        match run_command(
-                            Command::new(nft).args(["delete", "table", "ip", KEEPER_TABLE]),
-                            None,
-                        ) {
-                            Ok(_) => {
-                                tables += 1;
-                                let _ = writeln!(
-                                    out,
-                                    "nftables: deleted table ip {KEEPER_TABLE}: no connection inherited from \
-                                     kube-proxy is left"
-                                );
-                            }
-                            Err(error) => {
-                                failures += 1;
-                                let _ = writeln!(
-                                    out,
-                                    "nftables: FAILED to delete table ip {KEEPER_TABLE}: {error:#}"
-                                );
-                            }
-                        }
-                    } else {
-                        tables += 1;
-                        let _ = writeln!(
-                            out,
-                            "nftables: would delete table ip {KEEPER_TABLE}: no connection inherited from kube-proxy \
-                             is left"
-                        );
                     }
                 }
             }
         },
     }
 
-    match open_inherited_connections() {
+    match (&keeper.needed, keeper.present) {
+        (Some(why), true) => {
+            let verb = if keeper.created && !apply { "would keep" } else { "kept" };
+            let _ = writeln!(
+                out,
+                "{verb} netfilter's connection tracking and NAT hooks (nftables table ip {KEEPER_TABLE}): {why}; \
+                 run `kproxy cleanup-kube-proxy --apply` again once they have ended"
+            );
+        }
+        (None, true) => {
+            let result = match (&nft, apply) {
+                (Some(nft), true) => {
+                    run_command(Command::new(nft).args(["delete", "table", "ip", KEEPER_TABLE]), None)
+                        .map(drop)
+                }
+                _ => Ok(()),
+            };
+            match result {
+                Ok(()) => {
+                    tables += 1;
+                    let _ = writeln!(
+                        out,
+                        "nftables: {table_verb} ip {KEEPER_TABLE}: no connection opened through kube-proxy is left"
+                    );
+                }
+                Err(error) => {
+                    failures += 1;
+                    let _ = writeln!(out, "nftables: FAILED to delete table ip {KEEPER_TABLE}: {error:#}");
+                }
+            }
+        }
+        _ => {}
+    }
+
+    match inherited {
         Ok(0) => out.push_str("connections opened through kube-proxy still open: none\n"),
         Ok(n) => {
             let _ = writeln!(

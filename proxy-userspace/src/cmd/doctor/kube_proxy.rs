@@ -138,16 +138,28 @@ pub(super) fn kube_proxy_check() -> Check {
     kube_proxy_verdict(&kube_proxy_pids(), &found, &unchecked)
 }
 
-/// Whether netfilter has a NAT hook registered in this network namespace: a NAT base chain in
-/// nftables (kube-proxy's, iptables-nft's `nat` table, kproxy's keeper table) or an
-/// iptables-legacy `nat` table. `None` when neither tool could tell.
+/// Whether netfilter still translates connections it NATed in this network namespace: it needs a
+/// NAT hook (a NAT base chain: kube-proxy's, iptables' `nat` table, kproxy's keeper table) and
+/// connection tracking turned on, which only a rule that uses it does (DNAT, masquerade, a
+/// conntrack state match). `None` when neither tool could tell.
 fn nat_hooks_present() -> Option<bool> {
     let mut known = false;
     if let Some(nft) = find_tool("nft")
         && let Ok(ruleset) = output(&nft, &["list", "ruleset"])
     {
         known = true;
-        if ruleset.contains("type nat hook") {
+        let uses_conntrack = [
+            "ct state",
+            "ct status",
+            "dnat",
+            "snat",
+            "masquerade",
+            "xt match \"conntrack\"",
+            "xt match \"state\"",
+        ]
+        .iter()
+        .any(|marker| ruleset.contains(marker));
+        if ruleset.contains("type nat hook") && uses_conntrack {
             return Some(true);
         }
     }
@@ -155,7 +167,10 @@ fn nat_hooks_present() -> Option<bool> {
         && let Ok(saved) = output(&save, &["-t", "nat"])
     {
         known = true;
-        if saved.lines().any(|l| l.trim() == "*nat") {
+        let uses_conntrack = ["-j DNAT", "-j SNAT", "-j MASQUERADE", "-m conntrack", "-m state"]
+            .iter()
+            .any(|marker| saved.contains(marker));
+        if saved.lines().any(|l| l.trim() == "*nat") && uses_conntrack {
             return Some(true);
         }
     }
