@@ -162,7 +162,9 @@ fn log_start(args: &AgentArgs) {
             master.as_deref().map(|m| format!(", --master {m}")).unwrap_or_default()
         ),
         (None, None, Some(master)) => format!("API server {master}"),
-        (None, None, None) => "API server (in-cluster config, else ~/.kube/config)".to_owned(),
+        // Which endpoint (--api-server-host, its environment variables, in-cluster) and why: the
+        // `API server endpoint` line, once the client is built.
+        (None, None, None) => "API server (the endpoint: the `API server endpoint` line)".to_owned(),
     };
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
