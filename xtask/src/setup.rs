@@ -33,6 +33,8 @@ const PACKAGES: &[&str] = &[
     "conntrack",
     // The socket-level load balancing tests drive sockets from small scripts.
     "python3",
+    // The API endpoint test makes the TLS certificates of its API server front.
+    "openssl",
 ];
 
 const LLVM_BIN: &str = "/usr/lib/llvm-22/bin";
