@@ -1254,6 +1254,41 @@ fn stop_and_check(exchanges: &[Exchange]) -> (Vec<String>, String) {
     (failures, report)
 }
 
+/// Once the inherited connections have ended, the agent says so and a second
+/// `cleanup-kube-proxy --apply` removes the table that kept netfilter translating them. The TCP
+/// exchanges closed (their entries are in TIME_WAIT: over); the UDP one's entry would expire
+/// after nf_conntrack's 120 s UDP stream timeout, which the test does not wait for: it deletes it
+/// as the expiry would.
+fn keeper_goes_once_inherited_connections_end(world: &World) -> Vec<String> {
+    let mut failures = Vec::new();
+    let node = world.multi.node(0);
+    let port = UDP_SOURCE_PORT.to_string();
+    let deleted = node.node_exec_output(["conntrack", "-D", "-p", "udp", "--orig-port-src", port.as_str()]);
+    eprintln!(
+        "  node-0: the UDP exchange's nf_conntrack entry deleted (its expiry): {:?}",
+        deleted.map(|o| o.status)
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !world.agent_logs().contains("every connection inherited from netfilter has ended") {
+        if Instant::now() > deadline {
+            failures.push("the agent did not log that every inherited connection has ended".to_owned());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = world.kproxy(0, &["cleanup-kube-proxy", "--apply"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("  node-0: kproxy cleanup-kube-proxy --apply, again:\n{text}");
+    if !text.contains("deleted table ip kproxy-inherited-nat: no connection opened through kube-proxy is left") {
+        failures.push(format!("the second cleanup did not remove table ip kproxy-inherited-nat:\n{text}"));
+    }
+    let tables = node.node_exec(["nft", "list", "tables"]).unwrap_or_default();
+    if tables.contains("kproxy-inherited-nat") {
+        failures.push(format!("table ip kproxy-inherited-nat is still there: {tables}"));
+    }
+    failures
+}
+
 fn migrate(rules: Rules, datapath: Datapath) {
     let mut world = World::build(rules, datapath);
     eprintln!("migration test: kube-proxy {rules:?} rules, kproxy {datapath:?}");
@@ -1289,6 +1324,28 @@ fn migrate(rules: Rules, datapath: Datapath) {
             assert!(out.status.success(), "cleanup-kube-proxy --apply failed on node {node}");
             let left = world.kube_proxy_leftovers(node);
             assert!(left.is_empty(), "node {node}: kube-proxy's rules left after cleanup: {left:#?}");
+            if node == 0 {
+                // The three exchanges are node 0's: what keeps netfilter translating them is said.
+                let text = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    text.contains("kept netfilter's connection tracking and NAT hooks")
+                        && text.contains("connections opened through kube-proxy still open: 3"),
+                    "cleanup does not say it kept netfilter running for the 3 open connections:\n{text}"
+                );
+                let doctor = world.kproxy(0, &["doctor"]);
+                let doctor = String::from_utf8_lossy(&doctor.stdout).into_owned();
+                let inherited = doctor
+                    .lines()
+                    .find(|l| l.split_whitespace().nth(1) == Some("inherited"))
+                    .unwrap_or_default()
+                    .to_owned();
+                eprintln!("  node-0: kproxy doctor: {inherited}");
+                assert!(
+                    inherited.contains("OK")
+                        && inherited.contains("3 connection(s) opened through kube-proxy"),
+                    "doctor's inherited line:\n{doctor}"
+                );
+            }
         }
     }));
 
@@ -1299,6 +1356,7 @@ fn migrate(rules: Rules, datapath: Datapath) {
     }
     let (end_failures, report) = stop_and_check(&exchanges);
     failures.extend(end_failures);
+    failures.extend(keeper_goes_once_inherited_connections_end(&world));
     let steps_text: String = steps.iter().map(|s| s.render(&exchanges)).collect();
     eprintln!("{report}");
     assert!(
