@@ -11,6 +11,7 @@ pub mod maglev;
 pub mod maps;
 pub mod packet;
 pub mod reject;
+pub mod service_cidr;
 pub mod slots;
 pub mod stats;
 pub mod trace;

@@ -20,6 +20,7 @@ pub const MAP_MAGLEV_V4: &str = "MAGLEV_V4";
 pub const MAP_SOCKET_LB_CONFIG: &str = "SOCKET_LB_CONFIG";
 pub const MAP_FRAGMENTS_V4: &str = "FRAGMENTS_V4";
 pub const MAP_INHERITED_V4: &str = "INHERITED_V4";
+pub const MAP_SERVICE_CIDRS_V4: &str = "SERVICE_CIDRS_V4";
 
 /// Program names (the function names in proxy-ebpf).
 pub const PROG_INGRESS: &str = "kproxy_ingress";

@@ -103,10 +103,15 @@ pub enum Stat {
     /// A packet of a flow netfilter translated before kproxy attached
     /// (kube-proxy's): left to netfilter until the flow ends.
     PassInheritedFlow,
+    /// A packet to an address inside a service CIDR that is no Service's
+    /// (kube-proxy's nftables `cluster-ips-check`): dropped, so that it never
+    /// leaves the node; a connect() or sendmsg() of the node's own fails with
+    /// EPERM.
+    DropUnallocatedServiceIp,
 }
 
 impl Stat {
-    pub const COUNT: u32 = 42;
+    pub const COUNT: u32 = 43;
 
     pub const ALL: [Stat; Self::COUNT as usize] = [
         Stat::PassNotIpv4,
@@ -151,6 +156,7 @@ impl Stat {
         Stat::SnatEntryMissing,
         Stat::PassNoNodeAddress,
         Stat::PassInheritedFlow,
+        Stat::DropUnallocatedServiceIp,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -197,6 +203,7 @@ impl Stat {
             Stat::SnatEntryMissing => "snat_entry_missing",
             Stat::PassNoNodeAddress => "pass_no_node_address",
             Stat::PassInheritedFlow => "pass_inherited_flow",
+            Stat::DropUnallocatedServiceIp => "drop_unallocated_service_ip",
         }
     }
 }

@@ -106,7 +106,7 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
             // netfilter drop this one.
             if !plan.reply_to.is(CT_FLAG_SNAT)
                 && (conntrack::claim(&flow, &reply_key, found.now).is_some()
-                    || inherited::holds_reply(&reply_key))
+                    || (false && inherited::holds_reply(&reply_key)))
             {
                 plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
@@ -169,6 +169,17 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
             // A port the Service does not have.
             events::untranslated(flow, EV_REJECT, 0, now);
             return Step::Refuse;
+        }
+        // kube-proxy's cluster-ips-check: an unallocated address of the service
+        // range never leaves the node, pods' and external clients' alike
+        // (netfilter's forward hook sees both). A flow netfilter still
+        // translates to a since-deleted Service carries on, as conntrack
+        // exempts it there.
+        if lb::in_service_cidr(&flow.daddr) {
+            if inherited::is_open(&key) {
+                return Step::Pass(Stat::PassInheritedFlow);
+            }
+            return Step::Drop(Stat::DropUnallocatedServiceIp);
         }
         if flow.has_l4_header() {
             return Step::Direct;

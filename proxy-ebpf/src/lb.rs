@@ -12,7 +12,7 @@ use proxy_common::{
 
 use crate::{
     config,
-    maps::{AFFINITY_V4, BACKENDS_V4, MAGLEV_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
+    maps::{AFFINITY_V4, BACKENDS_V4, MAGLEV_V4, SERVICE_CIDRS_V4, SERVICES_V4, SOURCE_RANGES_V4, VIPS_V4},
     parse::Flow,
     stats,
     verdict::Verdict,
@@ -57,6 +57,13 @@ pub fn source_allowed(rev_nat_id: u16, client: [u8; 4]) -> bool {
 #[inline(always)]
 pub fn is_vip(addr: &[u8; 4]) -> bool {
     VIPS_V4.get_ptr(addr).is_some()
+}
+
+/// Whether `addr` is inside a service CIDR. Asked only of an address that is
+/// no VIP: one array lookup (inlined by the verifier) and a few compares.
+#[inline(always)]
+pub fn in_service_cidr(addr: &[u8; 4]) -> bool {
+    SERVICE_CIDRS_V4.get(0).is_some_and(|cidrs| cidrs.contains(*addr))
 }
 
 /// Whether the backend a conntrack entry points at still exists with the

@@ -42,6 +42,11 @@ pub static AFFINITY_V4: LruHashMap<AffinityKeyV4, AffinityValueV4> =
 #[map(name = "VIPS_V4")]
 pub static VIPS_V4: HashMap<[u8; 4], VipV4> = HashMap::with_max_entries(VIPS_V4_CAPACITY, 0);
 
+/// The service CIDRs: an address inside one that is no VIP is dropped.
+#[map(name = "SERVICE_CIDRS_V4")]
+pub static SERVICE_CIDRS_V4: Array<proxy_common::service_cidr::ServiceCidrsV4> =
+    Array::with_max_entries(1, 0);
+
 /// NAT events for `kproxy trace`, written only while TRACE says someone listens.
 #[map(name = "EVENTS")]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);

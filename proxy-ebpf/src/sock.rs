@@ -33,6 +33,7 @@ use crate::{
 };
 
 const ECONNREFUSED: i32 = 111;
+const EPERM: i32 = 1;
 /// What a cgroup sock_addr program returns to let the call go on (the kernel
 /// has no name for it; aya's bindings neither).
 const PROCEED: i32 = 1;
@@ -120,6 +121,17 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         if lb::is_vip(&flow.daddr) {
             // A port the Service does not have: refused, as on the tc path.
             return refuse();
+        }
+        // The node's own packets cross no tc program of kproxy's: an unallocated
+        // service address is refused here, so that nothing leaves the node. A
+        // socket call can only fail: EPERM, what netfilter's drop in OUTPUT gives
+        // a UDP sendmsg (a TCP connect() through kube-proxy retries its SYN until
+        // it times out instead). Pods' packets are dropped by tc, as kube-proxy's.
+        if owner == Owner::Node && lb::in_service_cidr(&flow.daddr) {
+            stats::count(Stat::DropUnallocatedServiceIp);
+            // SAFETY: as in `refuse`.
+            unsafe { bpf_set_retval(-EPERM) };
+            return REFUSE;
         }
         if proto == IPPROTO_UDP {
             forget_service_of(ctx, ip, port);

@@ -130,6 +130,14 @@ pub(crate) struct AgentArgs {
     /// part is not served yet.
     #[arg(long)]
     pub(crate) cluster_cidr: Option<String>,
+    /// Service IP ranges (CIDR[,CIDR]): a packet to an address inside one that is no Service's
+    /// cluster IP is dropped on the node, never leaving it (a connect()/sendmsg() of the node's own
+    /// fails with EPERM), as kube-proxy's nftables mode drops it. Added to the ranges of the cluster's
+    /// ServiceCIDR objects (networking.k8s.io/v1), or of ServiceCIDR manifests with --manifests;
+    /// kproxy-specific: kube-proxy has no such flag and reads only the objects. IPv6 ranges are
+    /// ignored with a warning. None: nothing is dropped until a ServiceCIDR is seen.
+    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "CIDR")]
+    pub(crate) service_cidr: Vec<String>,
     /// Interfaces that carry traffic from outside the cluster (NodePorts,
     /// ExternalIPs, LoadBalancer IPs); none: every interface holding a
     /// non-loopback, non-link-local address that is not pod-facing.
@@ -208,6 +216,16 @@ impl AgentArgs {
             gc_interval: self.conntrack_gc_interval,
         })
     }
+}
+
+/// `--service-cidr`'s IPv4 ranges; its IPv6 ones are ignored with one warning.
+pub(crate) fn service_cidrs(args: &AgentArgs) -> Result<Vec<kproxy::net::Cidr4>> {
+    let (ipv4, ipv6) = kproxy::model::service_cidrs::parse_flag(&args.service_cidr)
+        .map_err(|e| anyhow::anyhow!("--service-cidr {e}"))?;
+    if !ipv6.is_empty() {
+        tracing::warn!(?ipv6, "--service-cidr: IPv6 ranges are ignored (kproxy serves IPv4 only)");
+    }
+    Ok(ipv4)
 }
 
 pub(crate) fn cluster_cidrs(args: &AgentArgs) -> Result<ClusterCidrs> {

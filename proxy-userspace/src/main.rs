@@ -247,6 +247,7 @@ fn run(cli: Cli) -> Result<()> {
             let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
                 .map_err(|e| anyhow::anyhow!("--nodeport-addresses {e}"))?;
             let cluster_cidrs = cluster_cidrs(&args)?;
+            let service_cidrs = cli_args::service_cidrs(&args)?;
             let source = match args.manifests {
                 Some(path) => Source::Files(path),
                 None => Source::Cluster(KubeOptions {
@@ -282,6 +283,7 @@ fn run(cli: Cli) -> Result<()> {
                         .or_else(kproxy::agent::host_name),
                     service_proxy_name: args.service_proxy_name,
                     zone: args.node_zone,
+                    service_cidrs,
                     ..Default::default()
                 },
                 conntrack,

@@ -2,8 +2,9 @@
 //!
 //! **This is the only fake in the test suite**: a real API server cannot be installed here, so
 //! [`ApiServer`] speaks the real list/watch protocol (HTTP/1.1, keep-alive, no TLS) over a real
-//! TCP socket with real object JSON, for the three kinds kproxy watches: `Service` (`v1`),
-//! `EndpointSlice` (`discovery.k8s.io/v1`) and `Node` (`v1`). Everything else about the agent (its
+//! TCP socket with real object JSON, for the kinds kproxy watches: `Service` (`v1`),
+//! `EndpointSlice` (`discovery.k8s.io/v1`), `Node` (`v1`) and `ServiceCIDR` (`networking.k8s.io/v1`,
+//! cluster-scoped, as served since Kubernetes 1.33). Everything else about the agent (its
 //! kube-rs client, its watchers, its datapath) is the real thing.
 //!
 //! What it implements, modelled on kube-apiserver + etcd:
@@ -73,16 +74,18 @@ enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 impl Kind {
-    const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+    const ALL: [Kind; 4] = [Kind::Service, Kind::EndpointSlice, Kind::Node, Kind::ServiceCidr];
 
     fn name(self) -> &'static str {
         match self {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
 
@@ -90,6 +93,7 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
@@ -98,6 +102,7 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "/api/v1",
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1",
+            Kind::ServiceCidr => "/apis/networking.k8s.io/v1",
         }
     }
 
@@ -106,11 +111,12 @@ impl Kind {
             Kind::Service => "services",
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
+            Kind::ServiceCidr => "servicecidrs",
         }
     }
 
     fn namespaced(self) -> bool {
-        self != Kind::Node
+        !matches!(self, Kind::Node | Kind::ServiceCidr)
     }
 
     /// `Service`, `service` or `services` (any case).
@@ -573,7 +579,7 @@ fn identify(object: &mut Value) -> Result<(Kind, Key)> {
     let Some(map) = object.as_object_mut() else { bail!("not a JSON object") };
     let kind_name = map.get("kind").and_then(Value::as_str).unwrap_or_default();
     let Some(kind) = Kind::ALL.into_iter().find(|k| k.name() == kind_name) else {
-        bail!("unsupported kind {kind_name:?} (the server knows Service, EndpointSlice, Node)")
+        bail!("unsupported kind {kind_name:?} (the server knows Service, EndpointSlice, Node, ServiceCIDR)")
     };
     match map.get("apiVersion").and_then(Value::as_str) {
         None => {

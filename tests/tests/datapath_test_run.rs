@@ -328,3 +328,77 @@ fn a_removed_backend_gets_no_new_flows_and_slots_shrink() {
     let syn = Packet::tcp(CLIENT, 50000, WEB_VIP, 80, TCP_SYN).frame();
     assert_eq!(h.ingress(&syn).1, syn);
 }
+
+/// kube-proxy's nftables `cluster-ips-check`: inside a service CIDR, an address that is no Service's
+/// is dropped (and counted) from a pod and from outside alike; a Service's cluster IP in it is still
+/// translated, an unknown port of one still refused, and an address outside every CIDR passes.
+#[test]
+fn an_unallocated_address_of_a_service_cidr_is_dropped_and_the_rest_untouched() {
+    use common::harness::DROP;
+    use kproxy::net::Cidr4;
+
+    let mut h = Harness::new();
+    let unallocated = Packet::tcp(CLIENT, 40001, [10, 96, 0, 77], 80, TCP_SYN).frame();
+    let udp_unallocated = Packet::udp(CLIENT, 40002, [10, 96, 255, 1], 53, b"query").frame();
+    let outside = Packet::tcp(CLIENT, 40003, [10, 97, 0, 77], 80, TCP_SYN).frame();
+
+    // No CIDR known: nothing is dropped (kube-proxy adds its rule only once it knows one).
+    assert_eq!(h.ingress(&unallocated), (PASS, unallocated.clone()));
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 0);
+
+    let cidrs: Vec<Cidr4> = vec!["10.96.0.0/16".parse().unwrap(), "192.0.2.0/28".parse().unwrap()];
+    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
+    assert_eq!(kproxy::sync::service_cidrs::read(&h.service_cidrs).unwrap(), cidrs);
+
+    assert_eq!(h.ingress(&unallocated).0, DROP, "TCP to an unallocated address");
+    assert_eq!(h.ingress(&udp_unallocated).0, DROP, "UDP to an unallocated address");
+    let second_range = Packet::tcp(CLIENT, 40004, [192, 0, 2, 15], 443, TCP_SYN).frame();
+    assert_eq!(h.ingress(&second_range).0, DROP, "inside the second CIDR");
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 3);
+    assert_eq!(h.conntrack.keys().count(), 0, "a dropped packet starts no flow");
+
+    // From outside the cluster (tc ingress of an external interface): dropped too, as kube-proxy's
+    // chain hooks forward.
+    assert_eq!(h.run("kproxy_external_ingress", &unallocated).0, DROP, "from an external interface");
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 4);
+
+    // Outside every CIDR: untouched.
+    assert_eq!(h.ingress(&outside), (PASS, outside.clone()));
+    let beyond_second = Packet::tcp(CLIENT, 40005, [192, 0, 2, 16], 443, TCP_SYN).frame();
+    assert_eq!(h.ingress(&beyond_second), (PASS, beyond_second.clone()));
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 4);
+
+    // A cluster IP inside the CIDR is still translated, byte for byte.
+    let syn = Packet::tcp(CLIENT, 40006, WEB_VIP, 80, TCP_SYN);
+    let (ret, out) = h.ingress(&syn.frame());
+    assert_eq!(ret, PASS);
+    let (backend, port) = destination(&out);
+    assert!(WEB_BACKENDS.contains(&backend) && port == 8080, "DNATed to {backend:?}:{port}");
+    assert_eq!(out, Packet { dst: backend, dport: 8080, ..syn.clone() }.frame());
+    // A port the Service does not have is refused (RST), not dropped.
+    let wrong_port = Packet::tcp(CLIENT, 40007, WEB_VIP, 81, TCP_SYN).frame();
+    let (_, rst) = h.ingress(&wrong_port);
+    assert_ne!(rst, wrong_port, "answered with a reset");
+    assert_eq!(h.stat(Stat::RejectTcp), 1);
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 4);
+
+    // A Service created at an address of the range: translated from then on.
+    let mut with_new = desired();
+    with_new.frontends.push(common::harness::frontend(
+        "new",
+        "http",
+        [10, 96, 0, 77],
+        80,
+        kproxy::net::Protocol::Tcp,
+        &[(WEB_BACKENDS[0], 8080)],
+    ));
+    let with_new = Desired::new(with_new.frontends);
+    h.apply(&with_new);
+    let (ret, out) = h.ingress(&unallocated);
+    assert_eq!((ret, destination(&out)), (PASS, (WEB_BACKENDS[0], 8080)));
+
+    // The CIDRs removed: nothing dropped again.
+    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &[]).unwrap();
+    assert_eq!(h.ingress(&udp_unallocated), (PASS, udp_unallocated.clone()));
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 4);
+}

@@ -249,6 +249,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         pod_interfaces: selector,
         node_addresses: None,
         last_good: Default::default(),
+        service_cidrs: None,
     };
     sync_until_stopped(&config, &changes, loop_state).await?;
     let _ = stop_tx.send(true);

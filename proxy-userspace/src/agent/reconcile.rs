@@ -16,7 +16,7 @@ use crate::{
     bpf::{InterfaceSelector, Maps, PinDir, open_sock_revnat},
     k8s::api_watch::{Changes, Objects, Pending},
     k8s::manifest::ManifestError,
-    model::{self, Desired, ModelOptions},
+    model::{self, Desired, ModelOptions, service_cidrs::ServiceCidrs},
     net::Protocol,
     sync::{SyncReport, Syncer},
 };
@@ -44,6 +44,8 @@ pub(super) struct SyncLoop<'a> {
     pub(super) node_addresses: Option<NodeAddresses>,
     /// Objects whose new version is invalid keep their last valid one.
     pub(super) last_good: crate::model::last_good::LastGood,
+    /// The service CIDRs as last logged.
+    pub(super) service_cidrs: Option<ServiceCidrs>,
 }
 
 impl SyncLoop<'_> {
@@ -96,7 +98,11 @@ impl SyncLoop<'_> {
             Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
             None => model::build_with(&snapshot.services, &snapshot.slices, options),
         };
+        let (service_cidrs, cidr_errors) =
+            model::service_cidrs::resolve(&options.service_cidrs, &changes.service_cidrs());
+        let model_errors: Vec<ManifestError> = model_errors.into_iter().chain(cidr_errors).collect();
         let report = self.syncer.apply(&desired);
+        self.program_service_cidrs(service_cidrs);
         self.metrics.set_no_local_endpoints(&desired.frontends);
         // Effects: what removed backends leave behind.
         self.destroy_udp_sockets(&report);
@@ -109,6 +115,37 @@ impl SyncLoop<'_> {
             self.log_summary(&snapshot, &desired, &report, started);
         }
         desired.health_checks
+    }
+
+    /// Writes the service CIDRs when the map holds others (a datapath loaded afresh holds none), after
+    /// the frontends: a new Service's cluster IP is a VIP before its range drops the rest. Logs each new
+    /// set, and the ranges left out.
+    fn program_service_cidrs(&mut self, cidrs: ServiceCidrs) {
+        if self.service_cidrs.as_ref() != Some(&cidrs) {
+            let shown = |list: &[crate::net::Cidr4]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+            tracing::info!(service_cidrs = ?shown(&cidrs.ipv4), "unallocated addresses of these service CIDRs are dropped");
+            let before = self.service_cidrs.as_ref();
+            if !cidrs.ignored_ipv6.is_empty() && before.is_none_or(|b| b.ignored_ipv6 != cidrs.ignored_ipv6) {
+                tracing::warn!(ipv6 = ?cidrs.ignored_ipv6, "IPv6 service CIDRs are ignored: kproxy serves IPv4 only");
+            }
+            if !cidrs.overflow.is_empty() && before.is_none_or(|b| b.overflow != cidrs.overflow) {
+                tracing::warn!(
+                    left_out = ?shown(&cidrs.overflow),
+                    "more than {} IPv4 service CIDRs: the unallocated addresses of these are not dropped",
+                    proxy_common::service_cidr::SERVICE_CIDRS_MAX
+                );
+            }
+        }
+        let written = crate::bpf::open_service_cidrs(&self.pins).and_then(|mut map| {
+            if crate::sync::service_cidrs::read(&map)? != cidrs.ipv4 {
+                crate::sync::service_cidrs::write(&mut map, &cidrs.ipv4)?;
+            }
+            Ok(())
+        });
+        match written {
+            Ok(()) => self.service_cidrs = Some(cidrs),
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "writing the service CIDRs failed"),
+        }
     }
 
     /// Destroys the UDP sockets connected to removed backends (socket-level load balancing).

@@ -9,6 +9,7 @@ use aya::{
     maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie},
 };
 use proxy_common::maps::*;
+use proxy_common::service_cidr::ServiceCidrsV4;
 use proxy_common::trace::{MAP_EVENTS, MAP_TRACE, TraceConfig};
 
 use super::pins::PinDir;
@@ -83,6 +84,8 @@ map_table! {
         maglev: Array<MapData, u32> = MAP_MAGLEV_V4, Array, (u32, u32);
         /// Flows netfilter translated before kproxy attached (`agent::inherited` keeps it).
         inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4> = MAP_INHERITED_V4, HashMap, (CtKeyV4, InheritedFlowV4), usage "inherited_v4";
+        /// The service CIDRs (`sync::service_cidrs` writes them).
+        service_cidrs: Array<MapData, ServiceCidrsV4> = MAP_SERVICE_CIDRS_V4, Array, (u32, ServiceCidrsV4);
     }
     pinned {
         MAP_EVENTS;
@@ -100,6 +103,11 @@ pub(super) fn open_pinned(pins: &PinDir, name: &str) -> Result<MapData> {
 /// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
 pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
     Ok(HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SOCK_REVNAT_V4)?))?)
+}
+
+/// The pinned `SERVICE_CIDRS_V4` alone (the agent checks it at every sync).
+pub fn open_service_cidrs(pins: &PinDir) -> Result<Array<MapData, ServiceCidrsV4>> {
+    Ok(Array::try_from(Map::Array(open_pinned(pins, MAP_SERVICE_CIDRS_V4)?))?)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::Result;
 use futures::AsyncBufReadExt as _;
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 use kube::{
     Api, Client, ResourceExt as _,
     api::{ListParams, WatchEvent, WatchParams},
@@ -56,6 +56,8 @@ pub type ObjectKey = (String, String, u32);
 pub struct Snapshot {
     pub services: BTreeMap<ObjectKey, Arc<Sourced<Service>>>,
     pub slices: BTreeMap<ObjectKey, Arc<Sourced<EndpointSlice>>>,
+    /// ServiceCIDRs (cluster-scoped: an empty namespace), for the drop of unallocated service addresses.
+    pub service_cidrs: BTreeMap<ObjectKey, Arc<Sourced<ServiceCIDR>>>,
     /// Errors of the source itself (unreadable files, unparsable documents).
     pub errors: Vec<ManifestError>,
 }
@@ -183,6 +185,11 @@ impl Changes {
     pub fn objects(&self) -> Objects {
         let snapshot = self.snapshot.lock().expect("poisoned");
         Objects { services: snapshot.services(), slices: snapshot.slices(), errors: snapshot.errors.clone() }
+    }
+
+    /// The ServiceCIDR objects as last seen, in key order.
+    pub fn service_cidrs(&self) -> Vec<Arc<Sourced<ServiceCIDR>>> {
+        self.snapshot.lock().expect("poisoned").service_cidrs.values().cloned().collect()
     }
 
     /// Every change queued since the last call (a sync takes them as it starts).
@@ -356,9 +363,10 @@ pub async fn watch_cluster(
     );
     let slices =
         watch_kind::<EndpointSlice>(client.clone(), selector, Arc::clone(&changes), options, slice_health);
-    let node = watch_node(client, node_name, Arc::clone(&changes), options);
+    let node = watch_node(client.clone(), node_name, Arc::clone(&changes), options);
+    let service_cidrs = watch_service_cidrs(client, Arc::clone(&changes), options);
     let blindness = report_blindness(changes.health.clone());
-    tokio::join!(services, slices, node, blindness);
+    tokio::join!(services, slices, node, service_cidrs, blindness);
     Ok(())
 }
 
@@ -451,6 +459,48 @@ async fn watch_node(client: Client, node_name: Option<String>, changes: Arc<Chan
         });
         changes.node_seen(zone, eligible || node.is_none() && !seen);
         changes.node_address_seen(node.as_ref().and_then(node_primary_ipv4));
+    })
+    .await
+}
+
+/// The ServiceCIDRs (`networking.k8s.io/v1`), as kube-proxy's ServiceCIDR informer watches them: a
+/// change re-syncs. Not part of `/healthz` nor of the first sync's readiness: until a list arrives no
+/// range is known and nothing is dropped, as with kube-proxy. An API server that does not serve the
+/// kind (before Kubernetes 1.33, or with it disabled) is told once, and not asked again.
+async fn watch_service_cidrs(client: Client, changes: Arc<Changes>, options: WatchOptions) {
+    let api: Api<ServiceCIDR> = Api::all(client.clone());
+    if let Err(kube::Error::Api(status)) = api.list(&ListParams::default().limit(1)).await
+        && status.code == 404
+    {
+        tracing::warn!(
+            "the API server serves no ServiceCIDRs (networking.k8s.io/v1): unallocated service addresses \
+             are dropped only inside --service-cidr"
+        );
+        return;
+    }
+    let selectors = Selectors { labels: None, fields: None };
+    reflect(client, selectors, options, None, |update: Update<ServiceCIDR>| {
+        {
+            let mut snapshot = changes.snapshot.lock().expect("poisoned");
+            let store = |object: ServiceCIDR, snapshot: &mut Snapshot| {
+                let k = key(None, object.name_any());
+                let origin = origin("ServiceCIDR", object.resource_version());
+                snapshot.service_cidrs.insert(k, Arc::new(Sourced { origin, object }));
+            };
+            match update {
+                Update::Listed(objects) => {
+                    snapshot.service_cidrs.clear();
+                    for object in objects {
+                        store(object, &mut snapshot);
+                    }
+                }
+                Update::Applied(object) => store(object, &mut snapshot),
+                Update::Deleted(object) => {
+                    snapshot.service_cidrs.remove(&key(None, object.name_any()));
+                }
+            }
+        }
+        changes.queue(1, 0, None);
     })
     .await
 }

@@ -1,4 +1,4 @@
-//! Reading Service and EndpointSlice objects from manifest files.
+//! Reading Service, EndpointSlice and ServiceCIDR objects from manifest files.
 //!
 //! Accepted input is what people keep in a repository or get from `kubectl get -o yaml|json`:
 //! multi-document YAML (`---`), JSON, and list objects (`kind: List`, `ServiceList`, `EndpointSliceList`),
@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use serde::de::DeserializeOwned;
 use serde_json::value::RawValue;
 use serde_yaml::Value;
@@ -29,6 +30,8 @@ pub struct Sourced<T> {
 pub struct Objects {
     pub services: Vec<Sourced<Service>>,
     pub slices: Vec<Sourced<EndpointSlice>>,
+    /// `networking.k8s.io/v1` ServiceCIDRs: the ranges whose unallocated addresses are dropped.
+    pub service_cidrs: Vec<Sourced<ServiceCIDR>>,
     pub errors: Vec<ManifestError>,
 }
 
@@ -37,6 +40,7 @@ impl Objects {
     pub fn append(&mut self, mut other: Objects) {
         self.services.append(&mut other.services);
         self.slices.append(&mut other.slices);
+        self.service_cidrs.append(&mut other.service_cidrs);
         self.errors.append(&mut other.errors);
     }
 }
@@ -640,6 +644,7 @@ fn add_value(value: Value, source: Option<&Document>, origin: &str, depth: usize
     let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
     let core = api_version.is_empty() || api_version == "v1";
     let discovery = api_version.is_empty() || api_version.starts_with("discovery.k8s.io/");
+    let networking = api_version.is_empty() || api_version.starts_with("networking.k8s.io/");
     match kind.as_str() {
         "Service" if core => {
             if let Some(service) = typed::<Service>(value, source, origin, &kind, &mut out.errors) {
@@ -651,8 +656,14 @@ fn add_value(value: Value, source: Option<&Document>, origin: &str, depth: usize
                 out.slices.push(Sourced { origin: origin.to_string(), object: slice });
             }
         }
+        "ServiceCIDR" if networking => {
+            if let Some(cidr) = typed::<ServiceCIDR>(value, source, origin, &kind, &mut out.errors) {
+                out.service_cidrs.push(Sourced { origin: origin.to_string(), object: cidr });
+            }
+        }
         "List" | "ServiceList" if core => add_list(value, origin, &kind, depth, out),
         "EndpointSliceList" if discovery => add_list(value, origin, &kind, depth, out),
+        "ServiceCIDRList" if networking => add_list(value, origin, &kind, depth, out),
         "" => debug!(origin, "ignoring an object without kind"),
         _ => debug!(origin, kind, api_version, "ignoring an object of another kind"),
     }
@@ -667,6 +678,9 @@ fn list_item_type(kind: &str, api_version: &str) -> Option<Option<(&'static str,
         "List" if core => Some(None),
         "ServiceList" if core => Some(Some(("Service", "v1"))),
         "EndpointSliceList" if discovery => Some(Some(("EndpointSlice", "discovery.k8s.io/v1"))),
+        "ServiceCIDRList" if api_version.is_empty() || api_version.starts_with("networking.k8s.io/") => {
+            Some(Some(("ServiceCIDR", "networking.k8s.io/v1")))
+        }
         _ => None,
     }
 }

@@ -176,6 +176,7 @@ impl Stamp {
 enum Kind {
     Service,
     EndpointSlice,
+    ServiceCidr,
 }
 
 /// An object of a file: kind, namespace (`default` when absent, as the model
@@ -194,6 +195,7 @@ impl Ident {
         let kind = match self.kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
+            Kind::ServiceCidr => "ServiceCIDR",
         };
         format!("{kind} {}/{}", self.namespace, self.name)
     }
@@ -203,6 +205,7 @@ impl Ident {
 enum Object {
     Service(Arc<Sourced<Service>>),
     Slice(Arc<Sourced<EndpointSlice>>),
+    ServiceCidr(Arc<Sourced<k8s_openapi::api::networking::v1::ServiceCIDR>>),
 }
 
 impl Object {
@@ -210,6 +213,7 @@ impl Object {
         match self {
             Object::Service(s) => &s.origin,
             Object::Slice(s) => &s.origin,
+            Object::ServiceCidr(s) => &s.origin,
         }
     }
 
@@ -217,6 +221,7 @@ impl Object {
         match self {
             Object::Service(s) => &s.object.metadata,
             Object::Slice(s) => &s.object.metadata,
+            Object::ServiceCidr(s) => &s.object.metadata,
         }
     }
 }
@@ -258,6 +263,10 @@ fn entries(objects: manifest::Objects) -> (Vec<Entry>, Vec<ManifestError>) {
     for slice in objects.slices {
         let ident = ident(Kind::EndpointSlice, &slice.object.metadata);
         out.push(Entry { ident, object: Object::Slice(Arc::new(slice)), kept: false });
+    }
+    for cidr in objects.service_cidrs {
+        let ident = ident(Kind::ServiceCidr, &cidr.object.metadata);
+        out.push(Entry { ident, object: Object::ServiceCidr(Arc::new(cidr)), kept: false });
     }
     (out, objects.errors)
 }
@@ -559,6 +568,9 @@ impl Watcher {
                 Object::Slice(s) => {
                     snapshot.slices.insert(key, Arc::clone(s));
                 }
+                Object::ServiceCidr(s) => {
+                    snapshot.service_cidrs.insert(key, Arc::clone(s));
+                }
             }
         }
         snapshot
@@ -621,7 +633,7 @@ spec:
             .iter()
             .filter_map(|e| match &e.object {
                 Object::Service(s) => Some(s.object.spec.as_ref()?.ports.as_ref()?[0].port),
-                Object::Slice(_) => None,
+                Object::Slice(_) | Object::ServiceCidr(_) => None,
             })
             .collect()
     }

@@ -56,6 +56,7 @@ mod endpoints;
 mod frontend;
 pub mod last_good;
 mod service;
+pub mod service_cidrs;
 #[cfg(test)]
 mod tests;
 
@@ -83,6 +84,8 @@ pub struct ModelOptions {
     /// This node's zone (its `topology.kubernetes.io/zone` label, or `--node-zone`), for zone hints.
     /// `None` (or empty): zone hints are never followed.
     pub zone: Option<String>,
+    /// `--service-cidr` (IPv4): service ranges besides the ServiceCIDR objects'.
+    pub service_cidrs: Vec<crate::net::Cidr4>,
 }
 
 /// Counts about one build, for logs and metrics.

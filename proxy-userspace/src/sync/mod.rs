@@ -26,6 +26,7 @@ use crate::net::{Cidr4, Protocol};
 pub mod image;
 #[cfg(test)]
 pub(crate) mod mem_store;
+pub mod service_cidrs;
 mod store;
 #[cfg(test)]
 mod tests;

@@ -269,6 +269,21 @@ fn apply_assigns_metadata_and_lists_paginate_and_filter() {
     let (code, node) = c.get("/api/v1/nodes/node-1");
     assert_eq!((code, node["kind"].as_str()), (200, Some("Node")));
     assert!(node["metadata"].get("namespace").is_none());
+    // ServiceCIDRs: cluster-scoped, networking.k8s.io/v1.
+    server
+        .apply_yaml(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata:\n  name: kubernetes\nspec:\n  \
+             cidrs: [10.96.0.0/16]\n",
+        )
+        .unwrap();
+    let (_, cidrs) = c.get("/apis/networking.k8s.io/v1/servicecidrs");
+    assert_eq!(
+        (cidrs["kind"].as_str(), cidrs["apiVersion"].as_str(), names(&cidrs)),
+        (Some("ServiceCIDRList"), Some("networking.k8s.io/v1"), vec!["/kubernetes".to_string()])
+    );
+    assert_eq!(cidrs["items"][0]["spec"]["cidrs"][0], "10.96.0.0/16");
+    assert_eq!(c.get("/apis/networking.k8s.io/v1/namespaces/a/servicecidrs").0, 404);
+    assert!(server.delete("ServiceCIDR", None, "kubernetes"));
 
     // Requests are recorded as "METHOD TARGET".
     let requests = server.requests();

@@ -38,6 +38,7 @@ pub struct Harness {
     pub config: Array<MapData, ConfigV4>,
     pub affinity: HashMap<MapData, AffinityKeyV4, AffinityValueV4>,
     pub inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4>,
+    pub service_cidrs: Array<MapData, proxy_common::service_cidr::ServiceCidrsV4>,
 }
 
 pub fn frontend(
@@ -88,6 +89,7 @@ impl Harness {
             config: maps.config,
             affinity: maps.affinity,
             inherited: maps.inherited,
+            service_cidrs: maps.service_cidrs,
         };
         harness.apply(desired);
         harness

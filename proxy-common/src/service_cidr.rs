@@ -1,0 +1,139 @@
+//! The service CIDRs (ServiceCIDR objects, `--service-cidr`): a packet to an
+//! address inside one that is no Service's is dropped, as kube-proxy's
+//! nftables `cluster-ips-check` chain drops it, so that it never leaves the
+//! node. The datapath checks them only after the frontend lookup missed and
+//! the address is no VIP: a few prefixes compared in a bounded loop, cheaper
+//! than an LPM trie walk for the direct traffic that pays for it.
+
+/// How many prefixes SERVICE_CIDRS_V4 holds. A cluster has one per family,
+/// plus one for each range an operator added to grow it.
+pub const SERVICE_CIDRS_MAX: usize = 8;
+
+/// One prefix, in network byte order, its address already masked.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceCidrV4 {
+    pub addr: [u8; 4],
+    pub mask: [u8; 4],
+}
+
+impl ServiceCidrV4 {
+    /// `addr/prefix_len` (a prefix above 32 counts as 32).
+    pub const fn new(addr: [u8; 4], prefix_len: u8) -> Self {
+        let prefix_len = if prefix_len > 32 { 32 } else { prefix_len as u32 };
+        let mask = if prefix_len == 0 { 0 } else { u32::MAX << (32 - prefix_len) };
+        let addr = u32::from_be_bytes(addr) & mask;
+        Self { addr: addr.to_be_bytes(), mask: mask.to_be_bytes() }
+    }
+
+    pub const fn prefix_len(&self) -> u8 {
+        u32::from_be_bytes(self.mask).count_ones() as u8
+    }
+
+    #[inline(always)]
+    pub fn contains(&self, addr: [u8; 4]) -> bool {
+        // Byte order does not matter to a bitwise AND: both sides are in network order.
+        u32::from_ne_bytes(addr) & u32::from_ne_bytes(self.mask) == u32::from_ne_bytes(self.addr)
+    }
+}
+
+/// The one entry of SERVICE_CIDRS_V4: `count` prefixes in use. Zero (before
+/// any CIDR is known) drops nothing, as kube-proxy adds its drop rule only
+/// once it knows a CIDR.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceCidrsV4 {
+    pub count: u32,
+    pub cidrs: [ServiceCidrV4; SERVICE_CIDRS_MAX],
+}
+
+impl ServiceCidrsV4 {
+    /// The first [`SERVICE_CIDRS_MAX`] of `prefixes`; the caller reports the rest.
+    pub fn from_prefixes(prefixes: &[ServiceCidrV4]) -> Self {
+        let mut value = Self::default();
+        for (slot, prefix) in value.cidrs.iter_mut().zip(prefixes) {
+            *slot = *prefix;
+            value.count += 1;
+        }
+        value
+    }
+
+    /// The prefixes in use.
+    pub fn prefixes(&self) -> &[ServiceCidrV4] {
+        &self.cidrs[..(self.count as usize).min(SERVICE_CIDRS_MAX)]
+    }
+
+    /// Whether `addr` is inside one of the prefixes.
+    #[inline(always)]
+    pub fn contains(&self, addr: [u8; 4]) -> bool {
+        for (i, cidr) in self.cidrs.iter().enumerate() {
+            if i as u32 >= self.count {
+                return false;
+            }
+            if cidr.contains(addr) {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+#[cfg(feature = "user")]
+// SAFETY: repr(C), made of integers and byte arrays without padding, so every
+// bit pattern is valid.
+unsafe impl aya::Pod for ServiceCidrsV4 {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_holds_the_addresses_it_covers_and_no_other() {
+        let cidr = ServiceCidrV4::new([10, 96, 7, 9], 12);
+        assert_eq!(cidr.addr, [10, 96, 0, 0], "the address is masked");
+        assert_eq!(cidr.prefix_len(), 12);
+        assert!(cidr.contains([10, 96, 0, 0]));
+        assert!(cidr.contains([10, 111, 255, 255]));
+        assert!(!cidr.contains([10, 112, 0, 0]));
+        assert!(!cidr.contains([10, 95, 255, 255]));
+        let host = ServiceCidrV4::new([192, 0, 2, 1], 32);
+        assert!(host.contains([192, 0, 2, 1]));
+        assert!(!host.contains([192, 0, 2, 2]));
+        assert_eq!(ServiceCidrV4::new([1, 2, 3, 4], 40), ServiceCidrV4::new([1, 2, 3, 4], 32));
+        assert!(ServiceCidrV4::new([1, 2, 3, 4], 0).contains([203, 0, 113, 1]));
+    }
+
+    #[test]
+    fn an_empty_set_holds_nothing_not_even_what_its_unused_slots_would_cover() {
+        let none = ServiceCidrsV4::default();
+        // Unused slots are 0.0.0.0/0, which would match every address.
+        assert!(!none.contains([0, 0, 0, 0]));
+        assert!(!none.contains([10, 96, 0, 1]));
+        assert!(none.prefixes().is_empty());
+    }
+
+    #[test]
+    fn a_set_checks_each_of_its_prefixes_and_keeps_the_first_eight() {
+        let set = ServiceCidrsV4::from_prefixes(&[
+            ServiceCidrV4::new([10, 96, 0, 0], 16),
+            ServiceCidrV4::new([172, 30, 0, 0], 24),
+        ]);
+        assert_eq!(set.count, 2);
+        assert!(set.contains([10, 96, 200, 1]));
+        assert!(set.contains([172, 30, 0, 255]));
+        assert!(!set.contains([172, 30, 1, 0]));
+        assert!(!set.contains([10, 97, 0, 1]));
+
+        let many: std::vec::Vec<ServiceCidrV4> =
+            (0..10u8).map(|i| ServiceCidrV4::new([10, i, 0, 0], 16)).collect();
+        let set = ServiceCidrsV4::from_prefixes(&many);
+        assert_eq!(set.count as usize, SERVICE_CIDRS_MAX);
+        assert_eq!(set.prefixes(), &many[..SERVICE_CIDRS_MAX]);
+        assert!(set.contains([10, 7, 1, 1]));
+        assert!(!set.contains([10, 8, 1, 1]), "the ninth prefix is not held");
+        // A corrupt count reads no further than the array.
+        let corrupt = ServiceCidrsV4 { count: 99, ..set };
+        assert_eq!(corrupt.prefixes().len(), SERVICE_CIDRS_MAX);
+        assert!(!corrupt.contains([10, 9, 0, 1]));
+    }
+}
