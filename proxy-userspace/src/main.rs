@@ -7,7 +7,7 @@ use kproxy::{
     agent::nodeport::NodePortAddresses,
     agent::{self, AgentConfig, Source},
     bpf::{self, InterfaceSelector, Maps, PinDir},
-    cmd::{conntrack, dump},
+    cmd::{conntrack, dump, handover},
     k8s::api_watch::KubeOptions,
     model::ModelOptions,
 };
@@ -56,10 +56,15 @@ enum Command {
         allow_private_bpffs: bool,
     },
     /// Detach the programs and remove every pin (refused while an agent holds the pin directory).
+    /// First the open flows kproxy translated are handed to netfilter (nf_conntrack), so that
+    /// kube-proxy's restored rules carry them on.
     Unload {
         /// Unload even while an agent holds the pin directory.
         #[arg(long)]
         force: bool,
+        /// Do not hand kproxy's flows to netfilter: their connections lose their translation.
+        #[arg(long)]
+        no_handover: bool,
     },
     /// Keep the datapath equal to the cluster's Services and EndpointSlices (from
     /// the API server, or from --manifests on disk) until SIGTERM or Ctrl-C.
@@ -231,11 +236,13 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("{} attachments failed", report.failed.len());
             }
         }
-        Command::Unload { force } => {
-            let report = bpf::unload_with(&pins, force)?;
+        Command::Unload { force, no_handover } => {
+            let (report, handover) =
+                bpf::unload_after(&pins, force, || handover::before_unload(&pins, !no_handover))?;
             if let Some(holder) = &report.forced_under {
                 eprintln!("kproxy: unloading under {holder} (--force)");
             }
+            print!("{}", handover.unwrap_or_default());
             for link in &report.links {
                 println!("detached {link}");
             }

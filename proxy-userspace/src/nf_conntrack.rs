@@ -338,9 +338,17 @@ pub fn delete(entry: &Entry) -> Result<bool, NfConntrackError> {
 /// test shows both). `Ok(false)` if an entry with the same original tuple, or whose reply tuple is
 /// backend → client, already exists (nothing is changed then).
 pub fn create_dnat(flow: &DnatFlow) -> Result<bool, NfConntrackError> {
+    create_dnat_from(flow, flow.client)
+}
+
+/// [`create_dnat`] for a flow whose source is translated too, to `source`: reply backend →
+/// `source`, and the client's packets leave from `source` (kproxy's NodePort flows, sent from a
+/// node address and an SNAT port, handed to netfilter on `kproxy unload`). `Ok(false)` if an
+/// entry with the same original tuple, or whose reply tuple is backend → `source`, exists.
+pub fn create_dnat_from(flow: &DnatFlow, source: SocketAddrV4) -> Result<bool, NfConntrackError> {
     let seq = next_sequence();
     let socket = Socket::open(OP_CREATE)?;
-    socket.send(OP_CREATE, &create_request(flow, seq))?;
+    socket.send(OP_CREATE, &create_request(flow, source, seq))?;
     match socket.ack(OP_CREATE, seq)? {
         0 => Ok(true),
         errno if errno == libc::EEXIST => Ok(false),
@@ -452,7 +460,7 @@ fn nat_attribute(kind: u16, to: SocketAddrV4) -> ConntrackAttribute {
     ConntrackAttribute::Other(DefaultNla::new(kind | NLA_F_NESTED, nat))
 }
 
-fn create_request(flow: &DnatFlow, seq: u32) -> Vec<u8> {
+fn create_request(flow: &DnatFlow, source: SocketAddrV4, seq: u32) -> Vec<u8> {
     let orig = Tuple {
         src: *flow.client.ip(),
         dst: *flow.vip.ip(),
@@ -464,9 +472,10 @@ fn create_request(flow: &DnatFlow, seq: u32) -> Vec<u8> {
         // The kernel turns this into backend -> client when it applies CTA_NAT_DST.
         ConntrackAttribute::CtaTupleReply(tuple_attributes(flow.proto, &orig.inverse())),
         nat_attribute(CTA_NAT_DST, flow.backend),
-        // The client keeps its own address and port. Without this the kernel's null source
-        // binding would move the client to another port when backend -> client is taken.
-        nat_attribute(CTA_NAT_SRC, flow.client),
+        // The client keeps its own address and port (or takes exactly `source`). Without this
+        // the kernel's null source binding would move the client to another port when
+        // backend -> client is taken.
+        nat_attribute(CTA_NAT_SRC, source),
         ConntrackAttribute::CtaStatus(Status::from_bits_retain(IPS_CONFIRMED | IPS_ASSURED | IPS_SEEN_REPLY)),
         ConntrackAttribute::CtaTimeout(flow.timeout_secs),
     ];
@@ -1234,12 +1243,19 @@ mod tests {
                 nest(4, &[nest(1, &[nla(1, &[3]), nla(4, &[0x08, 0x08]), nla(5, &[0x08, 0x08])])]),
             ],
         );
-        let mut request = create_request(&flow, 4);
+        let mut request = create_request(&flow, flow.client, 4);
         request[12..16].copy_from_slice(&0x0e13u32.to_ne_bytes());
         assert_eq!(request, expected);
+        // A source given: CTA_NAT_SRC maps the client to exactly it.
+        let from_node = create_request(&flow, "192.168.0.1:61000".parse().unwrap(), 4);
+        let holds =
+            |request: &[u8], attribute: &[u8]| request.windows(attribute.len()).any(|w| w == attribute);
+        assert!(holds(&from_node, &nat(CTA_NAT_SRC, [192, 168, 0, 1], 61000)));
+        assert!(!holds(&from_node, &nat(CTA_NAT_SRC, [10, 244, 1, 2], 40000)));
+        assert!(holds(&from_node, &nat(CTA_NAT_DST, [10, 244, 1, 3], 8080)));
         // UDP: no protocol info; a mark and a zone when asked for.
         let udp = DnatFlow { proto: Protocol::Udp, mark: 0x4000, zone: 2, ..flow };
-        let request = create_request(&udp, 4);
+        let request = create_request(&udp, udp.client, 4);
         let parsed = NetlinkMessage::<NetfilterMessage>::deserialize(&request).unwrap();
         let NetlinkPayload::InnerMessage(NetfilterMessage {
             inner: NetfilterMessageInner::Conntrack(ConntrackMessage::New(attributes)),

@@ -1365,3 +1365,248 @@ fn migrate(rules: Rules, datapath: Datapath) {
         failures.join("\n- ")
     );
 }
+
+// ------------------------------------------------------------------------------------------------
+// The way back (issue 17): kproxy uninstalled while kube-proxy's rules are restored.
+//
+// Connections opened through kproxy (kube-proxy's rules removed by `cleanup-kube-proxy --apply`
+// once the agents run, before any exchange starts: kproxy alone translates them), then kube-proxy's
+// rules restored on both nodes, then, as an operator deleting kproxy's DaemonSet would, the agents
+// stopped (SIGTERM: the datapath stays pinned) and `kproxy unload` run on each node. With the
+// handover (the default), `unload` first hands kproxy's flows to netfilter (`cmd/handover.rs`) and
+// the exchanges go on. With `--no-handover` it measures what the handover avoids: the test asserts
+// that each exchange is cut, and prints how. With socket LB (`--socket-lb on`, the client pod in
+// the hooks' cgroup) only the NodePort flow is kproxy's to hand over: the pod's TCP socket talks to
+// its backend itself and goes on; its UDP datagrams, sent to the Service address, meet kube-proxy's
+// rules as a new flow once the hooks are gone (measured and printed, not asserted).
+
+#[test]
+fn iptables_rules_restored_unload_hands_kproxy_flows_to_netfilter() {
+    way_back(Rules::Iptables, Datapath::Tc, true);
+}
+
+#[test]
+fn nftables_rules_restored_unload_hands_kproxy_flows_to_netfilter() {
+    way_back(Rules::Nftables, Datapath::Tc, true);
+}
+
+#[test]
+fn iptables_rules_restored_unload_without_handover_cuts_kproxy_flows() {
+    way_back(Rules::Iptables, Datapath::Tc, false);
+}
+
+#[test]
+fn iptables_rules_restored_unload_with_socket_lb_keeps_connected_sockets_and_hands_node_ports_over() {
+    way_back(Rules::Iptables, Datapath::SocketLb, true);
+}
+
+/// Whether kproxy translates the exchange's packets in tc or XDP (and keeps its flow in
+/// CONNTRACK_V4), rather than at its socket's connect()/sendmsg().
+fn translated_in_the_datapath(world: &World, x: &Exchange) -> bool {
+    world.datapath == Datapath::Tc || x.name == "nodeport-tcp"
+}
+
+/// kproxy's conntrack rows (`kproxy dump conntrack --json`) of node `node`.
+fn kproxy_conntrack(world: &World, node: usize) -> Vec<Value> {
+    let out = world.kproxy(node, &["dump", "conntrack", "--json"]);
+    serde_json::from_slice::<Value>(&out.stdout).ok().and_then(|v| v.as_array().cloned()).unwrap_or_default()
+}
+
+/// Every exchange kproxy translates in its datapath has its flow in node 0's kproxy conntrack
+/// (what kproxy sent it to is printed); nf_conntrack has no NAT of theirs (no rule of
+/// kube-proxy's is left to make one).
+fn wait_for_kproxy_flows(world: &World, exchanges: &[Exchange]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let expected: Vec<&Exchange> =
+        exchanges.iter().filter(|x| translated_in_the_datapath(world, x)).collect();
+    loop {
+        let rows = kproxy_conntrack(world, 0);
+        let found: Vec<Option<&Value>> = expected
+            .iter()
+            .map(|x| {
+                let (ip, port) = x.local()?;
+                let original = format!("{ip}:{port} -> {}:{}", x.frontend.0, x.frontend.1);
+                rows.iter().find(|r| r["original"] == original.as_str())
+            })
+            .collect();
+        if found.iter().all(Option::is_some) {
+            for (x, row) in expected.iter().zip(found) {
+                let row = row.unwrap();
+                eprintln!(
+                    "  {} through kproxy: {} translated to {}",
+                    x.name, row["original"], row["translated"]
+                );
+            }
+            let natted: Vec<CtEntry> = (0..2).flat_map(|n| legacy_entries(world, exchanges, n)).collect();
+            assert!(
+                natted.is_empty(),
+                "netfilter NATed flows of the exchanges with no kube-proxy rule: {natted:#?}"
+            );
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the exchanges have no kproxy conntrack entry on node 0: {rows:#?}\n{}",
+            world.agent_logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// kube-proxy's rules again, as its proxier writes them at start (the file `install_kube_proxy`
+/// wrote).
+fn restore_kube_proxy(world: &World, node: usize) {
+    let dir = world.multi.node(node).dir();
+    match world.rules {
+        Rules::Iptables => {
+            let file = dir.join("kube-proxy.iptables");
+            world.node_exec(node, &["iptables-restore", file.to_str().unwrap()]);
+        }
+        Rules::Nftables => {
+            let file = dir.join("kube-proxy.nft");
+            world.node_exec(node, &["nft", "-f", file.to_str().unwrap()]);
+        }
+    }
+    assert!(!world.kube_proxy_leftovers(node).is_empty(), "node {node}: kube-proxy's rules not restored");
+}
+
+/// The exchanges' nf_conntrack entries on node `node`, NATed or not.
+fn exchange_entries(world: &World, exchanges: &[Exchange], node: usize) -> Vec<String> {
+    let locals: Vec<(Ipv4Addr, u16)> = exchanges.iter().filter_map(Exchange::local).collect();
+    world
+        .conntrack(node)
+        .into_iter()
+        .filter(|e| {
+            locals.iter().any(|(ip, port)| e.from(*ip, *port) || (e.reply.1 == *ip && e.reply.3 == *port))
+        })
+        .map(|e| e.line)
+        .collect()
+}
+
+fn way_back(rules: Rules, datapath: Datapath, handover: bool) {
+    let mut world = World::build(rules, datapath);
+    eprintln!(
+        "way-back test: kproxy {datapath:?} → kube-proxy {rules:?} rules, `kproxy unload`{}",
+        if handover { "" } else { " --no-handover" }
+    );
+    world.start_agents();
+    world.wait_for_agents();
+    for node in 0..2 {
+        let out = world.kproxy(node, &["cleanup-kube-proxy", "--apply"]);
+        assert!(
+            out.status.success(),
+            "node {node}: cleanup-kube-proxy --apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let left = world.kube_proxy_leftovers(node);
+        assert!(left.is_empty(), "node {node}: kube-proxy's rules left after cleanup: {left:#?}");
+    }
+    let world = world;
+    let exchanges = start_exchanges(&world);
+    let mut steps = Vec::new();
+
+    steps.push(step(&world, &exchanges, "through kproxy (no kube-proxy rule)", || {
+        wait_for_kproxy_flows(&world, &exchanges)
+    }));
+    assert!(steps[0].progressed, "the exchanges do not run through kproxy: {}", steps[0].render(&exchanges));
+
+    steps.push(step(&world, &exchanges, "kube-proxy's rules restored", || {
+        for node in 0..2 {
+            restore_kube_proxy(&world, node);
+        }
+    }));
+    for node in 0..2 {
+        eprintln!(
+            "  node-{node}: the exchanges' nf_conntrack entries: {:#?}",
+            exchange_entries(&world, &exchanges, node)
+        );
+    }
+
+    let mut unload_out = Vec::new();
+    steps.push(step(&world, &exchanges, "agents stopped, kproxy unloaded", || {
+        for (node, agent) in world.agents.iter().enumerate() {
+            let status = agent.terminate(Duration::from_secs(10)).unwrap();
+            eprintln!("  node-{node}: agent stopped (SIGTERM): {status}");
+        }
+        for node in 0..2 {
+            let mut args = vec!["unload"];
+            if !handover {
+                args.push("--no-handover");
+            }
+            let out = world.kproxy(node, &args);
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            eprintln!(
+                "  node-{node}: kproxy {} ({}):\n{text}{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "node {node}: kproxy unload failed");
+            assert!(!world.pins[node].exists(), "node {node}: the pin directory is still there");
+            unload_out.push(text);
+        }
+        let link = world.node_exec(0, &["ip", "link", "show", "eth0"]);
+        assert!(!link.contains("prog/xdp"), "XDP still on node 0's eth0: {link}");
+    }));
+    for node in 0..2 {
+        eprintln!(
+            "  node-{node}: the exchanges' nf_conntrack entries: {:#?}",
+            exchange_entries(&world, &exchanges, node)
+        );
+    }
+
+    let (end_failures, report) = stop_and_check(&exchanges);
+    let steps_text: String = steps.iter().map(|s| s.render(&exchanges)).collect();
+    eprintln!("{report}");
+    let mut failures = Vec::new();
+    if handover && datapath == Datapath::Tc {
+        // Node 0's kproxy translated the three exchanges; node 1's none.
+        if !unload_out[0]
+            .contains("handed 3 flow(s) kproxy translated to netfilter (nf_conntrack): 2 TCP, 1 UDP")
+        {
+            failures.push(format!(
+                "node 0's unload did not hand the 3 exchanges to netfilter:\n{}",
+                unload_out[0]
+            ));
+        }
+        for (i, s) in steps.iter().enumerate() {
+            if !s.progressed {
+                failures.push(format!("step {} \"{}\": an exchange stalled (figures below)", i + 1, s.name));
+            }
+        }
+        failures.extend(end_failures);
+    } else if handover {
+        // Socket LB: the NodePort flow is the only one in kproxy's conntrack.
+        if !unload_out[0].contains("handed 1 flow(s) kproxy translated to netfilter (nf_conntrack): 1 TCP") {
+            failures.push(format!(
+                "node 0's unload did not hand the NodePort flow to netfilter:\n{}",
+                unload_out[0]
+            ));
+        }
+        let (udp, others): (Vec<String>, Vec<String>) =
+            end_failures.into_iter().partition(|f| f.starts_with("clusterip-udp: "));
+        eprintln!("  socket LB, after the unload the UDP exchange went through kube-proxy's rules: {udp:#?}");
+        failures.extend(others);
+    } else {
+        if !unload_out[0].contains("not handing flows to netfilter (--no-handover): the 3 open flow(s)") {
+            failures.push(format!(
+                "node 0's unload did not say the 3 flows lose their translation:\n{}",
+                unload_out[0]
+            ));
+        }
+        // What the handover is for: each exchange is cut. How is in the figures and the report.
+        for x in &exchanges {
+            let broken: Vec<&String> =
+                end_failures.iter().filter(|f| f.starts_with(&format!("{}: ", x.name))).collect();
+            eprintln!("  without the handover, {}: {broken:#?}", x.name);
+            if broken.is_empty() {
+                failures.push(format!("{}: went on unharmed without the handover", x.name));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "kproxy {datapath:?} → kube-proxy {rules:?}, handover {handover}: what the users of the connections saw:\n- {}\n\n{steps_text}\n{report}",
+        failures.join("\n- ")
+    );
+}

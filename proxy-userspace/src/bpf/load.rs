@@ -372,9 +372,20 @@ pub fn unload(pins: &PinDir) -> Result<Unloaded> {
 /// [`unload`]; with `force` also under a running agent (stop it afterwards: it cannot serve
 /// without its pins).
 pub fn unload_with(pins: &PinDir, force: bool) -> Result<Unloaded> {
+    unload_after(pins, force, || ()).map(|(report, _)| report)
+}
+
+/// [`unload_with`], running `before_detach` once the pin directory is held and before anything
+/// is detached, while the datapath still runs (`kproxy unload` hands its flows to netfilter
+/// there). `None` when nothing was loaded.
+pub fn unload_after<T>(
+    pins: &PinDir,
+    force: bool,
+    before_detach: impl FnOnce() -> T,
+) -> Result<(Unloaded, Option<T>)> {
     let mut report = Unloaded::default();
     if !pins.root().exists() {
-        return Ok(report);
+        return Ok((report, None));
     }
     // Only pins, on bpffs, in a tree nobody else controls, are deleted.
     pins.verify()?;
@@ -391,6 +402,7 @@ pub fn unload_with(pins: &PinDir, force: bool) -> Result<Unloaded> {
             lock_holder(pins.root())
         ),
     };
+    let before = before_detach();
     if let Ok(entries) = fs::read_dir(pins.links_dir()) {
         for entry in entries {
             let path = entry?.path();
@@ -413,7 +425,7 @@ pub fn unload_with(pins: &PinDir, force: bool) -> Result<Unloaded> {
         remove_dir_if_present(&dir)?;
     }
     remove_dir_if_present(pins.root())?;
-    Ok(report)
+    Ok((report, Some(before)))
 }
 
 fn remove_dir_if_present(dir: &Path) -> Result<()> {

@@ -5,5 +5,7 @@ pub mod conntrack;
 pub mod diff;
 pub mod doctor;
 pub mod dump;
+pub mod handover;
 pub mod kube_proxy_rules;
+pub mod netfilter;
 pub mod trace;

@@ -138,45 +138,6 @@ pub(super) fn kube_proxy_check() -> Check {
     kube_proxy_verdict(&kube_proxy_pids(), &found, &unchecked)
 }
 
-/// Whether netfilter still translates connections it NATed in this network namespace: it needs a
-/// NAT hook (a NAT base chain: kube-proxy's, iptables' `nat` table, kproxy's keeper table) and
-/// connection tracking turned on, which only a rule that uses it does (DNAT, masquerade, a
-/// conntrack state match). `None` when neither tool could tell.
-fn nat_hooks_present() -> Option<bool> {
-    let mut known = false;
-    if let Some(nft) = find_tool("nft")
-        && let Ok(ruleset) = output(&nft, &["list", "ruleset"])
-    {
-        known = true;
-        let uses_conntrack = [
-            "ct state",
-            "ct status",
-            "dnat",
-            "snat",
-            "masquerade",
-            "xt match \"conntrack\"",
-            "xt match \"state\"",
-        ]
-        .iter()
-        .any(|marker| ruleset.contains(marker));
-        if ruleset.contains("type nat hook") && uses_conntrack {
-            return Some(true);
-        }
-    }
-    if let Some(save) = find_tool("iptables-legacy-save")
-        && let Ok(saved) = output(&save, &["-t", "nat"])
-    {
-        known = true;
-        let uses_conntrack = ["-j DNAT", "-j SNAT", "-j MASQUERADE", "-m conntrack", "-m state"]
-            .iter()
-            .any(|marker| saved.contains(marker));
-        if saved.lines().any(|l| l.trim() == "*nat") && uses_conntrack {
-            return Some(true);
-        }
-    }
-    known.then_some(false)
-}
-
 /// Connections netfilter translated before kproxy took over (kube-proxy's), still open: whether
 /// netfilter can still translate them.
 pub fn inherited_verdict(open: Result<usize, String>, nat_hooks: Option<bool>) -> Check {
@@ -204,5 +165,8 @@ pub fn inherited_verdict(open: Result<usize, String>, nat_hooks: Option<bool>) -
 }
 
 pub(super) fn inherited_check() -> Check {
-    inherited_verdict(crate::cmd::cleanup::open_inherited_connections(), nat_hooks_present())
+    inherited_verdict(
+        crate::cmd::cleanup::open_inherited_connections(),
+        crate::cmd::netfilter::nat_hooks_present(),
+    )
 }
