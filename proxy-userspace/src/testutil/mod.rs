@@ -2,3 +2,6 @@
 
 pub mod conntrack;
 pub mod http;
+mod temp_dir;
+
+pub use temp_dir::TempDir;
