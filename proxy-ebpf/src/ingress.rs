@@ -106,7 +106,7 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
             // netfilter drop this one.
             if !plan.reply_to.is(CT_FLAG_SNAT)
                 && (conntrack::claim(&flow, &reply_key, found.now).is_some()
-                    || (false && inherited::holds_reply(&reply_key)))
+                    || inherited::holds_reply(&reply_key))
             {
                 plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
