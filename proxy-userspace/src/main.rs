@@ -124,6 +124,8 @@ enum DumpWhat {
     /// The address translations in effect (from the conntrack entries).
     Nat,
     Stats,
+    /// The service CIDRs whose unallocated addresses are dropped.
+    ServiceCidrs,
     /// What the agent wants (computed from --manifests or the API server) against what the maps hold.
     Diff,
 }
@@ -354,6 +356,7 @@ fn run(cli: Cli) -> Result<()> {
                 DumpWhat::Affinity => render(dump::affinity(&maps)?, json, dump::affinity_table)?,
                 DumpWhat::Nat => render(dump::nat(&maps)?, json, dump::nat_table)?,
                 DumpWhat::Stats => render(dump::stats(&maps)?, json, dump::stats_table)?,
+                DumpWhat::ServiceCidrs => render(dump::service_cidrs(&maps)?, json, dump::service_cidrs_table)?,
                 DumpWhat::Diff => unreachable!("handled above"),
             };
             print!("{text}");

@@ -369,6 +369,26 @@ pub fn stats(maps: &Maps) -> Result<Vec<StatRow>> {
         .collect())
 }
 
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct ServiceCidrRow {
+    /// A service range whose addresses that are no Service's cluster IP are dropped.
+    pub cidr: String,
+}
+
+/// SERVICE_CIDRS_V4: the service CIDRs in effect.
+pub fn service_cidrs(maps: &Maps) -> Result<Vec<ServiceCidrRow>> {
+    let cidrs = crate::sync::service_cidrs::read(&maps.service_cidrs)?;
+    Ok(cidrs.into_iter().map(|cidr| ServiceCidrRow { cidr: cidr.to_string() }).collect())
+}
+
+pub fn service_cidrs_table(rows: &[ServiceCidrRow]) -> String {
+    if rows.is_empty() {
+        return "no service CIDR known: no unallocated service address is dropped\n".to_owned();
+    }
+    let cells: Vec<Vec<String>> = rows.iter().map(|r| vec![r.cidr.clone()]).collect();
+    table(&["SERVICE CIDR (unallocated addresses dropped)"], &cells)
+}
+
 /// Left-aligned columns sized to their widest cell.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();

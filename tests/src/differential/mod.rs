@@ -18,7 +18,8 @@
 //! (without it, the node's own sockets could not even connect to a ClusterIP, and untranslated
 //! packets would get "network unreachable" from the sandbox, which no cluster does).
 //!
-//! **The proxies**: [`Mode::Kproxy`] runs the real `kproxy agent --manifests DIR` (default flags,
+//! **The proxies**: [`Mode::Kproxy`] runs the real `kproxy agent --manifests DIR --service-cidr
+//! SERVICE_CIDR` (otherwise default flags,
 //! its socket hooks confined to a child cgroup the harness creates: every client process runs in
 //! that cgroup, as every process of a real node is under the agent's cgroup root).
 //! [`Mode::Iptables`] restores kube-proxy's iptables-mode filter and nat tables
@@ -544,6 +545,10 @@ impl World {
             manifests.clone().into(),
             "--cgroup-root".into(),
             self.cgroup.path().into(),
+            // The range kube-proxy's nftables rules drop the unallocated addresses of (a cluster's
+            // ServiceCIDR object).
+            "--service-cidr".into(),
+            SERVICE_CIDR.into(),
         ];
         let agent = self.sandbox.node_spawn(args)?;
         self.kproxy = Some(KproxyAgent { agent, pin_dir, manifests });

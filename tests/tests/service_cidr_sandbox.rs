@@ -1,0 +1,190 @@
+//! Unallocated service addresses, with real clients in a sandbox: inside a service CIDR, an address
+//! that is no Service's is dropped on the node and never leaves it, as kube-proxy's nftables mode
+//! drops it (`pkg/proxy/nftables/proxier.go`, chain `cluster-ips-check`: "Drop traffic to
+//! unallocated ClusterIPs", with the CIDRs of the ServiceCIDR objects).
+//!
+//! The node namespace routes 10.96.0.0/16 to a dead end (a permanent neighbour on the port-less node
+//! bridge), as a real node's default route would carry such a packet away; an nftables counter in
+//! the sandbox's node namespace (postrouting, that route's interface) counts what leaves that way.
+//! Needs root.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::{Cluster, Mode};
+use sandbox::NODE_DEVICE;
+
+/// An address of the service range that no Service of the cluster has.
+const UNALLOCATED: &str = "10.96.0.77";
+const DEAD_END_HOP: &str = "10.0.0.254";
+
+/// Routes the service range to the dead end and counts what the node sends there.
+fn route_the_range_to_a_counted_dead_end(cluster: &Cluster) {
+    let ip = |args: &[&str]| {
+        let full: Vec<&str> = std::iter::once("ip").chain(args.iter().copied()).collect();
+        cluster.sandbox.node_exec(full).unwrap();
+    };
+    ip(&[
+        "neigh",
+        "replace",
+        DEAD_END_HOP,
+        "lladdr",
+        "02:00:00:00:00:fe",
+        "dev",
+        NODE_DEVICE,
+        "nud",
+        "permanent",
+    ]);
+    ip(&["route", "add", "10.96.0.0/16", "via", DEAD_END_HOP, "dev", NODE_DEVICE, "onlink"]);
+    let rules = format!(
+        "table ip observe {{\n  counter leaked {{}}\n  chain post {{\n    type filter hook postrouting priority 0; \
+         policy accept;\n    oifname \"{NODE_DEVICE}\" ip daddr 10.96.0.0/16 counter name leaked\n  }}\n}}\n"
+    );
+    let file = cluster.sandbox.dir().join("observe.nft");
+    std::fs::write(&file, rules).unwrap();
+    cluster.sandbox.node_exec(["nft".as_ref(), "-f".as_ref(), file.as_os_str()]).unwrap();
+}
+
+/// Packets to the service range that left the node through its route.
+fn leaked(cluster: &Cluster) -> u64 {
+    let out = cluster.sandbox.node_exec(["nft", "-j", "list", "counter", "ip", "observe", "leaked"]).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    json["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|item| item["counter"]["packets"].as_u64())
+        .unwrap_or_else(|| panic!("no counter in {out}"))
+}
+
+/// curl's exit code for one request from the client pod (7: refused, 28: timed out).
+fn curl_exit(cluster: &Cluster, url: &str) -> Option<i32> {
+    cluster.client.exec_output(["curl", "-sS", "--max-time", "2", url]).unwrap().status.code()
+}
+
+/// Waits until a request to the unallocated address is dropped by kproxy (counted, nothing leaves).
+fn wait_until_dropped(cluster: &Cluster) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (drops, leaks) = (cluster.stat("drop_unallocated_service_ip"), leaked(cluster));
+        assert_eq!(curl_exit(cluster, &format!("http://{UNALLOCATED}/")), Some(28), "the client times out");
+        if cluster.stat("drop_unallocated_service_ip") > drops && leaked(cluster) == leaks {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never dropped on the node:\n{}", cluster.agent_log());
+    }
+}
+
+/// The range no longer known: the packet leaves the node again.
+fn assert_leaves_the_node(cluster: &Cluster) {
+    let (drops, leaks) = (cluster.stat("drop_unallocated_service_ip"), leaked(cluster));
+    assert_eq!(curl_exit(cluster, &format!("http://{UNALLOCATED}/")), Some(28));
+    assert!(leaked(cluster) > leaks, "the SYN did not leave the node");
+    assert_eq!(cluster.stat("drop_unallocated_service_ip"), drops);
+}
+
+const SERVICE_CIDR: &str = "apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata:
+  name: kubernetes
+spec:
+  cidrs:
+  - 10.96.0.0/16
+  - fd00:10:96::/112
+";
+
+#[test]
+fn an_unallocated_address_of_a_service_cidr_from_the_api_server_is_dropped_on_the_node() {
+    let cluster = Cluster::start_with("svc-cidr-api", Mode::Api);
+    route_the_range_to_a_counted_dead_end(&cluster);
+
+    // No ServiceCIDR yet: nothing is dropped (kube-proxy adds its rule once it knows a CIDR).
+    assert_leaves_the_node(&cluster);
+
+    assert_eq!(cluster.dump_json("service-cidrs"), serde_json::json!([]));
+    cluster.api().apply_yaml(SERVICE_CIDR).unwrap();
+    wait_until_dropped(&cluster);
+    assert_eq!(cluster.dump_json("service-cidrs"), serde_json::json!([{"cidr": "10.96.0.0/16"}]));
+    // The cluster's Services in the range are served as before, and a port a cluster IP does not
+    // have is still refused at once.
+    assert!(
+        cluster
+            .client
+            .exec(["curl", "-sS", "--max-time", "5", "http://10.96.0.100/"])
+            .unwrap()
+            .starts_with("web-")
+    );
+    assert_eq!(curl_exit(&cluster, "http://10.96.0.100:81/"), Some(7));
+    let log = cluster.agent_log();
+    let ipv6_warnings = log.lines().filter(|l| l.contains("IPv6 service CIDRs are ignored")).count();
+    assert_eq!(ipv6_warnings, 1, "one warning for the IPv6 range:\n{log}");
+    assert!(
+        log.lines().any(|l| l.contains("unallocated addresses of these service CIDRs are dropped")
+            && l.contains("10.96.0.0/16")),
+        "{log}"
+    );
+
+    // The node's own sockets (hostNetwork processes, through the socket hooks): refused at once
+    // (EPERM), and nothing leaves either.
+    let (drops, leaks) = (cluster.stat("drop_unallocated_service_ip"), leaked(&cluster));
+    let out = cluster
+        .cgroup
+        .command(
+            cluster.sandbox.node_netns(),
+            &["curl", "-sS", "--max-time", "2", &format!("http://{UNALLOCATED}/")],
+        )
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(7), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(leaked(&cluster), leaks);
+    assert!(cluster.stat("drop_unallocated_service_ip") > drops);
+
+    // The ServiceCIDR deleted: the range is no longer known, and nothing is dropped.
+    assert!(cluster.api().delete("ServiceCIDR", None, "kubernetes"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let leaks = leaked(&cluster);
+        curl_exit(&cluster, &format!("http://{UNALLOCATED}/"));
+        if leaked(&cluster) > leaks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still dropped:\n{}", cluster.agent_log());
+    }
+    assert_leaves_the_node(&cluster);
+}
+
+#[test]
+fn a_service_cidr_manifest_and_the_flag_drop_unallocated_addresses_in_manifests_mode() {
+    let mut cluster = Cluster::start("svc-cidr-files");
+    route_the_range_to_a_counted_dead_end(&cluster);
+    assert_leaves_the_node(&cluster);
+
+    std::fs::write(cluster.manifest("service-cidr.yaml"), SERVICE_CIDR).unwrap();
+    wait_until_dropped(&cluster);
+    std::fs::remove_file(cluster.manifest("service-cidr.yaml")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let leaks = leaked(&cluster);
+        curl_exit(&cluster, &format!("http://{UNALLOCATED}/"));
+        if leaked(&cluster) > leaks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still dropped:\n{}", cluster.agent_log());
+    }
+
+    // --service-cidr, without any ServiceCIDR object.
+    cluster.stop_agent();
+    cluster.extra_agent_args = vec!["--service-cidr".into(), "10.96.0.0/16,fd00::/108".into()];
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    wait_until_dropped(&cluster);
+    assert!(cluster.kproxy(&["dump", "service-cidrs"]).contains("10.96.0.0/16"));
+    assert!(
+        cluster
+            .client
+            .exec(["curl", "-sS", "--max-time", "5", "http://10.96.0.100/"])
+            .unwrap()
+            .starts_with("web-")
+    );
+}
