@@ -356,7 +356,9 @@ fn run(cli: Cli) -> Result<()> {
                 DumpWhat::Affinity => render(dump::affinity(&maps)?, json, dump::affinity_table)?,
                 DumpWhat::Nat => render(dump::nat(&maps)?, json, dump::nat_table)?,
                 DumpWhat::Stats => render(dump::stats(&maps)?, json, dump::stats_table)?,
-                DumpWhat::ServiceCidrs => render(dump::service_cidrs(&maps)?, json, dump::service_cidrs_table)?,
+                DumpWhat::ServiceCidrs => {
+                    render(dump::service_cidrs(&maps)?, json, dump::service_cidrs_table)?
+                }
                 DumpWhat::Diff => unreachable!("handled above"),
             };
             print!("{text}");

@@ -1279,7 +1279,9 @@ fn keeper_goes_once_inherited_connections_end(world: &World) -> Vec<String> {
     let out = world.kproxy(0, &["cleanup-kube-proxy", "--apply"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     eprintln!("  node-0: kproxy cleanup-kube-proxy --apply, again:\n{text}");
-    if !text.contains("deleted table ip kproxy-inherited-nat: no connection opened through kube-proxy is left") {
+    if !text
+        .contains("deleted table ip kproxy-inherited-nat: no connection opened through kube-proxy is left")
+    {
         failures.push(format!("the second cleanup did not remove table ip kproxy-inherited-nat:\n{text}"));
     }
     let tables = node.node_exec(["nft", "list", "tables"]).unwrap_or_default();
