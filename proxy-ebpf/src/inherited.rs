@@ -38,6 +38,8 @@ pub fn holds_reply(reply_key: &CtKeyV4) -> bool {
 pub fn is_open_off_stack(flow: &Flow) -> bool {
     let Some(key) = KEY_SCRATCH.get_ptr_mut(0) else { return false };
     // SAFETY: this CPU's scratch value, valid for the program's run.
+    // A reference, not `*key`: a copy would put the key back on the stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
     unsafe {
         *key = flow.ct_key(CT_DIR_FORWARD);
         INHERITED_V4.get(&*key).is_some()
@@ -50,6 +52,7 @@ pub fn is_open_off_stack(flow: &Flow) -> bool {
 pub fn holds_reply_off_stack(forward_key: &CtKeyV4, backend_addr: [u8; 4], backend_port: [u8; 2]) -> bool {
     let Some(key) = KEY_SCRATCH.get_ptr_mut(0) else { return false };
     // SAFETY: as above.
+    #[allow(clippy::needless_borrows_for_generic_args)]
     unsafe {
         *key = forward_key.reply_of(backend_addr, backend_port);
         INHERITED_V4.get(&*key).is_some()
