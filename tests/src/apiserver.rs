@@ -35,7 +35,8 @@
 //! with an ERROR event), [`ApiServer::cut_next_events`] (half an event line, then the connection
 //! closes), [`ApiServer::garble_next_events`] (a line that is not an event in place of one),
 //! [`ApiServer::truncate_next_events`] (half an event line, then the stream goes on),
-//! [`ApiServer::fail_lists`] (`500` on every list), [`ApiServer::delay_lists`],
+//! [`ApiServer::fail_lists`] (`500` on every list), [`ApiServer::hide_service_cidrs`] (a server
+//! without the kind), [`ApiServer::delay_lists`],
 //! [`ApiServer::hold_watches`] (`timeoutSeconds` ignored, so only bookmarks show the watch is
 //! alive), [`ApiServer::stop_answering`] (requests read but not answered, open watches silent) and
 //! [`ApiServer::refuse_connections`] (nothing listening: connections refused).
@@ -199,6 +200,8 @@ struct Faults {
     list_delay: Duration,
     hold_watches: bool,
     silent: bool,
+    /// ServiceCIDRs are not served (`404`), as by an API server before Kubernetes 1.33.
+    no_service_cidrs: bool,
 }
 
 /// What a garbled event line is replaced by: a proxy's error page, one line of it.
@@ -509,6 +512,12 @@ impl ApiServer {
     }
 
     /// While on, every list (a collection `GET` without `watch`) fails with `500 InternalError`.
+    /// While on, `networking.k8s.io/v1` `servicecidrs` are answered `404 NotFound`, as an API server
+    /// without the kind answers (before Kubernetes 1.33, or with it disabled).
+    pub fn hide_service_cidrs(&self, on: bool) {
+        self.set_fault(|f| f.no_service_cidrs = on);
+    }
+
     pub fn fail_lists(&self, on: bool) {
         self.set_fault(|f| f.lists_fail = on);
     }

@@ -188,3 +188,32 @@ fn a_service_cidr_manifest_and_the_flag_drop_unallocated_addresses_in_manifests_
             .starts_with("web-")
     );
 }
+
+#[test]
+fn an_api_server_without_service_cidrs_is_told_once_and_the_flag_still_drops() {
+    // As an API server before Kubernetes 1.33 answers: no such resource.
+    let mut cluster = Cluster::prepared("svc-cidr-old-api", Mode::Api);
+    cluster.api().hide_service_cidrs(true);
+    cluster.api().apply_yaml(SERVICE_CIDR).unwrap();
+    cluster.extra_agent_args = vec!["--service-cidr".into(), "10.96.0.0/16".into()];
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    cluster.wait_for_attachment();
+    route_the_range_to_a_counted_dead_end(&cluster);
+
+    wait_until_dropped(&cluster);
+    assert!(
+        cluster
+            .client
+            .exec(["curl", "-sS", "--max-time", "5", "http://10.96.0.100/"])
+            .unwrap()
+            .starts_with("web-")
+    );
+    let log = cluster.agent_log();
+    let told = log.lines().filter(|l| l.contains("the API server serves no ServiceCIDRs")).count();
+    assert_eq!(told, 1, "{log}");
+    let asked = cluster.api().requests().iter().filter(|r| r.contains("/servicecidrs")).count();
+    assert_eq!(asked, 1, "asked once, not again: {:?}", cluster.api().requests());
+    // The object the server does not serve is not read: the IPv6 range it holds draws no warning.
+    assert!(!log.contains("IPv6 service CIDRs are ignored"), "{log}");
+}

@@ -125,7 +125,8 @@ fn handle(shared: &Shared, stream: &TcpStream, req: &Request) -> io::Result<()> 
         let version = json!({"major": "1", "minor": "34", "gitVersion": "v1.34.0-kproxy-fake", "platform": "linux/amd64"});
         return http::write_json(stream, 200, &version, keep);
     }
-    let Some(route) = route(&req.path) else {
+    let hidden = |route: &Route| route.kind == Kind::ServiceCidr && shared.lock().faults.no_service_cidrs;
+    let Some(route) = route(&req.path).filter(|route| !hidden(route)) else {
         let body = status(404, "NotFound", "the server could not find the requested resource");
         return http::write_json(stream, 404, &body, keep);
     };
