@@ -210,116 +210,9 @@ fn init_logging(format: LogFormat, verbosity: u32, bpf_debug: bool) {
 fn run(cli: Cli) -> Result<()> {
     let pins = PinDir::new(&cli.pin_dir);
     match cli.command {
-        Command::Load { interfaces, allow_private_bpffs } => {
-            let selector = InterfaceSelector::new(&interfaces)?;
-            let options = bpf::ClaimOptions { lock_wait: Duration::ZERO, allow_private_bpffs };
-            let _held = bpf::claim(&pins, &options)?;
-            if bpf::load(&pins)? {
-                println!("loaded and pinned under {}", pins.root().display());
-            } else {
-                println!(
-                    "reloaded the programs under {}; pinned maps and links reused",
-                    pins.root().display()
-                );
-            }
-            let report = bpf::attach_matching(&pins, &selector)?;
-            for label in &report.attached {
-                println!("attached {label}");
-            }
-            for (label, error) in &report.failed {
-                eprintln!("failed to attach {label}: {error}");
-            }
-            if report.attached.is_empty() && report.already == 0 {
-                println!(
-                    "no interface matches {interfaces:?} yet; `kproxy agent` attaches to them as they appear"
-                );
-            }
-            if !report.failed.is_empty() {
-                anyhow::bail!("{} attachments failed", report.failed.len());
-            }
-        }
-        Command::Unload { force, no_handover } => {
-            let (report, handover) =
-                bpf::unload_after(&pins, force, || handover::before_unload(&pins, !no_handover))?;
-            if let Some(holder) = &report.forced_under {
-                eprintln!("kproxy: unloading under {holder} (--force)");
-            }
-            print!("{}", handover.unwrap_or_default());
-            for link in &report.links {
-                println!("detached {link}");
-            }
-            println!("removed {} pins and {}", report.pins, pins.root().display());
-        }
-        Command::Agent(args) => {
-            let args = *args;
-            let conntrack = args.conntrack()?;
-            let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
-                .map_err(|e| anyhow::anyhow!("--nodeport-addresses {e}"))?;
-            let cluster_cidrs = cluster_cidrs(&args)?;
-            let service_cidrs = cli_args::service_cidrs(&args)?;
-            let source = match args.manifests {
-                Some(path) => Source::Files(path),
-                None => Source::Cluster(KubeOptions {
-                    kubeconfig: args.kubeconfig,
-                    master: args.master,
-                    api_server_host: args.api_server_host,
-                    api_server_port: args.api_server_port,
-                }),
-            };
-            let bind = |flag: &str, value: &str| -> Result<Option<SocketAddr>> {
-                if value.is_empty() {
-                    return Ok(None);
-                }
-                value.parse().map(Some).with_context(|| format!("--{flag} {value:?} is not an address:port"))
-            };
-            let config = AgentConfig {
-                pins,
-                source,
-                interfaces: args.interfaces,
-                poll: Duration::from_millis(args.poll_ms),
-                min_sync_period: args.min_sync_period,
-                sync_period: args.sync_period,
-                healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
-                watch: kproxy::k8s::api_watch::WatchOptions { progress_timeout: args.api_progress_timeout },
-                metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
-                bind_address_hard_fail: args.bind_address_hard_fail,
-                model: ModelOptions {
-                    // kube-proxy's GetHostname: trimmed and lowercased.
-                    node_name: args
-                        .hostname_override
-                        .map(|name| name.trim().to_lowercase())
-                        .filter(|name| !name.is_empty())
-                        .or_else(kproxy::agent::host_name),
-                    service_proxy_name: args.service_proxy_name,
-                    zone: args.node_zone,
-                    service_cidrs,
-                    ..Default::default()
-                },
-                conntrack,
-                north_south: kproxy::agent::nodeport::NorthSouthOptions {
-                    nodeport_addresses,
-                    cluster_cidr: cluster_cidrs.ipv4,
-                    external_interfaces: args.external_interfaces,
-                    snat_ports: args.snat_port_range,
-                    xdp: args.xdp,
-                    maglev_seed: args.maglev_seed,
-                },
-                maglev: (args.lb_algorithm == LbAlgorithm::Maglev).then_some(kproxy::sync::MaglevSettings {
-                    seed: args.maglev_seed,
-                    tables: args.maglev_tables,
-                }),
-                claim: bpf::ClaimOptions {
-                    lock_wait: args.lock_timeout,
-                    allow_private_bpffs: args.allow_private_bpffs,
-                },
-                socket_lb: kproxy::agent::SocketLbOptions {
-                    mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
-                    cgroup: args.cgroup_root.or_else(kproxy::bpf::cgroup2_mount),
-                    asked: args.socket_lb.is_some(),
-                },
-            };
-            agent::run(config)?;
-        }
+        Command::Load { interfaces, allow_private_bpffs } => load(&pins, &interfaces, allow_private_bpffs)?,
+        Command::Unload { force, no_handover } => unload(&pins, force, no_handover)?,
+        Command::Agent(args) => agent::run(agent_config(*args, pins)?)?,
         Command::CleanupKubeProxy { apply } => {
             print!("{}", kproxy::cmd::cleanup::run(apply)?);
         }
@@ -365,6 +258,114 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `kproxy load`: load and pin the datapath, attach to the matching interfaces.
+fn load(pins: &PinDir, interfaces: &[String], allow_private_bpffs: bool) -> Result<()> {
+    let selector = InterfaceSelector::new(interfaces)?;
+    let options = bpf::ClaimOptions { lock_wait: Duration::ZERO, allow_private_bpffs };
+    let _held = bpf::claim(pins, &options)?;
+    if bpf::load(pins)? {
+        println!("loaded and pinned under {}", pins.root().display());
+    } else {
+        println!("reloaded the programs under {}; pinned maps and links reused", pins.root().display());
+    }
+    let report = bpf::attach_matching(pins, &selector)?;
+    for label in &report.attached {
+        println!("attached {label}");
+    }
+    for (label, error) in &report.failed {
+        eprintln!("failed to attach {label}: {error}");
+    }
+    if report.attached.is_empty() && report.already == 0 {
+        println!("no interface matches {interfaces:?} yet; `kproxy agent` attaches to them as they appear");
+    }
+    if !report.failed.is_empty() {
+        anyhow::bail!("{} attachments failed", report.failed.len());
+    }
+    Ok(())
+}
+
+/// `kproxy unload`: hand kproxy's open flows to netfilter, detach and remove every pin.
+fn unload(pins: &PinDir, force: bool, no_handover: bool) -> Result<()> {
+    let (report, handover) = bpf::unload_after(pins, force, || handover::before_unload(pins, !no_handover))?;
+    if let Some(holder) = &report.forced_under {
+        eprintln!("kproxy: unloading under {holder} (--force)");
+    }
+    print!("{}", handover.unwrap_or_default());
+    for link in &report.links {
+        println!("detached {link}");
+    }
+    println!("removed {} pins and {}", report.pins, pins.root().display());
+    Ok(())
+}
+
+/// The agent's configuration from its flags (and `--config`, merged into them before).
+fn agent_config(args: AgentArgs, pins: PinDir) -> Result<AgentConfig> {
+    let conntrack = args.conntrack()?;
+    let nodeport_addresses = NodePortAddresses::parse(&args.nodeport_addresses)
+        .map_err(|e| anyhow::anyhow!("--nodeport-addresses {e}"))?;
+    let cluster_cidrs = cluster_cidrs(&args)?;
+    let service_cidrs = cli_args::service_cidrs(&args)?;
+    let source = match args.manifests {
+        Some(path) => Source::Files(path),
+        None => Source::Cluster(KubeOptions {
+            kubeconfig: args.kubeconfig,
+            master: args.master,
+            api_server_host: args.api_server_host,
+            api_server_port: args.api_server_port,
+        }),
+    };
+    let bind = |flag: &str, value: &str| -> Result<Option<SocketAddr>> {
+        if value.is_empty() {
+            return Ok(None);
+        }
+        value.parse().map(Some).with_context(|| format!("--{flag} {value:?} is not an address:port"))
+    };
+    Ok(AgentConfig {
+        pins,
+        source,
+        interfaces: args.interfaces,
+        poll: Duration::from_millis(args.poll_ms),
+        min_sync_period: args.min_sync_period,
+        sync_period: args.sync_period,
+        healthz_bind: bind("healthz-bind-address", &args.healthz_bind_address)?,
+        watch: kproxy::k8s::api_watch::WatchOptions { progress_timeout: args.api_progress_timeout },
+        metrics_bind: bind("metrics-bind-address", &args.metrics_bind_address)?,
+        bind_address_hard_fail: args.bind_address_hard_fail,
+        model: ModelOptions {
+            // kube-proxy's GetHostname: trimmed and lowercased.
+            node_name: args
+                .hostname_override
+                .map(|name| name.trim().to_lowercase())
+                .filter(|name| !name.is_empty())
+                .or_else(kproxy::agent::host_name),
+            service_proxy_name: args.service_proxy_name,
+            zone: args.node_zone,
+            service_cidrs,
+            ..Default::default()
+        },
+        conntrack,
+        north_south: kproxy::agent::nodeport::NorthSouthOptions {
+            nodeport_addresses,
+            cluster_cidr: cluster_cidrs.ipv4,
+            external_interfaces: args.external_interfaces,
+            snat_ports: args.snat_port_range,
+            xdp: args.xdp,
+            maglev_seed: args.maglev_seed,
+        },
+        maglev: (args.lb_algorithm == LbAlgorithm::Maglev)
+            .then_some(kproxy::sync::MaglevSettings { seed: args.maglev_seed, tables: args.maglev_tables }),
+        claim: bpf::ClaimOptions {
+            lock_wait: args.lock_timeout,
+            allow_private_bpffs: args.allow_private_bpffs,
+        },
+        socket_lb: kproxy::agent::SocketLbOptions {
+            mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
+            cgroup: args.cgroup_root.or_else(kproxy::bpf::cgroup2_mount),
+            asked: args.socket_lb.is_some(),
+        },
+    })
 }
 
 fn render<T: serde::Serialize>(rows: Vec<T>, json: bool, table: fn(&[T]) -> String) -> Result<String> {
