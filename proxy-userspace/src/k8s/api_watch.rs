@@ -500,7 +500,8 @@ async fn watch_service_cidrs(client: Client, changes: Arc<Changes>, options: Wat
                 }
             }
         }
-        changes.queue(1, 0, None);
+        // A sync, but no Service or endpoint change for the metrics: kube-proxy counts none either.
+        changes.queue(0, 0, None);
     })
     .await
 }
