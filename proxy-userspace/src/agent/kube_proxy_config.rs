@@ -210,6 +210,23 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
         hostname_override: set(&config.hostname_override).map(str::to_string),
         ..Default::default()
     };
+    // The steps run in this order so that the first error and the `ignored` list read as before.
+    read_addresses(config, &mut out)?;
+    read_mode(config, &mut out)?;
+    read_detect_local(config, &mut out)?;
+    if let Some(conntrack) = &config.conntrack {
+        read_conntrack(conntrack, cpus, &mut out)?;
+    }
+    if let Some(logging) = &config.logging {
+        read_logging(logging, &mut out)?;
+    }
+    let unused = unused_fields(config)?;
+    out.ignored.extend(unused.into_iter().map(str::to_string));
+    Ok(out)
+}
+
+/// The health and metrics listeners, the cluster CIDRs and the NodePort addresses.
+fn read_addresses(config: &KubeProxyConfiguration, out: &mut FileSettings) -> Result<(), String> {
     if let Some(value) = set(&config.healthz_bind_address) {
         out.healthz_bind_address = Some(bind_address("healthzBindAddress", value, HEALTHZ_PORT)?);
     }
@@ -222,7 +239,11 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
             cidrs.split(',').map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
     }
     out.nodeport_addresses = config.node_port_addresses.clone().unwrap_or_default();
+    Ok(())
+}
 
+/// What the proxy mode implies: the NodePort default and the sync periods.
+fn read_mode(config: &KubeProxyConfiguration, out: &mut FileSettings) -> Result<(), String> {
     let mode = set(&config.mode).unwrap_or("iptables");
     if !matches!(mode, "iptables" | "nftables") {
         out.ignored.push(format!("mode ({mode}: kproxy is its own datapath)"));
@@ -241,7 +262,11 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
         .or(from_section("minSyncPeriod", |s| &s.min_sync_period)?);
     out.sync_period =
         duration("syncPeriod", &config.sync_period)?.or(from_section("syncPeriod", |s| &s.sync_period)?);
+    Ok(())
+}
 
+/// detectLocalMode: ClusterCIDR is kproxy's own way; an interface prefix becomes `interfaces`.
+fn read_detect_local(config: &KubeProxyConfiguration, out: &mut FileSettings) -> Result<(), String> {
     match set(&config.detect_local_mode) {
         None | Some("ClusterCIDR") => {}
         Some("InterfaceNamePrefix") => {
@@ -256,42 +281,49 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
         }
         Some(other) => out.ignored.push(format!("detectLocalMode ({other})")),
     }
+    Ok(())
+}
 
-    if let Some(conntrack) = &config.conntrack {
-        out.conntrack_tcp_timeout_established =
-            duration("conntrack.tcpEstablishedTimeout", &conntrack.tcp_established_timeout)?;
-        // kproxy keeps one UDP timeout; a Service's UDP flows are answered ones, netfilter's "stream".
-        out.conntrack_udp_timeout = duration("conntrack.udpStreamTimeout", &conntrack.udp_stream_timeout)?;
-        if duration("conntrack.udpTimeout", &conntrack.udp_timeout)?.is_some() {
-            out.ignored.push("conntrack.udpTimeout (kproxy uses conntrack.udpStreamTimeout for UDP)".into());
-        }
-        if duration("conntrack.tcpCloseWaitTimeout", &conntrack.tcp_close_wait_timeout)?.is_some() {
-            out.ignored.push("conntrack.tcpCloseWaitTimeout (a netfilter sysctl)".into());
-        }
-        if conntrack.tcp_be_liberal == Some(true) {
-            out.ignored.push("conntrack.tcpBeLiberal (a netfilter sysctl)".into());
-        }
-        let per_core = u64::from(conntrack.max_per_core.unwrap_or(0)) * u64::from(cpus.max(1));
-        let flows = per_core.max(u64::from(conntrack.min.unwrap_or(0)));
-        // maxPerCore 0 is kube-proxy's "leave the table size as it is" (conntrack.min ignored).
-        if flows > 0 && conntrack.max_per_core != Some(0) {
-            out.conntrack_max = Some(u32::try_from(flows * 2).unwrap_or(u32::MAX));
-        }
+/// The conntrack timeouts and table size kproxy keeps, and the netfilter-only fields it ignores.
+fn read_conntrack(conntrack: &Conntrack, cpus: u32, out: &mut FileSettings) -> Result<(), String> {
+    out.conntrack_tcp_timeout_established =
+        duration("conntrack.tcpEstablishedTimeout", &conntrack.tcp_established_timeout)?;
+    // kproxy keeps one UDP timeout; a Service's UDP flows are answered ones, netfilter's "stream".
+    out.conntrack_udp_timeout = duration("conntrack.udpStreamTimeout", &conntrack.udp_stream_timeout)?;
+    if duration("conntrack.udpTimeout", &conntrack.udp_timeout)?.is_some() {
+        out.ignored.push("conntrack.udpTimeout (kproxy uses conntrack.udpStreamTimeout for UDP)".into());
     }
-
-    if let Some(logging) = &config.logging {
-        out.log_format = set(&logging.format).map(str::to_string);
-        if let Some(format) = out.log_format.as_deref()
-            && !matches!(format, "text" | "json")
-        {
-            return Err(format!("logging.format: {format:?} is not text or json"));
-        }
-        out.verbosity = logging.verbosity.filter(|&v| v > 0);
+    if duration("conntrack.tcpCloseWaitTimeout", &conntrack.tcp_close_wait_timeout)?.is_some() {
+        out.ignored.push("conntrack.tcpCloseWaitTimeout (a netfilter sysctl)".into());
     }
+    if conntrack.tcp_be_liberal == Some(true) {
+        out.ignored.push("conntrack.tcpBeLiberal (a netfilter sysctl)".into());
+    }
+    let per_core = u64::from(conntrack.max_per_core.unwrap_or(0)) * u64::from(cpus.max(1));
+    let flows = per_core.max(u64::from(conntrack.min.unwrap_or(0)));
+    // maxPerCore 0 is kube-proxy's "leave the table size as it is" (conntrack.min ignored).
+    if flows > 0 && conntrack.max_per_core != Some(0) {
+        out.conntrack_max = Some(u32::try_from(flows * 2).unwrap_or(u32::MAX));
+    }
+    Ok(())
+}
 
-    // Set, and meaningless here.
+/// The log format (text or json only) and verbosity.
+fn read_logging(logging: &Logging, out: &mut FileSettings) -> Result<(), String> {
+    out.log_format = set(&logging.format).map(str::to_string);
+    if let Some(format) = out.log_format.as_deref()
+        && !matches!(format, "text" | "json")
+    {
+        return Err(format!("logging.format: {format:?} is not text or json"));
+    }
+    out.verbosity = logging.verbosity.filter(|&v| v > 0);
+    Ok(())
+}
+
+/// The fields that are set, and meaningless here, in the order `ignored` lists them.
+fn unused_fields(config: &KubeProxyConfiguration) -> Result<Vec<&'static str>, String> {
     let flag = |on: Option<bool>| on == Some(true);
-    let mut unused: Vec<&str> = Vec::new();
+    let mut unused: Vec<&'static str> = Vec::new();
     if config.feature_gates.as_ref().is_some_and(|gates| !gates.is_empty()) {
         unused.push("featureGates");
     }
@@ -339,8 +371,7 @@ fn settings(config: &KubeProxyConfiguration, cpus: u32) -> Result<FileSettings, 
     {
         unused.push("clientConnection.qps/burst");
     }
-    out.ignored.extend(unused.into_iter().map(str::to_string));
-    Ok(out)
+    Ok(unused)
 }
 
 /// `settings` as a KubeProxyConfiguration (`--write-config-to`): the fields kproxy honours, at
