@@ -5,7 +5,7 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::jiff::Timestamp;
 use tracing::debug;
 
@@ -103,6 +103,29 @@ pub(super) fn use_slice<'a>(
     let namespace = namespace_of(meta);
     let slice_name = meta.name.clone().unwrap_or_default();
     let object = format!("EndpointSlice {namespace}/{slice_name}");
+    let service = programmed_service(slice, &namespace, &object, filter, not_ours, errors)?;
+    if !is_first_definition(origin, namespace, slice_name, &object, errors, seen) {
+        return None;
+    }
+    let error = |field: String, message: String| {
+        ManifestError::new(origin, message).with_object(object.clone()).with_field(field)
+    };
+    let ports = slice_ports(slice, &object, errors, &error);
+    let endpoints = slice_endpoints(slice, filter, &object, errors, &error);
+    let trigger_time = trigger_time(slice, errors, &error);
+    Some((service, SliceUse { ports, endpoints, trigger_time }))
+}
+
+/// The Service the slice belongs to, when kproxy programs that Service and the slice is IPv4.
+fn programmed_service(
+    slice: &Sourced<EndpointSlice>,
+    namespace: &str,
+    object: &str,
+    filter: &Filter,
+    not_ours: &HashSet<ServiceName>,
+    errors: &mut Vec<ManifestError>,
+) -> Option<ServiceName> {
+    let meta = &slice.object.metadata;
     let Some(service) = label(meta, LABEL_SERVICE_NAME).filter(|service| !service.is_empty()) else {
         // kube-proxy logs this as an error (endpointSliceCacheKeys): a hand-written slice that forgot the
         // label would otherwise leave its Service without endpoints and nobody the wiser.
@@ -110,13 +133,13 @@ pub(super) fn use_slice<'a>(
             "the EndpointSlice has no {LABEL_SERVICE_NAME} label, so it belongs to no Service; it is ignored"
         );
         errors.push(
-            ManifestError::new(origin, message)
+            ManifestError::new(slice.origin.as_str(), message)
                 .with_object(object)
                 .with_field(format!("metadata.labels[{LABEL_SERVICE_NAME}]")),
         );
         return None;
     };
-    let service = ServiceName { namespace: namespace.clone(), name: service.to_string() };
+    let service = ServiceName { namespace: namespace.to_string(), name: service.to_string() };
     if has_label(meta, LABEL_HEADLESS) || !filter.slice_is_ours(meta) || not_ours.contains(&service) {
         debug!(slice = %object, "ignoring an EndpointSlice of a Service kproxy does not program");
         return None;
@@ -125,19 +148,37 @@ pub(super) fn use_slice<'a>(
         debug!(slice = %object, address_type = slice.object.address_type, "ignoring a non-IPv4 EndpointSlice");
         return None;
     }
-    if !slice_name.is_empty() {
-        if let Some(first) = seen.get(&(namespace.clone(), slice_name.clone())) {
-            let message =
-                format!("the EndpointSlice is defined again (first in {first}); this copy is skipped");
-            errors.push(ManifestError::new(origin, message).with_object(object));
-            return None;
-        }
-        seen.insert((namespace, slice_name), origin);
-    }
-    let error = |field: String, message: String| {
-        ManifestError::new(origin, message).with_object(object.clone()).with_field(field)
-    };
+    Some(service)
+}
 
+/// Remembers where a named slice was first defined; a later copy of the same name is reported and skipped.
+fn is_first_definition<'a>(
+    origin: &'a str,
+    namespace: String,
+    slice_name: String,
+    object: &str,
+    errors: &mut Vec<ManifestError>,
+    seen: &mut HashMap<(String, String), &'a str>,
+) -> bool {
+    if slice_name.is_empty() {
+        return true;
+    }
+    if let Some(first) = seen.get(&(namespace.clone(), slice_name.clone())) {
+        let message = format!("the EndpointSlice is defined again (first in {first}); this copy is skipped");
+        errors.push(ManifestError::new(origin, message).with_object(object));
+        return false;
+    }
+    seen.insert((namespace, slice_name), origin);
+    true
+}
+
+/// The slice's valid ports as (name, target port, protocol); an invalid number is reported.
+fn slice_ports(
+    slice: &Sourced<EndpointSlice>,
+    object: &str,
+    errors: &mut Vec<ManifestError>,
+    error: &impl Fn(String, String) -> ManifestError,
+) -> Vec<(String, u16, Protocol)> {
     let mut ports = Vec::new();
     for (i, port) in slice.object.ports.iter().flatten().enumerate() {
         let number = match port.port {
@@ -162,25 +203,20 @@ pub(super) fn use_slice<'a>(
         };
         ports.push((port.name.clone().unwrap_or_default(), number, proto));
     }
+    ports
+}
 
+/// The slice's usable endpoint addresses with their conditions; an unusable address is reported.
+fn slice_endpoints(
+    slice: &Sourced<EndpointSlice>,
+    filter: &Filter,
+    object: &str,
+    errors: &mut Vec<ManifestError>,
+    error: &impl Fn(String, String) -> ManifestError,
+) -> Vec<(Ipv4Addr, EndpointState)> {
     let mut endpoints = Vec::new();
     for (i, endpoint) in slice.object.endpoints.iter().enumerate() {
-        let conditions = endpoint.conditions.as_ref();
-        let hints = endpoint.hints.as_ref();
-        let state = EndpointState {
-            ready: conditions.and_then(|c| c.ready) != Some(false),
-            serving: conditions.and_then(|c| c.serving) != Some(false),
-            terminating: conditions.and_then(|c| c.terminating) == Some(true),
-            local: filter.node_name.is_some() && endpoint.node_name.as_deref() == filter.node_name,
-            node_hint: Hint::of(
-                hints.and_then(|h| h.for_nodes.as_ref()).map(|nodes| nodes.iter().map(|n| n.name.as_str())),
-                filter.node_name,
-            ),
-            zone_hint: Hint::of(
-                hints.and_then(|h| h.for_zones.as_ref()).map(|zones| zones.iter().map(|z| z.name.as_str())),
-                filter.zone,
-            ),
-        };
+        let state = endpoint_state(endpoint, filter);
         if endpoint.addresses.len() > 1 {
             debug!(slice = %object, endpoint = i, "only addresses[0] of an endpoint is used, as kube-proxy does");
         }
@@ -203,9 +239,38 @@ pub(super) fn use_slice<'a>(
             }
         }
     }
+    endpoints
+}
 
+/// An endpoint's conditions and hints as this node and zone read them.
+fn endpoint_state(endpoint: &Endpoint, filter: &Filter) -> EndpointState {
+    let conditions = endpoint.conditions.as_ref();
+    let hints = endpoint.hints.as_ref();
+    EndpointState {
+        ready: conditions.and_then(|c| c.ready) != Some(false),
+        serving: conditions.and_then(|c| c.serving) != Some(false),
+        terminating: conditions.and_then(|c| c.terminating) == Some(true),
+        local: filter.node_name.is_some() && endpoint.node_name.as_deref() == filter.node_name,
+        node_hint: Hint::of(
+            hints.and_then(|h| h.for_nodes.as_ref()).map(|nodes| nodes.iter().map(|n| n.name.as_str())),
+            filter.node_name,
+        ),
+        zone_hint: Hint::of(
+            hints.and_then(|h| h.for_zones.as_ref()).map(|zones| zones.iter().map(|z| z.name.as_str())),
+            filter.zone,
+        ),
+    }
+}
+
+/// The last-change-trigger-time annotation, parsed; one that is not an RFC 3339 time is reported.
+fn trigger_time(
+    slice: &Sourced<EndpointSlice>,
+    errors: &mut Vec<ManifestError>,
+    error: &impl Fn(String, String) -> ManifestError,
+) -> Option<(Timestamp, String)> {
+    let meta = &slice.object.metadata;
     let annotation = meta.annotations.as_ref().and_then(|a| a.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME));
-    let trigger_time = annotation.and_then(|text| match text.parse::<Timestamp>() {
+    annotation.and_then(|text| match text.parse::<Timestamp>() {
         Ok(time) => Some((time, text.clone())),
         Err(err) => {
             let message = format!("{text:?} is not an RFC 3339 time ({err}); it is ignored");
@@ -213,8 +278,7 @@ pub(super) fn use_slice<'a>(
             errors.push(error(field, message));
             None
         }
-    });
-    Some((service, SliceUse { ports, endpoints, trigger_time }))
+    })
 }
 
 /// The endpoints of one Service port across its slices, merged, in their state as the Service sees them.
