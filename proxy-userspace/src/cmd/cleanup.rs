@@ -42,7 +42,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::kube_proxy_rules::{find_tool, kube_proxy_nft_tables, plan_save};
+use super::kube_proxy_rules::{TablePlan, find_tool, kube_proxy_nft_tables, plan_save};
 
 /// The nftables table of empty NAT base chains that keeps netfilter's NAT
 /// hooks while inherited connections remain.
@@ -166,186 +166,241 @@ pub fn run(apply: bool) -> Result<String> {
     if backends.is_empty() && nft.is_none() {
         bail!("neither iptables-save nor nft is installed: nothing to check");
     }
-    let (rule_verb, chain_verb, table_verb) = if apply {
-        ("deleted rule", "deleted chain", "deleted table")
-    } else {
-        ("would delete rule", "would delete chain", "would delete table")
+    let inherited = open_inherited_connections();
+    let keeper_there = nft.as_deref().is_some_and(keeper_table_exists);
+    let mut cleanup = Cleanup {
+        apply,
+        keeper: Keeper::new(&inherited, keeper_there),
+        nft,
+        out: String::new(),
+        rules: 0,
+        chains: 0,
+        tables: 0,
+        failures: 0,
     };
-    let mut out = String::new();
     if !apply {
-        out.push_str(
+        cleanup.out.push_str(
             "dry run: nothing is changed; `kproxy cleanup-kube-proxy --apply` removes what is listed\n",
         );
     }
-    let (mut rules, mut chains, mut tables, mut failures) = (0usize, 0usize, 0usize, 0usize);
-    let inherited = open_inherited_connections();
-    let keeper_there = nft.as_ref().is_some_and(|nft| {
-        run_command(Command::new(nft).args(["list", "tables"]), None).is_ok_and(|listed| {
-            super::kube_proxy_rules::parse_nft_tables(&listed)
-                .iter()
-                .any(|(family, name)| family == "ip" && name == KEEPER_TABLE)
-        })
-    });
-    let mut keeper = Keeper::new(&inherited, keeper_there);
-
     for backend in &backends {
+        cleanup.iptables(backend);
+    }
+    if backends.is_empty() {
+        cleanup.out.push_str("iptables: not installed; not checked\n");
+    }
+    cleanup.nftables();
+    cleanup.keeper_outcome();
+    cleanup.summary(&inherited)
+}
+
+fn keeper_table_exists(nft: &std::path::Path) -> bool {
+    run_command(Command::new(nft).args(["list", "tables"]), None).is_ok_and(|listed| {
+        super::kube_proxy_rules::parse_nft_tables(&listed)
+            .iter()
+            .any(|(family, name)| family == "ip" && name == KEEPER_TABLE)
+    })
+}
+
+/// One run of the command: what it does (or, in a dry run, would do) and its report.
+struct Cleanup {
+    apply: bool,
+    nft: Option<PathBuf>,
+    keeper: Keeper,
+    out: String,
+    rules: usize,
+    chains: usize,
+    tables: usize,
+    failures: usize,
+}
+
+impl Cleanup {
+    fn verb(&self, what: &str) -> String {
+        if self.apply { format!("deleted {what}") } else { format!("would delete {what}") }
+    }
+
+    /// kube-proxy's chains in one iptables backend, one transaction per table.
+    fn iptables(&mut self, backend: &Backend) {
         let saved = match run_command(&mut Command::new(&backend.save), None) {
             Ok(saved) => saved,
             Err(error) => {
-                let _ = writeln!(out, "{}: not checked: {error:#}", backend.label);
-                continue;
+                let _ = writeln!(self.out, "{}: not checked: {error:#}", backend.label);
+                return;
             }
         };
         let plans = match plan_save(&saved) {
             Ok(plans) => plans,
             Err(error) => {
-                failures += 1;
-                let _ = writeln!(out, "{}: cannot read {}: {error:#}", backend.label, backend.save.display());
-                continue;
+                self.failures += 1;
+                let _ = writeln!(
+                    self.out,
+                    "{}: cannot read {}: {error:#}",
+                    backend.label,
+                    backend.save.display()
+                );
+                return;
             }
         };
         if plans.is_empty() {
-            let _ = writeln!(out, "{}: nothing of kube-proxy's", backend.label);
+            let _ = writeln!(self.out, "{}: nothing of kube-proxy's", backend.label);
         }
         for plan in &plans {
-            let _ = writeln!(out, "{} table {}:", backend.label, plan.table);
+            let _ = writeln!(self.out, "{} table {}:", backend.label, plan.table);
             for (chain, because) in &plan.kept {
                 let _ = writeln!(
-                    out,
+                    self.out,
                     "  keep chain {chain}: a chain that is not kube-proxy's uses it: {because}"
                 );
             }
-            if plan.is_empty() {
-                continue;
+            if !plan.is_empty() {
+                self.apply_plan(backend, plan);
             }
-            let result = keeper.ensure(apply, nft.as_deref()).and_then(|()| {
+        }
+    }
+
+    fn apply_plan(&mut self, backend: &Backend, plan: &TablePlan) {
+        let (apply, nft) = (self.apply, self.nft.clone());
+        let result = self.keeper.ensure(apply, nft.as_deref()).and_then(|()| {
+            if !apply {
+                return Ok(());
+            }
+            run_command(
+                Command::new(&backend.restore).args(["-w", "5", "--noflush"]),
+                Some(&plan.restore_input()),
+            )
+            .map(drop)
+        });
+        match result {
+            Ok(()) => {
+                let (rule_verb, chain_verb) = (self.verb("rule"), self.verb("chain"));
+                for rule in &plan.delete_rules {
+                    let _ = writeln!(self.out, "  {rule_verb}: {rule}");
+                }
+                for (chain, count) in &plan.delete_chains {
+                    let _ = writeln!(self.out, "  {chain_verb}: {chain} ({count} rules)");
+                }
+                self.rules += plan.delete_rules.len();
+                self.chains += plan.delete_chains.len();
+            }
+            Err(error) => {
+                self.failures += 1;
+                let _ = writeln!(
+                    self.out,
+                    "  FAILED, table left as it was (is kube-proxy still running on this node?): {error:#}"
+                );
+            }
+        }
+    }
+
+    /// kube-proxy's nftables tables (nftables mode).
+    fn nftables(&mut self) {
+        let Some(nft) = self.nft.clone() else {
+            self.out.push_str("nftables: nft is not installed; not checked\n");
+            return;
+        };
+        let listed = match run_command(Command::new(&nft).args(["list", "tables"]), None) {
+            Ok(listed) => listed,
+            Err(error) => {
+                let _ = writeln!(self.out, "nftables: not checked: {error:#}");
+                return;
+            }
+        };
+        let found = kube_proxy_nft_tables(&listed);
+        if found.is_empty() {
+            self.out.push_str("nftables: nothing of kube-proxy's\n");
+        }
+        let table_verb = self.verb("table");
+        for (family, name) in found {
+            let apply = self.apply;
+            let result = self.keeper.ensure(apply, Some(&nft)).and_then(|()| {
                 if apply {
-                    run_command(
-                        Command::new(&backend.restore).args(["-w", "5", "--noflush"]),
-                        Some(&plan.restore_input()),
-                    )
-                    .map(drop)
+                    run_command(Command::new(&nft).args(["delete", "table", &family, &name]), None).map(drop)
                 } else {
                     Ok(())
                 }
             });
             match result {
                 Ok(()) => {
-                    for rule in &plan.delete_rules {
-                        let _ = writeln!(out, "  {rule_verb}: {rule}");
-                    }
-                    for (chain, count) in &plan.delete_chains {
-                        let _ = writeln!(out, "  {chain_verb}: {chain} ({count} rules)");
-                    }
-                    rules += plan.delete_rules.len();
-                    chains += plan.delete_chains.len();
+                    self.tables += 1;
+                    let _ = writeln!(self.out, "nftables: {table_verb} {family} {name}");
                 }
                 Err(error) => {
-                    failures += 1;
-                    let _ = writeln!(
-                        out,
-                        "  FAILED, table left as it was (is kube-proxy still running on this node?): {error:#}"
-                    );
+                    self.failures += 1;
+                    let _ = writeln!(self.out, "nftables: FAILED to delete table {family} {name}: {error:#}");
                 }
             }
         }
     }
-    if backends.is_empty() {
-        out.push_str("iptables: not installed; not checked\n");
-    }
 
-    match &nft {
-        None => out.push_str("nftables: nft is not installed; not checked\n"),
-        Some(nft) => match run_command(Command::new(nft).args(["list", "tables"]), None) {
-            Err(error) => {
-                let _ = writeln!(out, "nftables: not checked: {error:#}");
+    /// What became of [`KEEPER_TABLE`]: kept while inherited connections are open, deleted once
+    /// none is.
+    fn keeper_outcome(&mut self) {
+        match (&self.keeper.needed, self.keeper.present) {
+            (Some(why), true) => {
+                let verb = if self.keeper.created && !self.apply { "would keep" } else { "kept" };
+                let _ = writeln!(
+                    self.out,
+                    "{verb} netfilter's connection tracking and NAT hooks (nftables table ip {KEEPER_TABLE}): \
+                     {why}; run `kproxy cleanup-kube-proxy --apply` again once they have ended"
+                );
             }
-            Ok(listed) => {
-                let found = kube_proxy_nft_tables(&listed);
-                if found.is_empty() {
-                    out.push_str("nftables: nothing of kube-proxy's\n");
-                }
-                for (family, name) in found {
-                    let result = keeper.ensure(apply, Some(nft)).and_then(|()| {
-                        if apply {
-                            run_command(Command::new(nft).args(["delete", "table", &family, &name]), None)
-                                .map(drop)
-                        } else {
-                            Ok(())
-                        }
-                    });
-                    match result {
-                        Ok(()) => {
-                            tables += 1;
-                            let _ = writeln!(out, "nftables: {table_verb} {family} {name}");
-                        }
-                        Err(error) => {
-                            failures += 1;
-                            let _ =
-                                writeln!(out, "nftables: FAILED to delete table {family} {name}: {error:#}");
-                        }
+            (None, true) => {
+                let result = match (&self.nft, self.apply) {
+                    (Some(nft), true) => {
+                        run_command(Command::new(nft).args(["delete", "table", "ip", KEEPER_TABLE]), None)
+                            .map(drop)
+                    }
+                    _ => Ok(()),
+                };
+                match result {
+                    Ok(()) => {
+                        self.tables += 1;
+                        let _ = writeln!(
+                            self.out,
+                            "nftables: {} ip {KEEPER_TABLE}: no connection opened through kube-proxy is left",
+                            self.verb("table")
+                        );
+                    }
+                    Err(error) => {
+                        self.failures += 1;
+                        let _ = writeln!(
+                            self.out,
+                            "nftables: FAILED to delete table ip {KEEPER_TABLE}: {error:#}"
+                        );
                     }
                 }
             }
-        },
+            _ => {}
+        }
     }
 
-    match (&keeper.needed, keeper.present) {
-        (Some(why), true) => {
-            let verb = if keeper.created && !apply { "would keep" } else { "kept" };
-            let _ = writeln!(
-                out,
-                "{verb} netfilter's connection tracking and NAT hooks (nftables table ip {KEEPER_TABLE}): {why}; \
-                 run `kproxy cleanup-kube-proxy --apply` again once they have ended"
-            );
-        }
-        (None, true) => {
-            let result = match (&nft, apply) {
-                (Some(nft), true) => {
-                    run_command(Command::new(nft).args(["delete", "table", "ip", KEEPER_TABLE]), None)
-                        .map(drop)
-                }
-                _ => Ok(()),
-            };
-            match result {
-                Ok(()) => {
-                    tables += 1;
-                    let _ = writeln!(
-                        out,
-                        "nftables: {table_verb} ip {KEEPER_TABLE}: no connection opened through kube-proxy is left"
-                    );
-                }
-                Err(error) => {
-                    failures += 1;
-                    let _ = writeln!(out, "nftables: FAILED to delete table ip {KEEPER_TABLE}: {error:#}");
-                }
+    /// The open inherited connections and the totals; an error when a step failed.
+    fn summary(mut self, inherited: &Result<usize, String>) -> Result<String> {
+        match inherited {
+            Ok(0) => self.out.push_str("connections opened through kube-proxy still open: none\n"),
+            Ok(n) => {
+                let _ = writeln!(
+                    self.out,
+                    "connections opened through kube-proxy still open: {n} (netfilter translates them until they \
+                     end)"
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(self.out, "connections opened through kube-proxy: not counted: {e}");
             }
         }
-        _ => {}
-    }
-
-    match inherited {
-        Ok(0) => out.push_str("connections opened through kube-proxy still open: none\n"),
-        Ok(n) => {
-            let _ = writeln!(
-                out,
-                "connections opened through kube-proxy still open: {n} (netfilter translates them until they end)"
-            );
+        let (rules, chains, tables) = (self.rules, self.chains, self.tables);
+        let what = format!("{rules} rules, {chains} chains, {tables} nftables tables");
+        if rules + chains + tables == 0 && self.failures == 0 {
+            self.out.push_str("nothing of kube-proxy's found\n");
+        } else if self.apply {
+            let _ = writeln!(self.out, "removed {what}");
+        } else {
+            let _ = writeln!(self.out, "would remove {what}");
         }
-        Err(e) => {
-            let _ = writeln!(out, "connections opened through kube-proxy: not counted: {e}");
+        if self.failures > 0 {
+            bail!("{}{} step(s) failed", self.out, self.failures);
         }
+        Ok(self.out)
     }
-    let what = format!("{rules} rules, {chains} chains, {tables} nftables tables");
-    if rules + chains + tables == 0 && failures == 0 {
-        out.push_str("nothing of kube-proxy's found\n");
-    } else if apply {
-        let _ = writeln!(out, "removed {what}");
-    } else {
-        let _ = writeln!(out, "would remove {what}");
-    }
-    if failures > 0 {
-        bail!("{out}{failures} step(s) failed");
-    }
-    Ok(out)
 }
