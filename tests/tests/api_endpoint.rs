@@ -342,8 +342,10 @@ fn with_the_api_servers_own_address_the_agent_programs_every_service_without_it_
     eprintln!("(a) /healthz: {blind}");
     assert!(reason.contains("no sync has been programmed yet"), "{reason}");
     let log = cluster.agent_log();
-    let endpoint_line =
-        log.lines().find(|l| l.contains("API server endpoint")).unwrap_or_else(|| panic!("{log}"));
+    let endpoint_line = log
+        .lines()
+        .find(|l| l.contains("API server endpoint") && !l.contains("kproxy agent starting"))
+        .unwrap_or_else(|| panic!("{log}"));
     eprintln!("(a) agent: {endpoint_line}");
     assert!(
         endpoint_line.contains("https://10.96.0.1:443") && endpoint_line.contains("in-cluster"),
@@ -388,8 +390,10 @@ fn with_the_api_servers_own_address_the_agent_programs_every_service_without_it_
     ]);
     wait_for_healthz(&cluster, "/healthz 200 once synced", 20, |code, _| code == 200);
     let log = cluster.agent_log();
-    let endpoint_line =
-        log.lines().rfind(|l| l.contains("API server endpoint")).unwrap_or_else(|| panic!("{log}"));
+    let endpoint_line = log
+        .lines()
+        .rfind(|l| l.contains("API server endpoint") && !l.contains("kproxy agent starting"))
+        .unwrap_or_else(|| panic!("{log}"));
     eprintln!("(b) agent: {endpoint_line}");
     assert!(
         endpoint_line.contains("https://10.0.0.1:6443") && endpoint_line.contains("--api-server-host"),
