@@ -432,14 +432,7 @@ impl Watcher {
         let listing = match manifest::list_path(&self.root) {
             Ok(listing) => listing,
             Err(error) => {
-                if self.root_error.as_ref() != Some(&error) {
-                    tracing::warn!(%error, "the manifests cannot be read; everything stays programmed as last read");
-                    self.root_error = Some(error);
-                }
-                // Once it is back, files are read when they have been seen unchanged twice again.
-                self.seen = None;
-                self.state.objects_kept = self.files.values().map(|f| f.entries.len() as u64).sum();
-                self.state.errors = self.published.as_ref().map_or(0, |e| e.len() as u64) + 1;
+                self.root_unreadable(error);
                 return None;
             }
         };
@@ -453,6 +446,38 @@ impl Watcher {
         let previous = self.seen.replace(stamps.clone())?;
 
         let mut changed = self.published.is_none();
+        changed |= self.forget_gone(&stamps, &previous, &unreadable);
+        changed |= self.read_changed(now, progress, &stamps, &previous);
+
+        let errors = self.current_errors(&listing.unreadable);
+        if !changed && self.published.as_ref() == Some(&errors) {
+            return None;
+        }
+        self.published = Some(errors.clone());
+        Some(self.snapshot(errors))
+    }
+
+    /// The path itself cannot be listed: everything stays as last read, and the error is counted.
+    fn root_unreadable(&mut self, error: ManifestError) {
+        if self.root_error.as_ref() != Some(&error) {
+            tracing::warn!(%error, "the manifests cannot be read; everything stays programmed as last read");
+            self.root_error = Some(error);
+        }
+        // Once it is back, files are read when they have been seen unchanged twice again.
+        self.seen = None;
+        self.state.objects_kept = self.files.values().map(|f| f.entries.len() as u64).sum();
+        self.state.errors = self.published.as_ref().map_or(0, |e| e.len() as u64) + 1;
+    }
+
+    /// Drops the files missing from two listings in a row (a file under an unreadable directory
+    /// is not gone, only unseen); true when one of them held anything.
+    fn forget_gone(
+        &mut self,
+        stamps: &BTreeMap<PathBuf, Stamp>,
+        previous: &BTreeMap<PathBuf, Stamp>,
+        unreadable: &[&Path],
+    ) -> bool {
+        let mut changed = false;
         let gone: Vec<PathBuf> = self
             .files
             .keys()
@@ -463,7 +488,20 @@ impl Watcher {
         for path in gone {
             changed |= !self.files.remove(&path).is_some_and(|f| f.entries.is_empty() && f.errors.is_empty());
         }
-        for (path, stamp) in &stamps {
+        changed
+    }
+
+    /// Reads each file whose stamp is new and the same in two listings in a row, holding a read
+    /// that looks unfinished until it has stayed so for [`SETTLE`]; true when any read was applied.
+    fn read_changed(
+        &mut self,
+        now: Instant,
+        progress: &Progress,
+        stamps: &BTreeMap<PathBuf, Stamp>,
+        previous: &BTreeMap<PathBuf, Stamp>,
+    ) -> bool {
+        let mut changed = false;
+        for (path, stamp) in stamps {
             let state = self.files.entry(path.clone()).or_default();
             if let Some(held) = &state.held {
                 if held.stamp != *stamp {
@@ -493,11 +531,16 @@ impl Watcher {
             state.apply(path, stamp.clone(), read);
             changed = true;
         }
+        changed
+    }
 
+    /// The errors to publish (the files', then the unreadable entries'), counting in `state` the
+    /// objects kept from an earlier read.
+    fn current_errors(&mut self, unreadable: &[(PathBuf, ManifestError)]) -> Vec<ManifestError> {
         let mut errors: Vec<ManifestError> =
             self.files.values().flat_map(|f| f.errors.iter().cloned()).collect();
         let mut kept = 0;
-        for (path, error) in &listing.unreadable {
+        for (path, error) in unreadable {
             let under: usize =
                 self.files.iter().filter(|(p, _)| p.starts_with(path)).map(|(_, f)| f.entries.len()).sum();
             kept += under;
@@ -513,15 +556,11 @@ impl Watcher {
         kept += self
             .files
             .iter()
-            .filter(|(p, _)| !listing.unreadable.iter().any(|(u, _)| p.starts_with(u)))
+            .filter(|(p, _)| !unreadable.iter().any(|(u, _)| p.starts_with(u)))
             .map(|(_, f)| f.entries.iter().filter(|e| e.kept).count())
             .sum::<usize>();
         self.state = ManifestState { objects_kept: kept as u64, errors: errors.len() as u64 };
-        if !changed && self.published.as_ref() == Some(&errors) {
-            return None;
-        }
-        self.published = Some(errors.clone());
-        Some(self.snapshot(errors))
+        errors
     }
 
     /// Everything the files hold now, numbered for the model's order.
