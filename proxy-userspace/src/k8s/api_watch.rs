@@ -578,48 +578,21 @@ async fn reflect<K>(
 {
     let kind = K::kind(&());
     let api: Api<K> = Api::all(client.clone());
-    let list_params = ListParams {
-        label_selector: selectors.labels.clone(),
-        field_selector: selectors.fields.clone(),
-        limit: Some(LIST_PAGE),
-        ..Default::default()
-    };
-    let watch_params = WatchParams {
-        label_selector: selectors.labels,
-        field_selector: selectors.fields,
-        timeout: Some(options.watch_timeout_secs()),
-        bookmarks: true,
-        ..Default::default()
-    };
+    let (list_params, watch_params) = request_params(selectors, options);
     let mut backoff = DefaultBackoff::default();
     let mut resume: Option<String> = None;
     let mut last_listed: Option<tokio::time::Instant> = None;
     loop {
         let error = match resume.take() {
-            None => {
-                if let Some(health) = &health {
-                    health.listing(SystemTime::now());
+            None => match list_and_apply(&api, &list_params, health.as_ref(), &mut apply).await {
+                Ok(version) => {
+                    backoff.reset();
+                    resume = Some(version);
+                    last_listed = Some(tokio::time::Instant::now());
+                    continue;
                 }
-                match list_all(&api, &list_params).await {
-                    Ok((objects, version)) => {
-                        tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
-                        if let Some(health) = &health {
-                            health.listed(SystemTime::now());
-                        }
-                        apply(Update::Listed(objects));
-                        backoff.reset();
-                        resume = Some(version);
-                        last_listed = Some(tokio::time::Instant::now());
-                        continue;
-                    }
-                    Err(error) => {
-                        if let Some(health) = &health {
-                            health.list_failed(&error);
-                        }
-                        format!("list failed: {error}")
-                    }
-                }
-            }
+                Err(error) => error,
+            },
             Some(version) => {
                 let request = WatchRequest {
                     client: &client,
@@ -653,6 +626,56 @@ async fn reflect<K>(
         let delay = backoff.next().unwrap_or(Duration::from_secs(30));
         tracing::warn!(%kind, %error, retry_in_ms = delay.as_millis() as u64, "watch failed; retrying");
         tokio::time::sleep(delay).await;
+    }
+}
+
+/// The list (paged) and watch (with bookmarks, ended by the server) parameters of one kind.
+fn request_params(selectors: Selectors, options: WatchOptions) -> (ListParams, WatchParams) {
+    let list_params = ListParams {
+        label_selector: selectors.labels.clone(),
+        field_selector: selectors.fields.clone(),
+        limit: Some(LIST_PAGE),
+        ..Default::default()
+    };
+    let watch_params = WatchParams {
+        label_selector: selectors.labels,
+        field_selector: selectors.fields,
+        timeout: Some(options.watch_timeout_secs()),
+        bookmarks: true,
+        ..Default::default()
+    };
+    (list_params, watch_params)
+}
+
+/// One complete list handed to `apply`: the version to watch from, or the error to back off on.
+async fn list_and_apply<K>(
+    api: &Api<K>,
+    params: &ListParams,
+    health: Option<&Arc<dyn WatchProgress>>,
+    apply: &mut impl FnMut(Update<K>),
+) -> Result<String, String>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let kind = K::kind(&());
+    if let Some(health) = health {
+        health.listing(SystemTime::now());
+    }
+    match list_all(api, params).await {
+        Ok((objects, version)) => {
+            tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
+            if let Some(health) = health {
+                health.listed(SystemTime::now());
+            }
+            apply(Update::Listed(objects));
+            Ok(version)
+        }
+        Err(error) => {
+            if let Some(health) = health {
+                health.list_failed(&error);
+            }
+            Err(format!("list failed: {error}"))
+        }
     }
 }
 
@@ -702,25 +725,13 @@ async fn watch_once<K>(
 where
     K: DeserializeOwned + kube::Resource,
 {
-    let WatchRequest { client, url_path, params, options, health } = *watch;
     let opened = tokio::time::Instant::now();
-    let request = match kube::core::Request::new(url_path).watch(params, &version) {
-        Ok(request) => request,
-        Err(error) => return WatchEnd::failed(Some(version), format!("watch: {error}")),
-    };
-    let body = match tokio::time::timeout(options.progress_timeout, client.request_stream(request)).await {
-        Err(_) => {
-            let error = format!("watch: no answer within {}s", options.progress_timeout.as_secs_f64());
-            return WatchEnd::failed(Some(version), error);
-        }
-        Ok(Err(kube::Error::Api(status))) if status.code == 410 => {
-            return WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status)));
-        }
-        Ok(Err(error)) => return WatchEnd::failed(Some(version), format!("watch: {}", describe(&error))),
-        Ok(Ok(body)) => body,
+    let body = match open_watch(watch, &version).await {
+        Ok(body) => body,
+        Err(end) => return end,
     };
     // Accepted from `version`: the server will send whatever changed since.
-    if let Some(health) = health {
+    if let Some(health) = watch.health {
         health.progress(SystemTime::now());
     }
     let mut body = std::pin::pin!(body);
@@ -728,28 +739,14 @@ where
     let mut lines = 0u64;
     loop {
         line.clear();
-        let read = match tokio::time::timeout(options.idle_cutoff(), body.read_line(&mut line)).await {
-            Err(_) => {
-                let error =
-                    format!("watch: no event or bookmark for {}s", options.idle_cutoff().as_secs_f64());
-                return WatchEnd::failed(Some(version), error);
-            }
-            Ok(Err(error)) if error.kind() == std::io::ErrorKind::InvalidData => {
-                return WatchEnd::failed(None, format!("watch: unreadable line ({error}); listing again"));
-            }
-            Ok(Err(error)) => {
-                return WatchEnd::failed(Some(version), format!("watch: the stream broke: {error}"));
-            }
-            Ok(Ok(read)) => read,
+        let idle_cutoff = watch.options.idle_cutoff();
+        let read = tokio::time::timeout(idle_cutoff, body.read_line(&mut line)).await;
+        let read = match bytes_read(read, idle_cutoff, &version) {
+            Ok(read) => read,
+            Err(end) => return end,
         };
         if read == 0 {
-            if lines == 0 && opened.elapsed() < SHORT_WATCH {
-                return WatchEnd::failed(
-                    Some(version),
-                    "watch: closed at once, with nothing in it".to_owned(),
-                );
-            }
-            return WatchEnd::Closed(version);
+            return stream_closed(lines, opened, version);
         }
         if !line.ends_with('\n') {
             // Cut mid-line: whatever it carried comes again from `version`.
@@ -762,55 +759,129 @@ where
         if text.is_empty() {
             continue;
         }
-        let event = match serde_json::from_str::<WatchEvent<K>>(text) {
-            Ok(event) => event,
-            Err(error) => match serde_json::from_str::<kube::core::Status>(text) {
-                Ok(status) if status.code != 0 => WatchEvent::Error(Box::new(status)),
-                _ => {
-                    let excerpt: String = text.chars().take(80).collect();
-                    let error = format!(
-                        "watch: unreadable line ({error}): {excerpt:?}; listing again, as the change it carried is lost"
-                    );
-                    return WatchEnd::failed(None, error);
-                }
-            },
-        };
-        let (update, next_version) = match event {
-            WatchEvent::Added(object) | WatchEvent::Modified(object) => {
-                let next = object.resource_version();
-                (Some(Update::Applied(object)), next)
-            }
-            WatchEvent::Deleted(object) => {
-                let next = object.resource_version();
-                (Some(Update::Deleted(object)), next)
-            }
-            WatchEvent::Bookmark(bookmark) => (None, Some(bookmark.metadata.resource_version)),
-            WatchEvent::Error(status) if status.code == 410 => {
-                return WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status)));
-            }
-            WatchEvent::Error(status) => {
-                return WatchEnd::failed(
-                    Some(version),
-                    format!("watch: error event: {}", status_text(&status)),
-                );
-            }
-        };
-        let Some(next_version) = next_version.filter(|v| !v.is_empty()) else {
-            return WatchEnd::failed(
-                None,
-                "watch: an event without a resourceVersion; listing again".to_owned(),
-            );
-        };
+        let (update, next_version) =
+            match parse_event::<K>(text).and_then(|event| event_update(event, &version)) {
+                Ok(step) => step,
+                Err(end) => return end,
+            };
         version = next_version;
         lines += 1;
         backoff.reset();
-        if let Some(health) = health {
+        if let Some(health) = watch.health {
             health.progress(SystemTime::now());
         }
         if let Some(update) = update {
             apply(update);
         }
     }
+}
+
+/// Sends the watch request from `version` and waits for the server to accept it.
+async fn open_watch<'w>(
+    watch: &WatchRequest<'w>,
+    version: &str,
+) -> Result<impl futures::AsyncBufRead + use<'w>, WatchEnd> {
+    let WatchRequest { client, url_path, params, options, .. } = *watch;
+    let request = match kube::core::Request::new(url_path).watch(params, version) {
+        Ok(request) => request,
+        Err(error) => return Err(WatchEnd::failed(Some(version.to_owned()), format!("watch: {error}"))),
+    };
+    match tokio::time::timeout(options.progress_timeout, client.request_stream(request)).await {
+        Err(_) => {
+            let error = format!("watch: no answer within {}s", options.progress_timeout.as_secs_f64());
+            Err(WatchEnd::failed(Some(version.to_owned()), error))
+        }
+        Ok(Err(kube::Error::Api(status))) if status.code == 410 => {
+            Err(WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status))))
+        }
+        Ok(Err(error)) => {
+            Err(WatchEnd::failed(Some(version.to_owned()), format!("watch: {}", describe(&error))))
+        }
+        Ok(Ok(body)) => Ok(body),
+    }
+}
+
+/// One line's read: its length, or how the watch ends when the stream went quiet, broke or
+/// carried bytes that are not text (which loses a change, so list again).
+fn bytes_read(
+    read: Result<std::io::Result<usize>, tokio::time::error::Elapsed>,
+    idle_cutoff: Duration,
+    version: &str,
+) -> Result<usize, WatchEnd> {
+    match read {
+        Err(_) => {
+            let error = format!("watch: no event or bookmark for {}s", idle_cutoff.as_secs_f64());
+            Err(WatchEnd::failed(Some(version.to_owned()), error))
+        }
+        Ok(Err(error)) if error.kind() == std::io::ErrorKind::InvalidData => {
+            Err(WatchEnd::failed(None, format!("watch: unreadable line ({error}); listing again")))
+        }
+        Ok(Err(error)) => {
+            Err(WatchEnd::failed(Some(version.to_owned()), format!("watch: the stream broke: {error}")))
+        }
+        Ok(Ok(read)) => Ok(read),
+    }
+}
+
+/// The server closed the stream: a normal end, unless it closed an empty watch at once (a server
+/// that does so every time would otherwise be asked again without a pause).
+fn stream_closed(lines: u64, opened: tokio::time::Instant, version: String) -> WatchEnd {
+    if lines == 0 && opened.elapsed() < SHORT_WATCH {
+        return WatchEnd::failed(Some(version), "watch: closed at once, with nothing in it".to_owned());
+    }
+    WatchEnd::Closed(version)
+}
+
+/// A line of the stream as an event; a Status line is an error event. A line that is neither
+/// lost a change, so the watch ends with a list.
+fn parse_event<K: DeserializeOwned>(text: &str) -> Result<WatchEvent<K>, WatchEnd> {
+    match serde_json::from_str::<WatchEvent<K>>(text) {
+        Ok(event) => Ok(event),
+        Err(error) => match serde_json::from_str::<kube::core::Status>(text) {
+            Ok(status) if status.code != 0 => Ok(WatchEvent::Error(Box::new(status))),
+            _ => {
+                let excerpt: String = text.chars().take(80).collect();
+                let error = format!(
+                    "watch: unreadable line ({error}): {excerpt:?}; listing again, as the change it carried is lost"
+                );
+                Err(WatchEnd::failed(None, error))
+            }
+        },
+    }
+}
+
+/// What an event changes and the version to resume from after it, or how the watch ends.
+fn event_update<K: kube::Resource>(
+    event: WatchEvent<K>,
+    version: &str,
+) -> Result<(Option<Update<K>>, String), WatchEnd> {
+    let (update, next_version) = match event {
+        WatchEvent::Added(object) | WatchEvent::Modified(object) => {
+            let next = object.resource_version();
+            (Some(Update::Applied(object)), next)
+        }
+        WatchEvent::Deleted(object) => {
+            let next = object.resource_version();
+            (Some(Update::Deleted(object)), next)
+        }
+        WatchEvent::Bookmark(bookmark) => (None, Some(bookmark.metadata.resource_version)),
+        WatchEvent::Error(status) if status.code == 410 => {
+            return Err(WatchEnd::failed(None, format!("watch: {}; listing again", status_text(&status))));
+        }
+        WatchEvent::Error(status) => {
+            return Err(WatchEnd::failed(
+                Some(version.to_owned()),
+                format!("watch: error event: {}", status_text(&status)),
+            ));
+        }
+    };
+    let Some(next_version) = next_version.filter(|v| !v.is_empty()) else {
+        return Err(WatchEnd::failed(
+            None,
+            "watch: an event without a resourceVersion; listing again".to_owned(),
+        ));
+    };
+    Ok((update, next_version))
 }
 
 /// `410 Gone: too old resource version: 5 (7)`.
