@@ -230,14 +230,7 @@ pub fn attach_all(
 ) -> Result<AttachReport> {
     let mut report = AttachReport::default();
     let present = interfaces()?;
-    let mut wanted: Vec<(&Interface, &[Hook])> = Vec::new();
-    for iface in &present {
-        if selector.matches(&iface.name) {
-            wanted.push((iface, &Hook::POD));
-        } else if external.contains(&iface.name) {
-            wanted.push((iface, &Hook::EXTERNAL));
-        }
-    }
+    let wanted = wanted_hooks(&present, selector, external);
     let mut expected: BTreeSet<PathBuf> =
         wanted.iter().flat_map(|(i, hooks)| hooks.iter().map(|h| pins.link(i, *h))).collect();
     let xdp_targets: Vec<&Interface> = match xdp {
@@ -246,6 +239,32 @@ pub fn attach_all(
     };
     expected.extend(xdp_targets.iter().map(|i| pins.xdp_link(i)));
 
+    prune_links(pins, &expected, &mut report)?;
+    attach_tc_hooks(pins, wanted, &mut report)?;
+    attach_xdp_hooks(pins, xdp_targets, xdp, &mut report)?;
+    Ok(report)
+}
+
+/// The tc hooks each present interface gets: the pod hooks where the selector matches, else
+/// the external ones where it is named external.
+fn wanted_hooks<'i>(
+    present: &'i [Interface],
+    selector: &InterfaceSelector,
+    external: &[String],
+) -> Vec<(&'i Interface, &'static [Hook])> {
+    let mut wanted: Vec<(&Interface, &[Hook])> = Vec::new();
+    for iface in present {
+        if selector.matches(&iface.name) {
+            wanted.push((iface, &Hook::POD));
+        } else if external.contains(&iface.name) {
+            wanted.push((iface, &Hook::EXTERNAL));
+        }
+    }
+    wanted
+}
+
+/// Removes the pinned interface links that are not `expected`, leaving the cgroup ones.
+fn prune_links(pins: &PinDir, expected: &BTreeSet<PathBuf>, report: &mut AttachReport) -> Result<()> {
     fs::create_dir_all(pins.links_dir())?;
     for entry in fs::read_dir(pins.links_dir())? {
         let path = entry?.path();
@@ -262,7 +281,15 @@ pub fn attach_all(
             report.pruned.push(path.file_name().unwrap_or_default().to_string_lossy().into_owned());
         }
     }
+    Ok(())
+}
 
+/// Attaches each wanted tc hook that has no pinned link yet, opening each pinned program once.
+fn attach_tc_hooks(
+    pins: &PinDir,
+    wanted: Vec<(&Interface, &[Hook])>,
+    report: &mut AttachReport,
+) -> Result<()> {
     let mut programs: Vec<Option<SchedClassifier>> = vec![None, None, None];
     for (iface, hooks) in wanted {
         for &hook in hooks {
@@ -286,6 +313,16 @@ pub fn attach_all(
             }
         }
     }
+    Ok(())
+}
+
+/// Attaches XDP to each target that has no pinned link yet, opening the pinned program once.
+fn attach_xdp_hooks(
+    pins: &PinDir,
+    xdp_targets: Vec<&Interface>,
+    xdp: XdpSetting,
+    report: &mut AttachReport,
+) -> Result<()> {
     let mut xdp_program: Option<Xdp> = None;
     for iface in xdp_targets {
         let link_path = pins.xdp_link(iface);
@@ -305,7 +342,7 @@ pub fn attach_all(
             Err(e) => report.failed.push((format!("{}/xdp", iface.name), format!("{e:#}"))),
         }
     }
-    Ok(report)
+    Ok(())
 }
 
 /// Attaches XDP in the driver when asked and supported, else in generic
