@@ -26,7 +26,7 @@ use proxy_common::{
 };
 
 use crate::{
-    bpf::{Maps, PinDir},
+    bpf::{self, PinDir},
     net::Protocol,
     nf_conntrack::{self, Entry},
 };
@@ -85,29 +85,28 @@ fn tuple(t: &nf_conntrack::Tuple) -> NfTuple {
 
 /// Reads nf_conntrack (of the calling thread's network namespace) and makes
 /// `INHERITED_V4` hold its translated flows, and nothing else.
-pub fn scan(maps: &mut Maps) -> Result<ScanReport> {
+pub fn scan(inherited: &mut bpf::InheritedMap) -> Result<ScanReport> {
     let entries = nf_conntrack::dump_v4().context("reading nf_conntrack")?;
     let (want, mut report) = desired(&entries);
-    let have: Vec<(CtKeyV4, InheritedFlowV4)> = maps.inherited.iter().filter_map(|r| r.ok()).collect();
+    let have: Vec<(CtKeyV4, InheritedFlowV4)> = inherited.iter().filter_map(|r| r.ok()).collect();
     for (key, value) in &have {
-        if want.get(key) != Some(value) && maps.inherited.remove(key).is_ok() {
+        if want.get(key) != Some(value) && inherited.remove(key).is_ok() {
             report.unmarked += 1;
         }
     }
     let have: StdHashMap<CtKeyV4, InheritedFlowV4> = have.into_iter().collect();
     for (key, value) in &want {
         if have.get(key) != Some(value) {
-            maps.inherited.insert(key, value, 0).context("writing INHERITED_V4")?;
+            inherited.insert(key, value, 0).context("writing INHERITED_V4")?;
             report.marked += 1;
         }
     }
     Ok(report)
 }
 
-/// [`scan`] with the pinned maps.
+/// [`scan`] with the pinned map (only it: the scan runs every few seconds).
 pub fn scan_pinned(pins: &PinDir) -> Result<ScanReport> {
-    let mut maps = Maps::from_pins(pins)?;
-    scan(&mut maps)
+    scan(&mut bpf::open_inherited(pins)?)
 }
 
 /// Logs a scan's outcome when it says something new.

@@ -100,6 +100,14 @@ pub(super) fn open_pinned(pins: &PinDir, name: &str) -> Result<MapData> {
         .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
 }
 
+/// A handle on `INHERITED_V4`.
+pub type InheritedMap = HashMap<MapData, CtKeyV4, InheritedFlowV4>;
+
+/// The pinned `INHERITED_V4` alone (the agent rewrites it every few seconds from nf_conntrack).
+pub fn open_inherited(pins: &PinDir) -> Result<InheritedMap> {
+    Ok(HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_INHERITED_V4)?))?)
+}
+
 /// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
 pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
     Ok(HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SOCK_REVNAT_V4)?))?)
