@@ -257,7 +257,16 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
                 rev_nat_id: 0,
             };
             new_flow(ctx, &flow, &found, &mut pick)?;
+            if pick.route.ifindex != ctx.ingress_ifindex() as u32 {
+                return Err(record_local(&flow, &pick));
+            }
             commit(ctx, &flow, &pick, out)?;
+            if !pick.route.neighbour_known {
+                // Recorded but not sent (picking again in tc would favour
+                // local backends): tc finds the flow established, and its
+                // redirect resolves the neighbour.
+                return Err(Verdict::pass(Stat::XdpToTc));
+            }
         }
     }
     finish(ctx, &flow, out)
@@ -353,7 +362,8 @@ struct Pick {
     rev_nat_id: u16,
 }
 
-/// Picks the backend of a new flow; only a backend on another node is XDP's.
+/// Picks the backend of a new flow and its route; only a backend on another
+/// node is XDP's to send.
 #[inline(never)]
 fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
@@ -364,26 +374,27 @@ fn new_flow(ctx: &XdpContext, flow: &Flow, found: &lb::Frontend, pick: &mut Pick
     }
     let choice = lb::select_backend(flow, found, conntrack::now())?;
     let route = fib::route(ctx, ingress, flow.saddr, choice.backend.addr, flow.ip_total_len)?;
-    if route.ifindex != ingress {
-        // A local backend: tc translates and delivers it. The choice is
-        // recorded here, so tc follows it as an established flow instead of
-        // picking again (which would favour remote backends).
-        let key = flow.ct_key(CT_DIR_FORWARD);
-        if conntrack::lookup(&key.reply_of(choice.backend.addr, choice.backend.port)).is_some()
-            || crate::inherited::holds_reply_off_stack(&key, choice.backend.addr, choice.backend.port)
-        {
-            // Another flow has the reply tuple: tc resolves the clash.
-            return Err(Verdict::pass(Stat::XdpToTc));
-        }
-        conntrack::create(flow, &key, &choice, frontend.rev_nat_id, conntrack::now(), ReplyTo::CLIENT)?;
-        return Err(Verdict::pass(Stat::XdpToTc));
-    }
-    if !route.neighbour_known {
-        // Not a failure: tc's redirect resolves the neighbour.
-        return Err(Verdict::pass(Stat::XdpToTc));
-    }
     *pick = Pick { choice, route, rev_nat_id: frontend.rev_nat_id };
     Ok(())
+}
+
+/// A local backend: tc translates and delivers it. The choice is recorded
+/// here, so tc follows it as an established flow instead of picking again
+/// (which would favour remote backends). Returns the packet's verdict.
+#[inline(never)]
+fn record_local(flow: &Flow, pick: &Pick) -> Verdict {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let backend = pick.choice.backend;
+    if conntrack::lookup(&key.reply_of(backend.addr, backend.port)).is_some()
+        || crate::inherited::holds_reply_off_stack(&key, backend.addr, backend.port)
+    {
+        // Another flow has the reply tuple: tc resolves the clash.
+        return Verdict::pass(Stat::XdpToTc);
+    }
+    match conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, conntrack::now(), ReplyTo::CLIENT) {
+        Ok(()) => Verdict::pass(Stat::XdpToTc),
+        Err(verdict) => verdict,
+    }
 }
 
 /// Takes a SNAT port for a picked flow and records it in conntrack.
