@@ -1,13 +1,14 @@
 //! Socket-level load balancing: a connect() (TCP, connected UDP) or a
 //! sendmsg() (unconnected UDP) to a Service is sent to a backend before any
 //! packet exists, so the flow needs no per-packet NAT at all; recvmsg() and
-//! getpeername() show the Service address again. For pods' sockets, Services
-//! with session affinity or source ranges are left to the tc path, which
-//! knows the client address; the node's own sockets (one client: the node)
-//! are translated with affinity, and never short-circuit a source-ranged
-//! load-balancer IP (their connections go to the load balancer, which enforces
-//! its ranges, as kube-proxy enforces them for the node unless a range holds
-//! a node address).
+//! getpeername() show the Service address again. Session affinity is kept per
+//! client: a pod is one client (its network namespace), the node's own
+//! sockets another. Source-ranged load-balancer IPs are never short-circuited:
+//! a pod's connection is left to the tc path on its veth, which knows the
+//! client address, or — on a veth without tc (`--pod-veth-tc auto`) — goes to
+//! the load balancer, which enforces its ranges, as the node's connections do
+//! (kube-proxy enforces them for the node unless a range holds a node
+//! address).
 use aya_ebpf::{
     helpers::{
         bpf_get_prandom_u32,
@@ -47,8 +48,8 @@ enum Owner {
     None,
     /// A process in the node's own network namespace.
     Node,
-    /// A pod's (`--socket-lb on`).
-    Pod,
+    /// A pod's (`--socket-lb on`): its network namespace's cookie.
+    Pod(u64),
 }
 
 #[inline(always)]
@@ -61,8 +62,20 @@ fn owner(ctx: &SockAddrContext) -> Owner {
     let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
     match (netns == config.host_netns_cookie, config.mode) {
         (true, _) => Owner::Node,
-        (false, SOCKET_LB_ALL) => Owner::Pod,
+        (false, SOCKET_LB_ALL) => Owner::Pod(netns),
         _ => Owner::None,
+    }
+}
+
+/// The client address session affinity is keyed by, for sockets that have none
+/// yet: `0.0.0.0` for the node, `0.x.y.z` from the low 24 bits of a pod's
+/// network namespace cookie (one pod, one client, as its address would be;
+/// 0.0.0.0/8 is no real client's source, so it never shares an entry with one).
+#[inline(always)]
+fn affinity_client(owner: Owner) -> [u8; 4] {
+    match owner {
+        Owner::Pod(netns) => [0, (netns >> 16) as u8, (netns >> 8) as u8, netns as u8],
+        _ => [0; 4],
     }
 }
 
@@ -122,12 +135,13 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
             // A port the Service does not have: refused, as on the tc path.
             return refuse();
         }
-        // The node's own packets cross no tc program of kproxy's: an unallocated
-        // service address is refused here, so that nothing leaves the node. A
-        // socket call can only fail: EPERM, what netfilter's drop in OUTPUT gives
-        // a UDP sendmsg (a TCP connect() through kube-proxy retries its SYN until
-        // it times out instead). Pods' packets are dropped by tc, as kube-proxy's.
-        if owner == Owner::Node && lb::in_service_cidr(&flow.daddr) {
+        // The node's own packets cross no tc program of kproxy's, nor do a
+        // covered pod's (`--pod-veth-tc auto`): an unallocated service address
+        // is refused here, so that nothing leaves the node. A socket call can
+        // only fail: EPERM, what netfilter's drop in OUTPUT gives a UDP sendmsg
+        // (a TCP connect() through kube-proxy retries its SYN until it times
+        // out instead).
+        if lb::in_service_cidr(&flow.daddr) {
             stats::count(Stat::DropUnallocatedServiceIp);
             // SAFETY: as in `refuse`.
             unsafe { bpf_set_retval(-EPERM) };
@@ -149,9 +163,6 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         return PROCEED;
     }
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
-    if affinity && owner == Owner::Pod {
-        return PROCEED;
-    }
     if frontend.count == 0 {
         return refuse();
     }
@@ -160,9 +171,9 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     // do not exist yet: Maglev spreads sockets, not one constant "0.0.0.0:0".
     // SAFETY: a helper reading the context's socket.
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // With session affinity the client is the node (all its sockets stick
-    // together, as the node's address would through kube-proxy).
-    flow.saddr = if affinity { [0; 4] } else { (cookie as u32).to_ne_bytes() };
+    // With session affinity the client is the node or the pod (all its sockets
+    // stick together, as its address would through kube-proxy).
+    flow.saddr = if affinity { affinity_client(owner) } else { (cookie as u32).to_ne_bytes() };
     flow.sport = ((cookie >> 32) as u16).to_ne_bytes();
     // A UDP socket keeps its backend from one sendmsg to the next (as long as the
     // backends stay), like a conntrack entry would keep its flow's; TCP

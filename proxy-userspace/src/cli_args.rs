@@ -162,6 +162,13 @@ pub(crate) struct AgentArgs {
     /// mount (every process of the node).
     #[arg(long)]
     pub(crate) cgroup_root: Option<PathBuf>,
+    /// tc programs on pod veths: auto leaves none on the veths of pods the
+    /// socket hooks cover (with --socket-lb on: pods whose every process is in
+    /// --cgroup-root; all of them when it is the cgroup2 root), so their
+    /// east–west traffic crosses no per-packet program; on keeps them on every
+    /// pod veth. External interfaces and uncovered pods always keep tc.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub(crate) pod_veth_tc: kproxy::agent::PodVethTc,
     /// How NodePort, ExternalIP and LoadBalancer frontends pick a backend for
     /// a new flow: at random, or by Maglev consistent hashing of the flow
     /// (every node picks the same backend; a backend change moves few flows).

@@ -364,6 +364,7 @@ fn agent_config(args: AgentArgs, pins: PinDir) -> Result<AgentConfig> {
             mode: args.socket_lb.unwrap_or(kproxy::agent::SocketLbMode::HostOnly),
             cgroup: args.cgroup_root.or_else(kproxy::bpf::cgroup2_mount),
             asked: args.socket_lb.is_some(),
+            pod_veth_tc: args.pod_veth_tc,
         },
     })
 }

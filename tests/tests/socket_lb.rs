@@ -3,6 +3,11 @@
 //! that cgroup, then enter a pod's (or the node's) network namespace; Python scripts make the
 //! socket calls whose results a user would see: where connect() goes, what getpeername() and
 //! recvfrom() report, what a connected UDP socket experiences when its backend leaves.
+//!
+//! Each test runs twice (the `socket_lb_with_tc` and `socket_lb_no_tc` modules): with the tc
+//! programs on every pod veth (`--pod-veth-tc on`), and with none on the client pod's veth
+//! (`--pod-veth-tc auto`: every process of the client's namespace is in the cgroup, so the hooks
+//! cover it), where nothing but the hooks can translate the client's traffic.
 
 use std::{
     io::{BufRead, BufReader},
@@ -11,7 +16,30 @@ use std::{
 };
 
 mod common;
-use common::cluster::{Cluster, DNS_VIP, WEB_VIP};
+use common::cluster::{CLIENT_IP, CLIENT_SERVER_PORT, Cluster, DNS_VIP, Datapath, WEB_VIP};
+
+/// Runs each named test body (a `fn(Datapath)`) in both socket-LB modes.
+macro_rules! in_both_modes {
+    ($($body:ident),* $(,)?) => {
+        mod socket_lb_with_tc {
+            $(#[test] fn $body() { super::$body(super::Datapath::SocketLbWithTc) })*
+        }
+        mod socket_lb_no_tc {
+            $(#[test] fn $body() { super::$body(super::Datapath::SocketLbNoTc) })*
+        }
+    };
+}
+
+in_both_modes!(
+    connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted,
+    unconnected_udp_keeps_a_backend_per_socket_answers_come_from_the_service_and_dig_works,
+    a_service_without_endpoints_refuses_connect,
+    a_connected_udp_socket_to_a_removed_backend_is_destroyed,
+    a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_destroyed,
+    session_affinity_keeps_a_pod_on_one_backend,
+    a_pod_reaches_itself_through_its_service,
+    a_service_port_the_cluster_ip_does_not_have_refuses_connect,
+);
 
 type TestCgroup = sandbox::cgroup::ChildCgroup;
 
@@ -28,14 +56,26 @@ def backend(reply):
     return reply[at:at + 9].decode() if at >= 0 else '?'
 "#;
 
-/// A cluster whose agent runs with `--socket-lb on`.
-fn start(tag: &str) -> Cluster {
-    let mut cluster = Cluster::start(tag);
-    cluster.stop_agent();
-    cluster.extra_agent_args = vec!["--socket-lb".into(), "on".into()];
-    cluster.start_agent();
+/// A cluster whose agent runs with `--socket-lb on` in `datapath`'s mode, the client pod's veth
+/// checked: no kproxy program when the hooks cover it, both otherwise (and on the server pods'
+/// veths always, their processes being outside the cgroup).
+fn start(tag: &str, datapath: Datapath) -> Cluster {
+    let suffix = if datapath == Datapath::SocketLbNoTc { "-n" } else { "-t" };
+    let cluster = Cluster::start_in(&format!("{tag}{suffix}"), datapath);
     wait_for_socket_hooks(&cluster);
+    check_veths(&cluster);
     cluster
+}
+
+/// The tc programs `bpftool net show` finds on each pod's veth: none on a covered pod's.
+fn check_veths(cluster: &Cluster) {
+    let pods = std::iter::once(&cluster.client).chain(&cluster.web).chain(&cluster.dns);
+    for pod in pods {
+        let mut programs = cluster.tc_programs(pod.host_veth());
+        programs.sort();
+        let expected: &[&str] = if cluster.covered(pod) { &[] } else { &["kproxy_egress", "kproxy_ingress"] };
+        assert_eq!(programs, expected, "tc programs on {} ({})", pod.host_veth(), pod.name());
+    }
 }
 
 fn wait_for_socket_hooks(cluster: &Cluster) {
@@ -52,9 +92,8 @@ fn run(cgroup: &TestCgroup, netns: &str, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-#[test]
-fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted() {
-    let cluster = start("sock-tcp");
+fn connect_goes_to_a_backend_getpeername_shows_the_service_and_no_packet_is_natted(datapath: Datapath) {
+    let cluster = start("sock-tcp", datapath);
     let cgroup = &cluster.cgroup;
     let dnat_before = cluster.stat("dnat_new_flow");
     let script = format!(
@@ -88,15 +127,18 @@ for _ in range(6):
     assert!(cluster.stat("socket_lb_reverse") >= 6, "getpeername was rewritten");
     assert_eq!(cluster.stat("dnat_new_flow"), dnat_before, "the tc path translated nothing: no double NAT");
 
-    // A process outside the cgroup still goes through the tc path.
-    let page = cluster.client.curl(&format!("http://{WEB_VIP}/whoami")).unwrap();
+    // A process outside the cgroup still goes through the tc path (from a web pod: the veth of
+    // an uncovered pod keeps it).
+    let page = cluster.web[0].curl(&format!("http://{WEB_VIP}/whoami")).unwrap();
     assert!(page.starts_with("10.244.0.1"), "{page}");
     assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1);
+    check_veths(&cluster);
 }
 
-#[test]
-fn unconnected_udp_keeps_a_backend_per_socket_answers_come_from_the_service_and_dig_works() {
-    let cluster = start("sock-udp");
+fn unconnected_udp_keeps_a_backend_per_socket_answers_come_from_the_service_and_dig_works(
+    datapath: Datapath,
+) {
+    let cluster = start("sock-udp", datapath);
     let cgroup = &cluster.cgroup;
     let script = format!(
         r#"{DNS_HELPERS}
@@ -134,11 +176,11 @@ for n in range(16):
     let answer = String::from_utf8_lossy(&dig.stdout);
     assert!(answer.trim().starts_with("10.244.0.2"), "dig through socket LB: {answer}");
     assert!(cluster.stat("socket_lb_translated") >= 5);
+    check_veths(&cluster);
 }
 
-#[test]
-fn a_service_without_endpoints_refuses_connect() {
-    let cluster = start("sock-refuse");
+fn a_service_without_endpoints_refuses_connect(datapath: Datapath) {
+    let cluster = start("sock-refuse", datapath);
     let cgroup = &cluster.cgroup;
     std::fs::write(
         cluster.manifest("empty.yaml"),
@@ -158,17 +200,20 @@ except OSError as e:
     assert!(cluster.stat("socket_lb_refused") >= 1);
 }
 
-#[test]
-fn a_connected_udp_socket_to_a_removed_backend_is_destroyed() {
-    connected_udp_socket_is_destroyed_when_its_backend_leaves("sock-destroy", AgentDuringRemoval::Running);
+fn a_connected_udp_socket_to_a_removed_backend_is_destroyed(datapath: Datapath) {
+    connected_udp_socket_is_destroyed_when_its_backend_leaves(
+        "sock-destroy",
+        datapath,
+        AgentDuringRemoval::Running,
+    );
 }
 
 /// The backend leaves while the agent is down: the restarted agent adopts the pinned maps, finds
 /// the backend gone on its first sync and destroys the sockets then.
-#[test]
-fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_destroyed() {
+fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_destroyed(datapath: Datapath) {
     connected_udp_socket_is_destroyed_when_its_backend_leaves(
         "sock-destroy-down",
+        datapath,
         AgentDuringRemoval::Stopped,
     );
 }
@@ -179,8 +224,12 @@ enum AgentDuringRemoval {
     Stopped,
 }
 
-fn connected_udp_socket_is_destroyed_when_its_backend_leaves(tag: &str, agent: AgentDuringRemoval) {
-    let mut cluster = start(tag);
+fn connected_udp_socket_is_destroyed_when_its_backend_leaves(
+    tag: &str,
+    datapath: Datapath,
+    agent: AgentDuringRemoval,
+) {
+    let mut cluster = start(tag, datapath);
     let script = format!(
         r#"{DNS_HELPERS}
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -369,4 +418,137 @@ print(s.recv(4096).split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()
     assert_eq!(out.trim(), "ok");
     assert_eq!(cluster.stat("socket_lb_translated"), translated_before, "a pod's socket was translated");
     assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1, "the pod's connection went through tc");
+}
+
+/// `web.yaml` as another Service, `name` at `vip`, with `edit` applied to its text.
+fn web_service_copy(cluster: &Cluster, name: &str, vip: &str, edit: impl Fn(String) -> String) {
+    let yaml = std::fs::read_to_string(cluster.manifest("web.yaml")).unwrap();
+    let yaml = yaml
+        .replace("name: web\n", &format!("name: {name}\n"))
+        .replace("name: web-7x2kq", &format!("name: {name}-7x2kq"))
+        .replace("kubernetes.io/service-name: web", &format!("kubernetes.io/service-name: {name}"))
+        .replace("uid: 6b1c3f0e-5a2d-4c8e-9a53-1d0d2b7b6f10", "uid: 6b1c3f0e-5a2d-4c8e-9a53-1d0d2b7b6f11")
+        .replace(&WEB_VIP.to_string(), vip);
+    std::fs::write(cluster.manifest(&format!("{name}.yaml")), edit(yaml)).unwrap();
+}
+
+/// A Python script: `count` new connections (separate sockets) to `vip:port`, each printing
+/// `GET /whoami`'s first word and getpeername().
+fn whoami_script(vip: &str, port: u16, count: usize) -> String {
+    format!(
+        r#"
+import socket
+for _ in range({count}):
+    s = socket.create_connection(('{vip}', {port}), timeout=5)
+    s.sendall(b'GET /whoami HTTP/1.0\r\n\r\n')
+    page = b''
+    while True:
+        chunk = s.recv(4096)
+        if not chunk: break
+        page += chunk
+    print(page.split(b'\r\n\r\n', 1)[1].decode().split()[0], s.getpeername()[0], s.getpeername()[1])
+    s.close()
+"#
+    )
+}
+
+/// sessionAffinity: ClientIP through the hooks: the pod is one client (its network namespace),
+/// so its new connections — from separate processes — all reach one backend, and none crossed
+/// the tc path's NAT. On a veth without tc nothing else could translate them.
+fn session_affinity_keeps_a_pod_on_one_backend(datapath: Datapath) {
+    let cluster = start("sock-affinity", datapath);
+    web_service_copy(&cluster, "sticky", "10.96.0.101", |yaml| {
+        yaml.replace("sessionAffinity: None", "sessionAffinity: ClientIP")
+    });
+    cluster.wait_for_frontends(&[("10.96.0.101:80", "TCP", 3)]);
+    let (translated_before, dnat_before) =
+        (cluster.stat("socket_lb_translated"), cluster.stat("dnat_new_flow"));
+    let mut backends = std::collections::BTreeSet::new();
+    for _ in 0..4 {
+        let out = run(&cluster.cgroup, cluster.client.netns(), &whoami_script("10.96.0.101", 80, 4));
+        for line in out.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(&fields[1..], ["10.96.0.101", "80"], "getpeername shows the Service: {line}");
+            backends.insert(fields[0].to_owned());
+        }
+    }
+    assert_eq!(backends.len(), 1, "16 connections of one pod with ClientIP affinity: {backends:?}");
+    assert!(backends.iter().all(|b| b.starts_with("10.244.0.1")), "{backends:?}");
+    assert!(cluster.stat("socket_lb_translated") >= translated_before + 16);
+    assert_eq!(cluster.stat("dnat_new_flow"), dnat_before, "the hooks translated, not tc");
+    // Without affinity the same pod spreads over the backends.
+    let out = run(&cluster.cgroup, cluster.client.netns(), &whoami_script(&WEB_VIP.to_string(), 80, 24));
+    let spread: std::collections::BTreeSet<&str> = out.lines().filter_map(|l| l.split(' ').next()).collect();
+    assert!(spread.len() > 1, "24 connections without affinity all on one backend: {out}");
+}
+
+/// Hairpin: the client pod reaches its own server through a Service whose only endpoint is the
+/// pod itself; getpeername shows the Service.
+fn a_pod_reaches_itself_through_its_service(datapath: Datapath) {
+    let cluster = start("sock-hairpin", datapath);
+    web_service_copy(&cluster, "itself", "10.96.0.102", |yaml| {
+        let (service, _) = yaml.split_once("endpoints:\n").unwrap();
+        format!(
+            "{service}endpoints:\n- addresses:\n  - {CLIENT_IP}\n  conditions:\n    ready: true\n  nodeName: node-1\n\
+             ports:\n- name: http\n  port: {CLIENT_SERVER_PORT}\n  protocol: TCP\n"
+        )
+    });
+    cluster.wait_for_frontends(&[("10.96.0.102:80", "TCP", 1)]);
+    let out = run(&cluster.cgroup, cluster.client.netns(), &whoami_script("10.96.0.102", 80, 3));
+    assert_eq!(out.lines().collect::<Vec<_>>(), ["client 10.96.0.102 80"; 3], "{out}");
+}
+
+/// A port the cluster IP does not have is refused at connect(), as the tc path refuses it.
+fn a_service_port_the_cluster_ip_does_not_have_refuses_connect(datapath: Datapath) {
+    let cluster = start("sock-noport", datapath);
+    let script = format!(
+        r#"
+import socket, errno
+try:
+    socket.create_connection(('{WEB_VIP}', 81), timeout=5)
+    print('connected')
+except OSError as e:
+    print(errno.errorcode.get(e.errno, e))
+"#
+    );
+    assert_eq!(run(&cluster.cgroup, cluster.client.netns(), &script).trim(), "ECONNREFUSED");
+}
+
+/// Coverage follows the pod's processes: one that enters the covered client pod's namespace
+/// from outside the cgroup makes the agent attach tc to its veth again (its sockets are not the
+/// hooks'), and its Service traffic is translated there; once it is gone, the veth is bare again.
+#[test]
+fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_leaves() {
+    let cluster = start("sock-cover", Datapath::SocketLbNoTc);
+    let veth = cluster.client.host_veth().to_owned();
+    let outsider = cluster.client.spawn(["sleep", "600"]).unwrap();
+    let wait_for = |wanted: &[&str]| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut programs = cluster.tc_programs(&veth);
+            programs.sort();
+            if programs == wanted {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{veth}: {programs:?}, not {wanted:?}\n{}",
+                cluster.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for(&["kproxy_egress", "kproxy_ingress"]);
+    assert!(
+        cluster.agent_log().contains("pod no longer covered by the socket hooks"),
+        "{}",
+        cluster.agent_log()
+    );
+    let dnat_before = cluster.stat("dnat_new_flow");
+    let page = cluster.client.curl(&format!("http://{WEB_VIP}/whoami")).unwrap();
+    assert!(page.starts_with("10.244.0.1"), "{page}");
+    assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1, "the outsider's connection went through tc");
+    outsider.kill().unwrap();
+    wait_for(&[]);
+    check_veths(&cluster);
 }

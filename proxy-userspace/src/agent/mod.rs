@@ -2,6 +2,7 @@
 //! disk) and attached to every pod-facing interface, with kube-proxy's health
 //! and metrics endpoints, until SIGTERM or Ctrl-C.
 
+pub mod coverage;
 pub mod gc;
 pub mod http;
 pub mod inherited;
@@ -82,6 +83,19 @@ pub struct SocketLbOptions {
     /// `--socket-lb` was given. The default (host-only) gives way on a node
     /// without cgroup2 instead of stopping the agent.
     pub asked: bool,
+    /// `--pod-veth-tc`: whether the veths of pods the hooks cover keep the tc programs.
+    pub pod_veth_tc: PodVethTc,
+}
+
+/// `--pod-veth-tc`: tc programs on the veths of pods the socket hooks cover.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodVethTc {
+    /// With `--socket-lb on`, none on the veths of pods whose every process is in
+    /// `--cgroup-root` (their sockets are translated at connect()/sendmsg()); tc everywhere else.
+    #[default]
+    Auto,
+    /// On every pod veth, whatever the socket hooks cover.
+    On,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -111,6 +125,15 @@ impl SocketLbOptions {
                 );
                 Ok(Self { mode: SocketLbMode::Off, ..self.clone() })
             }
+        }
+    }
+
+    /// The pods whose veths need no tc program: those the hooks cover, with `--socket-lb on` and
+    /// `--pod-veth-tc auto`.
+    pub fn coverage(&self) -> coverage::Coverage {
+        match (self.mode, self.pod_veth_tc, &self.cgroup) {
+            (SocketLbMode::On, PodVethTc::Auto, Some(cgroup)) => coverage::Coverage::of_cgroup(cgroup),
+            _ => coverage::Coverage::Nothing,
         }
     }
 
@@ -230,7 +253,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     serve_http(&config, &health, &metrics, &stop_rx).await?;
     start_source(&config, &changes).await?;
-    let stop_logs = spawn_background(&config, &selector, &metrics);
+    let stop_logs = spawn_background(&config, &selector, &metrics, socket_lb.coverage());
     if let Some(first) = inherited_first {
         tokio::spawn(inherited_loop(config.pins.clone(), health.clone(), metrics.clone(), first));
     }
@@ -364,6 +387,7 @@ fn spawn_background(
     config: &AgentConfig,
     selector: &InterfaceSelector,
     metrics: &Metrics,
+    coverage: coverage::Coverage,
 ) -> Arc<std::sync::atomic::AtomicBool> {
     let stop_logs = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
@@ -374,7 +398,13 @@ fn spawn_background(
             }
         });
     }
-    tokio::spawn(attach_loop(config.pins.clone(), selector.clone(), config.north_south.clone(), config.poll));
+    tokio::spawn(attach_loop(
+        config.pins.clone(),
+        selector.clone(),
+        config.north_south.clone(),
+        coverage,
+        config.poll,
+    ));
     tokio::spawn(datapath_metrics_loop(config.pins.clone(), metrics.clone()));
     tokio::spawn(gc_loop(config.pins.clone(), config.conntrack, metrics.clone()));
     stop_logs
@@ -479,28 +509,51 @@ async fn inherited_loop(pins: PinDir, health: Health, metrics: Metrics, first: i
     }
 }
 
-/// Attaches to matching interfaces (and the external ones) as they appear;
+/// Attaches to matching interfaces (and the external ones) as they appear, and detaches from
+/// (or re-attaches to) the veths of pods as the socket hooks start (or stop) covering them;
 /// blocking aya calls run off the async workers.
 async fn attach_loop(
     pins: PinDir,
     selector: InterfaceSelector,
     north_south: NorthSouthOptions,
+    coverage: coverage::Coverage,
     poll: Duration,
 ) {
+    let mut untranslated = BTreeSet::new();
     loop {
-        let (p, s, ns) = (pins.clone(), selector.clone(), north_south.clone());
-        let attach = move || -> Result<bpf::AttachReport> {
+        let (p, s, ns, c) = (pins.clone(), selector.clone(), north_south.clone(), coverage.clone());
+        let attach = move || -> Result<(bpf::AttachReport, BTreeSet<String>)> {
             let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s, None).interface_names();
-            bpf::attach_all(&p, &s, &external, ns.xdp)
+            let pods: Vec<String> =
+                bpf::interfaces()?.into_iter().filter(|i| s.matches(&i.name)).map(|i| i.name).collect();
+            // Not knowing who is covered keeps tc everywhere: a pod's packets are never left
+            // untranslated by mistake.
+            let covered = c.covered(&pods).unwrap_or_else(|e| {
+                tracing::warn!(error = %format!("{e:#}"), "cannot tell which pods the socket hooks cover; tc on every pod veth");
+                BTreeSet::new()
+            });
+            Ok((bpf::attach_all(&p, &s, &external, ns.xdp, &covered)?, covered))
         };
         match tokio::task::spawn_blocking(attach).await {
-            Ok(Ok(report)) => {
+            Ok(Ok((report, covered))) => {
+                for name in covered.difference(&untranslated) {
+                    tracing::info!(interface = %name, "pod covered by the socket hooks: no tc program on its veth");
+                }
+                for name in untranslated.difference(&covered) {
+                    tracing::info!(interface = %name, "pod no longer covered by the socket hooks: tc on its veth");
+                }
                 for label in &report.attached {
                     tracing::info!(hook = %label, "attached");
                 }
                 for label in &report.pruned {
-                    tracing::info!(link = %label, "interface gone, link removed");
+                    let name = label.split('@').next().unwrap_or_default().replace("%2E", ".");
+                    if covered.contains(&name) {
+                        tracing::info!(link = %label, "link removed: the socket hooks cover the pod");
+                    } else {
+                        tracing::info!(link = %label, "interface gone, link removed");
+                    }
                 }
+                untranslated = covered;
                 for (label, error) in &report.failed {
                     tracing::warn!(hook = %label, %error, "attach failed; will retry");
                 }
@@ -612,7 +665,12 @@ mod tests {
 
     #[test]
     fn the_default_socket_lb_gives_way_without_cgroup2_an_asked_one_does_not() {
-        let defaulted = SocketLbOptions { mode: SocketLbMode::HostOnly, cgroup: None, asked: false };
+        let defaulted = SocketLbOptions {
+            mode: SocketLbMode::HostOnly,
+            cgroup: None,
+            asked: false,
+            pod_veth_tc: PodVethTc::Auto,
+        };
         assert_eq!(defaulted.effective().unwrap().mode, SocketLbMode::Off);
         let asked = SocketLbOptions { asked: true, ..defaulted.clone() };
         assert!(asked.effective().is_err(), "--socket-lb host-only without cgroup2 is an error");

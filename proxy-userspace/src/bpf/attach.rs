@@ -216,21 +216,24 @@ pub struct AttachReport {
 /// Attaches both programs to every matching interface that lacks them, and
 /// forgets link pins whose interface is gone. Idempotent; safe to call often.
 pub fn attach_matching(pins: &PinDir, selector: &InterfaceSelector) -> Result<AttachReport> {
-    attach_all(pins, selector, &[], XdpSetting::Off)
+    attach_all(pins, selector, &[], XdpSetting::Off, &BTreeSet::new())
 }
 
 /// Like [`attach_matching`], and also the external programs to the
 /// interfaces named in `external` (interfaces that are both get the pod
-/// programs only).
+/// programs only). Pod interfaces named in `untranslated` (pods the socket
+/// hooks cover, `--pod-veth-tc auto`) get no program, and lose the ones they
+/// had.
 pub fn attach_all(
     pins: &PinDir,
     selector: &InterfaceSelector,
     external: &[String],
     xdp: XdpSetting,
+    untranslated: &BTreeSet<String>,
 ) -> Result<AttachReport> {
     let mut report = AttachReport::default();
     let present = interfaces()?;
-    let wanted = wanted_hooks(&present, selector, external);
+    let wanted = wanted_hooks(&present, selector, external, untranslated);
     let mut expected: BTreeSet<PathBuf> =
         wanted.iter().flat_map(|(i, hooks)| hooks.iter().map(|h| pins.link(i, *h))).collect();
     let xdp_targets: Vec<&Interface> = match xdp {
@@ -245,17 +248,21 @@ pub fn attach_all(
     Ok(report)
 }
 
-/// The tc hooks each present interface gets: the pod hooks where the selector matches, else
-/// the external ones where it is named external.
+/// The tc hooks each present interface gets: the pod hooks where the selector matches (none
+/// where the pod is `untranslated`: its sockets are translated by the socket hooks), else the
+/// external ones where it is named external.
 fn wanted_hooks<'i>(
     present: &'i [Interface],
     selector: &InterfaceSelector,
     external: &[String],
+    untranslated: &BTreeSet<String>,
 ) -> Vec<(&'i Interface, &'static [Hook])> {
     let mut wanted: Vec<(&Interface, &[Hook])> = Vec::new();
     for iface in present {
         if selector.matches(&iface.name) {
-            wanted.push((iface, &Hook::POD));
+            if !untranslated.contains(&iface.name) {
+                wanted.push((iface, &Hook::POD));
+            }
         } else if external.contains(&iface.name) {
             wanted.push((iface, &Hook::EXTERNAL));
         }

@@ -32,6 +32,25 @@ pub fn unique_pin_dir() -> PathBuf {
     ))
 }
 
+/// How the client pod's connections to Services are translated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Datapath {
+    /// Per packet, by the tc programs on the pods' veths (the agent's default flags).
+    Tc,
+    /// `--socket-lb on --pod-veth-tc on`: at connect()/sendmsg() for the client's processes
+    /// (started in [`Cluster::cgroup`]), and the tc programs still on every pod veth.
+    SocketLbWithTc,
+    /// `--socket-lb on` (`--pod-veth-tc auto`): the same, and the client pod covered by the
+    /// hooks — every process of its namespace is in the cgroup — so its veth has no tc program;
+    /// the server pods' processes are outside the cgroup, so theirs keep it.
+    SocketLbNoTc,
+}
+
+/// The client pod's server in socket-LB clusters, on [`CLIENT_SERVER_PORT`]: a process of the
+/// client's network namespace that lives in the cgroup (what makes the pod covered), answering
+/// `GET /whoami` with `client`.
+pub const CLIENT_SERVER_PORT: u16 = 8080;
+
 /// Where the agent reads Services and EndpointSlices from.
 pub enum Mode {
     /// `--manifests DIR` (a copy of examples/clusterip).
@@ -58,6 +77,7 @@ pub struct Cluster {
     /// test starts in it ([`ChildCgroup::command`]) get the socket hooks. Removed after the
     /// agent and the pins (fields drop after [`Cluster`]'s own `drop`).
     pub cgroup: ChildCgroup,
+    pub datapath: Datapath,
 }
 
 /// A directory removed on drop.
@@ -138,27 +158,129 @@ impl Cluster {
             manifests: manifest_dir.clone(),
             _manifest_dir: TempDir(manifest_dir),
             cgroup: ChildCgroup::new("kproxy-test").expect("a child cgroup for the socket hooks"),
+            datapath: Datapath::Tc,
         }
     }
 
+    /// A cluster whose client pod reaches Services through `datapath`, agent started, frontends
+    /// programmed and the pods' veths attached as the datapath wants them.
+    pub fn start_in(tag: &str, datapath: Datapath) -> Self {
+        let mut cluster = Self::prepared(tag, Mode::Files);
+        cluster.datapath = datapath;
+        match datapath {
+            Datapath::Tc => {}
+            Datapath::SocketLbWithTc => {
+                cluster.extra_agent_args =
+                    ["--socket-lb", "on", "--pod-veth-tc", "on"].map(Into::into).to_vec()
+            }
+            Datapath::SocketLbNoTc => {
+                cluster.extra_agent_args = ["--socket-lb", "on"].map(Into::into).to_vec()
+            }
+        }
+        if datapath != Datapath::Tc {
+            cluster.start_client_server();
+        }
+        cluster.start_agent();
+        cluster.wait_for_frontends(&[
+            ("10.96.0.100:80", "TCP", 3),
+            ("10.96.0.10:53", "UDP", 2),
+            ("10.96.0.10:53", "TCP", 2),
+        ]);
+        cluster.wait_for_attachment();
+        cluster
+    }
+
+    /// The client pod's server (see [`CLIENT_SERVER_PORT`]), started in the cgroup.
+    fn start_client_server(&self) {
+        let root = self.client.dir().join("www");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("whoami"), "client\n").unwrap();
+        let port = CLIENT_SERVER_PORT.to_string();
+        let root = root.display().to_string();
+        let command = self.cgroup.command(
+            self.client.netns(),
+            &["python3", "-m", "http.server", &port, "--bind", "0.0.0.0", "--directory", &root],
+        );
+        let server = self.client.spawn_command(command).unwrap();
+        self.client
+            .wait_listening("tcp", CLIENT_SERVER_PORT, Some(&server), Duration::from_secs(10))
+            .unwrap();
+    }
+
+    /// Whether the socket hooks cover `pod` in this cluster: its veth should carry no tc program.
+    pub fn covered(&self, pod: &Pod) -> bool {
+        self.datapath == Datapath::SocketLbNoTc && pod.name() == self.client.name()
+    }
+
+    /// `args` run in the client pod as its processes run in this datapath: in the cgroup with
+    /// socket LB (outside it, a process would make the pod uncovered); its stdout, or an error
+    /// when it fails.
+    pub fn client_exec<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> anyhow::Result<String> {
+        if self.datapath == Datapath::Tc {
+            return self.client.exec(args);
+        }
+        let out = self.cgroup.command(self.client.netns(), args).output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{:?} failed: {}{}",
+            args.iter().map(|a| a.as_ref().to_string_lossy().into_owned()).collect::<Vec<_>>(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The names of the TCX programs the kernel has on `veth` (in the node namespace), ingress and
+    /// egress, sorted: asked with BPF_PROG_QUERY from a thread that enters the node's namespace
+    /// (this bpftool predates TCX and lists none).
+    pub fn tc_programs(&self, veth: &str) -> Vec<String> {
+        use std::os::fd::AsRawFd;
+        let netns = std::fs::File::open(self.sandbox.node_netns_path()).unwrap();
+        let veth = veth.to_owned();
+        std::thread::spawn(move || {
+            // SAFETY: setns on this thread only, with a descriptor we hold.
+            assert_eq!(unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+            let mut names = Vec::new();
+            for direction in [aya::programs::TcAttachType::Ingress, aya::programs::TcAttachType::Egress] {
+                let (_, programs) = aya::programs::SchedClassifier::query_tcx(&veth, direction)
+                    .unwrap_or_else(|e| panic!("querying the TCX programs of {veth}: {e}"));
+                names.extend(programs.iter().map(|p| p.name_as_str().unwrap_or("?").to_owned()));
+            }
+            names.sort();
+            names
+        })
+        .join()
+        .unwrap()
+    }
+
     /// Waits until every pod's veth has the ingress and egress programs (the agent attaches them
-    /// within its --poll-ms, independently of programming the maps).
+    /// within its --poll-ms, independently of programming the maps) — but the veths of pods the
+    /// socket hooks cover ([`Cluster::covered`]), which must have none.
     pub fn wait_for_attachment(&self) {
         let pods: Vec<&Pod> = std::iter::once(&self.client).chain(&self.web).chain(&self.dns).collect();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let links: Vec<String> = std::fs::read_dir(self.pin_dir.join("links"))
-                .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-                .unwrap_or_default();
+            let links = self.link_pins();
             let attached = |veth: &str, hook: &str| {
                 links.iter().any(|l| l.starts_with(&format!("{veth}@")) && l.ends_with(&format!("-{hook}")))
             };
-            if pods.iter().all(|p| attached(p.host_veth(), "ingress") && attached(p.host_veth(), "egress")) {
+            let as_wanted = |p: &&Pod| {
+                let hooks = [attached(p.host_veth(), "ingress"), attached(p.host_veth(), "egress")];
+                if self.covered(p) { hooks == [false, false] } else { hooks == [true, true] }
+            };
+            if pods.iter().all(as_wanted) {
                 return;
             }
             assert!(Instant::now() < deadline, "pod veths not attached; agent log:\n{}", self.agent_log());
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The names of the agent's link pins.
+    pub fn link_pins(&self) -> Vec<String> {
+        std::fs::read_dir(self.pin_dir.join("links"))
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default()
     }
 
     pub fn start_agent(&mut self) {
