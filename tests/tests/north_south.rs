@@ -696,3 +696,64 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
     assert_eq!(steps[3]["source"], format!("{node0}:30053"));
     assert_eq!(steps[3]["destination"], client_end);
 }
+
+/// `--socket-lb on` with every pod covered by its node's socket hooks (the pods' processes moved
+/// into the node's cgroup), so no pod veth has a tc program (`--pod-veth-tc auto`): NodePorts and
+/// ExternalIPs from outside still reach local backends un-NATed (their replies are un-NATed by
+/// the external interface's egress program) and remote ones SNATed, fragments included.
+#[test]
+fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
+    let cluster = NorthSouth::start_with("np-notc", &["--socket-lb", "on"]);
+    // web-a on node 0, web-b and dns-b on node 1.
+    for (pod, node) in cluster._pods.iter().zip([0, 1, 1]) {
+        use std::os::unix::fs::MetadataExt;
+        let netns = std::fs::metadata(pod.netns_path()).unwrap().ino();
+        let procs = cluster._cgroups[node].path().join("cgroup.procs");
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == netns) {
+                // A process may exit meanwhile.
+                let _ = std::fs::write(&procs, pid.to_string());
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let links: Vec<String> = std::fs::read_dir(cluster.pins[node].join("links"))
+                .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+                .unwrap_or_default();
+            let veth = format!("{}@", pod.host_veth());
+            if !links.iter().any(|l| l.starts_with(&veth)) {
+                assert!(
+                    links.iter().any(|l| l.starts_with("eth0@")),
+                    "node {node}: eth0 keeps tc: {links:?}"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {node}: {} keeps tc: {links:?}\n{}",
+                pod.host_veth(),
+                cluster.agents[node].log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(&cluster);
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let (backend, _) = cluster.whoami(&format!("http://{EXTERNAL_IP}/whoami"), &[]).unwrap();
+        seen.insert(backend);
+    }
+    assert_eq!(seen, [WEB_A, WEB_B].into(), "the ExternalIP reaches both backends");
+    for node in 0..2 {
+        let node_ip = cluster.multi.node_ip(node);
+        let script = sandbox::big_dns_query_script(node_ip, 30053);
+        let out = cluster
+            .multi
+            .external_exec(["python3", "-c", &script])
+            .unwrap_or_else(|e| panic!("via node {node}: {e:#}\n{}", cluster.agent_logs()));
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.len(), 4, "{out}");
+        assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
+    }
+}
