@@ -86,7 +86,9 @@ impl ServiceKeyV4 {
     }
 }
 
-/// Slot 0: `count` active backends, the frontend's `rev_nat_id` and flags.
+/// Slot 0: `count` active backends, the frontend's `rev_nat_id` and flags;
+/// its `backend_id` holds the Maglev table and the affinity id
+/// ([`ServiceValueV4::slot0_backend_id`]).
 /// Slot i > 0: `backend_id` (and the same `rev_nat_id`, so a slot is
 /// self-describing in dumps).
 #[repr(C)]
@@ -98,6 +100,50 @@ pub struct ServiceValueV4 {
     pub flags: u16,
     pub terminating_count: u16,
     pub affinity_timeout_s: u32,
+}
+
+/// Maglev tables slot 0 can name: its `backend_id` keeps the table + 1 in 16 bits.
+pub const MAGLEV_TABLES_MAX: u32 = 0xFFFF;
+
+impl ServiceValueV4 {
+    /// Slot 0's `backend_id`: bits 0–15 the Maglev table + 1 (0: none), bits
+    /// 16–31 the affinity id (0: the frontend's own `rev_nat_id`). The value
+    /// has no padding left, and a new field would change the pinned map's
+    /// layout; slot 0 has no backend of its own.
+    pub const fn slot0_backend_id(maglev_table: Option<u32>, affinity_id: u16) -> u32 {
+        let table = match maglev_table {
+            Some(table) if table < MAGLEV_TABLES_MAX => table + 1,
+            _ => 0,
+        };
+        (affinity_id as u32) << 16 | table
+    }
+
+    /// Slot 0: the Maglev table new flows pick from, when the frontend has one.
+    pub const fn maglev_table(&self) -> Option<u32> {
+        match self.backend_id & 0xFFFF {
+            0 => None,
+            table => Some(table - 1),
+        }
+    }
+
+    /// Slot 0: the affinity id as written (0: none named).
+    pub const fn named_affinity_id(&self) -> u16 {
+        (self.backend_id >> 16) as u16
+    }
+
+    /// Slot 0: the `rev_nat_id` AFFINITY_V4 keys this frontend's clients by.
+    /// Every frontend of one Service port (its cluster IP, node ports,
+    /// external and load-balancer IPs) names its cluster IP frontend's id, so
+    /// a client sticks to one endpoint whichever address it uses, as
+    /// kube-proxy's affinity sets are per Service port and endpoint
+    /// (pkg/proxy/nftables/proxier.go: "without regard to which service IP
+    /// was used to reach the service").
+    pub const fn affinity_id(&self) -> u16 {
+        match self.named_affinity_id() {
+            0 => self.rev_nat_id,
+            id => id,
+        }
+    }
 }
 
 /// Slot 0 flags.
@@ -708,6 +754,21 @@ mod tests {
         assert_eq!(reply.sport, 53u16.to_be_bytes());
         assert_eq!(reply.dport, 56340u16.to_be_bytes());
         assert_eq!(reply.direction, CT_DIR_REPLY);
+    }
+
+    #[test]
+    fn slot0_backend_id_holds_the_maglev_table_and_the_affinity_id() {
+        let master = |backend_id| ServiceValueV4 { backend_id, rev_nat_id: 7, ..Default::default() };
+        let plain = master(ServiceValueV4::slot0_backend_id(None, 0));
+        assert_eq!((plain.backend_id, plain.maglev_table(), plain.affinity_id()), (0, None, 7));
+        let shared = master(ServiceValueV4::slot0_backend_id(Some(0), 3));
+        assert_eq!((shared.maglev_table(), shared.affinity_id()), (Some(0), 3));
+        let last = master(ServiceValueV4::slot0_backend_id(Some(MAGLEV_TABLES_MAX - 1), u16::MAX));
+        assert_eq!((last.maglev_table(), last.affinity_id()), (Some(MAGLEV_TABLES_MAX - 1), u16::MAX));
+        // A table slot 0 cannot name is none, not another table.
+        assert_eq!(master(ServiceValueV4::slot0_backend_id(Some(MAGLEV_TABLES_MAX), 1)).maglev_table(), None);
+        // What kproxy before affinity ids wrote (the table + 1 alone) reads the same.
+        assert_eq!((master(5).maglev_table(), master(5).affinity_id()), (Some(4), 7));
     }
 
     #[test]

@@ -83,6 +83,22 @@ impl ServiceCidrsV4 {
 // bit pattern is valid.
 unsafe impl aya::Pod for ServiceCidrsV4 {}
 
+/// Whether a packet of neither TCP nor UDP (`proto`) to an unallocated address of a service CIDR is dropped.
+/// kube-proxy's rule matches the address alone, whatever the protocol (`ip daddr { CIDRs } drop`, under `ct state
+/// new`: pkg/proxy/nftables/proxier.go), so what it drops is what netfilter's conntrack calls a new connection:
+/// every packet of a protocol it tracks generically (SCTP, GRE, ...: the address never answers, so none gets past
+/// new), and of ICMP only the requests that open one (nf_conntrack_proto_icmp's `valid_new`: echo, timestamp,
+/// information and address-mask requests). ICMP errors and unsolicited replies are related or invalid there, and
+/// pass. `icmp_type` is `None` for a later fragment (no ICMP header): dropped, as its datagram's first fragment
+/// was (netfilter reassembles before it looks).
+pub const fn drops_other_protocol(proto: u8, icmp_type: Option<u8>) -> bool {
+    const IPPROTO_ICMP: u8 = 1;
+    if proto != IPPROTO_ICMP {
+        return true;
+    }
+    matches!(icmp_type, None | Some(8 | 13 | 15 | 17))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,5 +151,21 @@ mod tests {
         let corrupt = ServiceCidrsV4 { count: 99, ..set };
         assert_eq!(corrupt.prefixes().len(), SERVICE_CIDRS_MAX);
         assert!(!corrupt.contains([10, 9, 0, 1]));
+    }
+
+    #[test]
+    fn other_protocols_drop_what_conntrack_calls_new() {
+        // Echo, timestamp, information and address-mask requests; a later fragment.
+        for icmp_type in [Some(8), Some(13), Some(15), Some(17), None] {
+            assert!(drops_other_protocol(1, icmp_type), "{icmp_type:?}");
+        }
+        // Errors and replies: related or invalid to conntrack.
+        for icmp_type in [0, 3, 4, 5, 11, 12, 14] {
+            assert!(!drops_other_protocol(1, Some(icmp_type)), "{icmp_type}");
+        }
+        // SCTP, GRE, ESP, an unassigned protocol.
+        for proto in [132, 47, 50, 253] {
+            assert!(drops_other_protocol(proto, None) && drops_other_protocol(proto, Some(8)), "{proto}");
+        }
     }
 }

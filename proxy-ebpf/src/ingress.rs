@@ -72,6 +72,9 @@ struct Found {
 pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdict, Verdict> {
     let flow = match parse::flow(ctx) {
         Ok(flow) => flow,
+        Err(Stat::PassNotTcpUdp) if lb::unallocated_other_protocol(ctx) => {
+            return Err(Verdict::drop(Stat::DropUnallocatedServiceIp));
+        }
         Err(Stat::PassNotTcpUdp) if EXTERNAL => return icmp::unnat_snat_error(ctx, route),
         Err(stat) => return Err(Verdict::pass(stat)),
     };

@@ -1,11 +1,14 @@
-use aya_ebpf::helpers::bpf_get_prandom_u32;
+use aya_ebpf::{helpers::bpf_get_prandom_u32, programs::TcContext};
 use proxy_common::{
+    icmp::IPPROTO_ICMP,
     maglev::{MAGLEV_TABLE_SIZE, flow_hash, table_index},
     maps::{
         AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CT_FLAG_DIRECT, CtEntryV4,
         IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY,
         SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4, SourceRangeV4,
     },
+    packet::{ETH_HLEN, IP_OFFSET_MASK},
+    service_cidr::drops_other_protocol,
     slots::select_slot,
     stats::Stat,
 };
@@ -64,6 +67,33 @@ pub fn is_vip(addr: &[u8; 4]) -> bool {
 #[inline(always)]
 pub fn in_service_cidr(addr: &[u8; 4]) -> bool {
     SERVICE_CIDRS_V4.get(0).is_some_and(|cidrs| cidrs.contains(*addr))
+}
+
+/// Whether a packet of neither TCP nor UDP (ICMP echo, SCTP, GRE, ...) goes to
+/// an address inside a service CIDR that is no VIP, and opens a connection
+/// there as netfilter's conntrack sees it: then it is dropped, as kube-proxy's
+/// cluster-ips-check drops every protocol
+/// ([`proxy_common::service_cidr::drops_other_protocol`]). Not inlined: called
+/// from the program itself, for packets `parse::flow` left alone.
+#[inline(never)]
+pub fn unallocated_other_protocol(ctx: &TcContext) -> bool {
+    let Ok(header) = ctx.load::<[u8; 20]>(ETH_HLEN) else { return false };
+    let daddr = [header[16], header[17], header[18], header[19]];
+    if !in_service_cidr(&daddr) || is_vip(&daddr) {
+        return false;
+    }
+    let proto = header[9];
+    let first = u16::from_be_bytes([header[6], header[7]]) & IP_OFFSET_MASK == 0;
+    let icmp_type = if first && proto == IPPROTO_ICMP {
+        // Bounded for the verifier: IHL is at most 15 words.
+        match ctx.load::<u8>(ETH_HLEN + usize::from(header[0] & 0x0f) * 4) {
+            Ok(icmp_type) => Some(icmp_type),
+            Err(_) => return false,
+        }
+    } else {
+        None
+    };
+    drops_other_protocol(proto, icmp_type)
 }
 
 /// Whether the backend a conntrack entry points at still exists with the
@@ -157,7 +187,9 @@ pub fn select_backend(flow: &Flow, found: &Frontend, now: u64) -> Result<Choice,
 pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> Result<Choice, Verdict> {
     let frontend = found.value;
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
-    let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.rev_nat_id, _pad: [0; 2] };
+    // Keyed per Service port, not per frontend: the client keeps its endpoint
+    // whichever of the port's addresses it uses (kube-proxy's affinity sets).
+    let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.affinity_id(), _pad: [0; 2] };
     if affinity && let Some(sticky) = AFFINITY_V4.get_ptr_mut(affinity_key) {
         // SAFETY: as in `lookup_frontend`; the value is ours to update.
         unsafe {
@@ -177,8 +209,8 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
     }
 
     if frontend.flags & SVC_FLAG_MAGLEV != 0
-        && frontend.backend_id != 0
-        && let Some(choice) = maglev_backend(flow, frontend.backend_id - 1)
+        && let Some(table) = frontend.maglev_table()
+        && let Some(choice) = maglev_backend(flow, table)
     {
         return Ok(choice);
     }

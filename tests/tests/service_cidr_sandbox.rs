@@ -84,6 +84,37 @@ fn assert_leaves_the_node(cluster: &Cluster) {
     assert_eq!(cluster.stat("drop_unallocated_service_ip"), drops);
 }
 
+/// One ICMP echo request (a raw socket; the machine has no `ping`) to `argv[1]`: exit 0 on its echo reply, 1
+/// when none comes within a second.
+const PING: &str = r#"
+import socket, struct, sys
+def checksum(b):
+    s = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+echo = struct.pack("!BBHHH", 8, 0, 0, 0x4b50, 1) + b"kproxy"
+echo = echo[:2] + struct.pack("!H", checksum(echo)) + echo[4:]
+sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+sock.settimeout(1)
+sock.sendto(echo, (sys.argv[1], 0))
+try:
+    while True:
+        data, peer = sock.recvfrom(2048)
+        if peer[0] == sys.argv[1] and data[(data[0] & 15) * 4] == 0:
+            sys.exit(0)
+except socket.timeout:
+    sys.exit(1)
+"#;
+
+/// One ping from the client pod to the unallocated address (never answered: the dead end has no host): how many
+/// packets kproxy dropped as unallocated, and how many left the node, meanwhile.
+fn ping_unallocated(cluster: &Cluster) -> (u64, u64) {
+    let (drops, leaks) = (cluster.stat("drop_unallocated_service_ip"), leaked(cluster));
+    let out = cluster.client.exec_output(["python3", "-c", PING, UNALLOCATED]).unwrap();
+    assert_eq!(out.status.code(), Some(1), "no reply: {}", String::from_utf8_lossy(&out.stderr));
+    (cluster.stat("drop_unallocated_service_ip") - drops, leaked(cluster) - leaks)
+}
+
 const SERVICE_CIDR: &str = "apiVersion: networking.k8s.io/v1
 kind: ServiceCIDR
 metadata:
@@ -159,9 +190,12 @@ fn a_service_cidr_manifest_and_the_flag_drop_unallocated_addresses_in_manifests_
     let mut cluster = Cluster::start("svc-cidr-files");
     route_the_range_to_a_counted_dead_end(&cluster);
     assert_leaves_the_node(&cluster);
+    assert_eq!(ping_unallocated(&cluster), (0, 1), "before any CIDR the echo request leaves the node");
 
     std::fs::write(cluster.manifest("service-cidr.yaml"), SERVICE_CIDR).unwrap();
     wait_until_dropped(&cluster);
+    // ICMP too: kube-proxy's rule matches the address whatever the protocol.
+    assert_eq!(ping_unallocated(&cluster), (1, 0), "the echo request is dropped on the node");
     std::fs::remove_file(cluster.manifest("service-cidr.yaml")).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

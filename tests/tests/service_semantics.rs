@@ -338,3 +338,95 @@ fn conntrack_flush_by_service_and_the_dumps() {
     cluster.kproxy(&["conntrack", "flush"]);
     assert_eq!(cluster.dump_json("conntrack").as_array().unwrap().len(), 0);
 }
+
+/// sessionAffinity is kept per Service port, whichever of its addresses a client uses, as kube-proxy's affinity
+/// sets are per Service port and endpoint ("without regard to which service IP was used to reach the service",
+/// pkg/proxy/nftables/proxier.go): a client that reached one web pod through the ClusterIP gets the same pod
+/// through the Service's external IP and its load-balancer IP, and a second client stuck elsewhere keeps its own.
+#[test]
+fn session_affinity_holds_across_a_service_ports_cluster_external_and_load_balancer_ips() {
+    const EXTERNAL_IP: &str = "192.0.2.100";
+    const LB_IP: &str = "192.0.2.101";
+    let cluster = Cluster::start("affinity-ips");
+    edit(
+        &cluster,
+        "web.yaml",
+        "  sessionAffinity: None\n",
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 600\n",
+    );
+    edit(
+        &cluster,
+        "web.yaml",
+        "  type: ClusterIP\n",
+        &format!("  type: LoadBalancer\n  externalIPs:\n  - {EXTERNAL_IP}\n"),
+    );
+    edit(
+        &cluster,
+        "web.yaml",
+        "status:\n  loadBalancer: {}\n",
+        &format!("status:\n  loadBalancer:\n    ingress:\n    - ip: {LB_IP}\n"),
+    );
+    cluster.wait_for_frontends(&[
+        ("10.96.0.100:80", "TCP", 3),
+        ("192.0.2.100:80", "TCP", 3),
+        ("192.0.2.101:80", "TCP", 3),
+    ]);
+    let urls = [format!("http://{WEB_VIP}/"), format!("http://{EXTERNAL_IP}/"), format!("http://{LB_IP}/")];
+    // Four rounds over the three addresses, starting at each in turn.
+    let replies = |client: &sandbox::Pod| -> Vec<(String, String)> {
+        (0..4)
+            .flat_map(|round| (0..3).map(move |i| (round + i) % 3))
+            .map(|i| (urls[i].clone(), client.curl(&urls[i]).unwrap()))
+            .collect()
+    };
+    let first = replies(&cluster.client);
+    let sticky: BTreeSet<&String> = first.iter().map(|(_, reply)| reply).collect();
+    assert_eq!(sticky.len(), 1, "one pod answers the client on every address: {first:?}");
+    let pod = sticky.into_iter().next().unwrap().trim().to_owned();
+
+    // The client's pod starts terminating (it still serves): a second client is sent to another pod, and
+    // sticks to that one on every address.
+    let web = std::fs::read_to_string(cluster.manifest("web.yaml")).unwrap();
+    let ip = match pod.as_str() {
+        "web-1" => "10.244.0.11",
+        "web-2" => "10.244.0.12",
+        "web-3" => "10.244.0.13",
+        other => panic!("reply from {other:?}"),
+    };
+    let serving =
+        format!("  - {ip}\n  conditions:\n    ready: true\n    serving: true\n    terminating: false");
+    let terminating =
+        format!("  - {ip}\n  conditions:\n    ready: false\n    serving: true\n    terminating: true");
+    assert!(web.contains(&serving), "{web}");
+    std::fs::write(cluster.manifest("web.yaml"), web.replacen(&serving, &terminating, 1)).unwrap();
+    cluster.wait_for_frontends(&[
+        ("10.96.0.100:80", "TCP", 2),
+        ("192.0.2.100:80", "TCP", 2),
+        ("192.0.2.101:80", "TCP", 2),
+    ]);
+    let second_client = &cluster.dns[0];
+    let second = replies(second_client);
+    let other: BTreeSet<&String> = second.iter().map(|(_, reply)| reply).collect();
+    assert_eq!(other.len(), 1, "one pod answers the second client on every address: {second:?}");
+    assert_ne!(other.into_iter().next().unwrap().trim(), pod, "{second:?}");
+
+    // Ready again: the first client is back on its pod, the second stays where it is.
+    std::fs::write(cluster.manifest("web.yaml"), &web).unwrap();
+    cluster.wait_for_frontends(&[
+        ("10.96.0.100:80", "TCP", 3),
+        ("192.0.2.100:80", "TCP", 3),
+        ("192.0.2.101:80", "TCP", 3),
+    ]);
+    let again = replies(&cluster.client);
+    assert!(again.iter().all(|(_, reply)| reply.trim() == pod), "{again:?}");
+    assert_eq!(replies(second_client), second);
+
+    // One affinity entry per client, under the Service port's cluster IP.
+    let affinity = cluster.dump_json("affinity");
+    let rows = affinity.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{affinity:#}");
+    assert!(
+        rows.iter().all(|r| r["frontend"] == "10.96.0.100:80" && r["service"] == "default/web:http"),
+        "{affinity:#}"
+    );
+}

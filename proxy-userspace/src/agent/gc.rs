@@ -235,6 +235,9 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         let (key, value) = entry.context("reading the services map")?;
         if key.slot == 0 {
             frontends.insert(value.rev_nat_id, (value.flags, value.affinity_timeout_s));
+            // Entries are keyed by the Service port's cluster-IP frontend; should that one be gone, the
+            // port's other frontends still keep theirs.
+            frontends.entry(value.affinity_id()).or_insert((value.flags, value.affinity_timeout_s));
         }
     }
     let affinity: Vec<(AffinityKeyV4, AffinityValueV4)> =

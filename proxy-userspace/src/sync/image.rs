@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, net::Ipv4Addr};
 use anyhow::Result;
 use proxy_common::maps::*;
 
-use crate::model::{BackendAddr, Frontend, FrontendKind, Scope};
+use crate::model::{BackendAddr, Frontend, FrontendKind, Scope, ServiceName};
 use crate::net::{Cidr4, Protocol};
 
 /// A frontend as the maps key it.
@@ -142,4 +142,42 @@ pub fn frontend_flags(frontend: &Frontend) -> u16 {
         flags |= SVC_FLAG_NO_LOCAL_ENDPOINTS;
     }
     flags
+}
+
+/// A Service port as kube-proxy names it (`ServicePortName` and protocol): what its session affinity is kept per.
+pub type ServicePortKey = (ServiceName, String, Protocol);
+
+/// The Service port `frontend` belongs to.
+pub fn service_port(frontend: &Frontend) -> ServicePortKey {
+    (frontend.service.clone(), frontend.port_name.clone(), frontend.proto)
+}
+
+/// The cluster-IP frontend of each Service port among `frontends`: the one whose rev-NAT id the port's other
+/// frontends key session affinity by.
+pub fn cluster_ip_frontends<'a>(
+    frontends: impl IntoIterator<Item = &'a Frontend>,
+) -> BTreeMap<ServicePortKey, FrontendKey> {
+    frontends
+        .into_iter()
+        .filter(|f| f.kind == FrontendKind::ClusterIp && f.scope == Scope::Internal)
+        .map(|f| (service_port(f), FrontendKey::of(f)))
+        .collect()
+}
+
+/// The affinity id slot 0 of `frontend` carries ([`ServiceValueV4::slot0_backend_id`]): for a node port,
+/// external or load-balancer IP of a Service with `sessionAffinity: ClientIP`, the rev-NAT id of the port's
+/// cluster-IP frontend (`rev_nat_id_of` gives a programmed frontend's), so that AFFINITY_V4 holds one entry per
+/// client and Service port as kube-proxy's affinity sets do (pkg/proxy/nftables/proxier.go: affinity "to a
+/// particular ServicePort (without regard to which service IP was used to reach the service)"; the iptables
+/// proxier's `recent` lists likewise). 0 — the frontend's own id — for the cluster IP itself, without affinity,
+/// or while the cluster IP is not programmed.
+pub fn affinity_id(
+    frontend: &Frontend,
+    cluster_ips: &BTreeMap<ServicePortKey, FrontendKey>,
+    rev_nat_id_of: impl Fn(&FrontendKey) -> Option<u16>,
+) -> u16 {
+    if frontend.session_affinity_timeout.is_none() || frontend.kind == FrontendKind::ClusterIp {
+        return 0;
+    }
+    cluster_ips.get(&service_port(frontend)).and_then(rev_nat_id_of).unwrap_or(0)
 }

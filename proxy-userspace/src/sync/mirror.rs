@@ -127,9 +127,9 @@ fn programmed(slots: &Slots, master: &ServiceValueV4, name: String, source_range
         terminating_ids: ids(count + 1..=count + u32::from(master.terminating_count)),
         flags: master.flags,
         affinity_timeout_s: master.affinity_timeout_s,
+        affinity_id: master.named_affinity_id(),
         source_ranges,
-        maglev_table: (master.flags & SVC_FLAG_MAGLEV != 0 && master.backend_id != 0)
-            .then(|| master.backend_id - 1),
+        maglev_table: master.maglev_table().filter(|_| master.flags & SVC_FLAG_MAGLEV != 0),
         maglev_entries: Vec::new(),
     }
 }

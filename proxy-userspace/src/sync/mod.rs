@@ -34,8 +34,8 @@ mod tests;
 mod write;
 
 pub use image::{
-    FrontendKey, MaglevSettings, build_maglev_table, desired_backend_flags, frontend_flags, slot_layout,
-    source_range_key,
+    FrontendKey, MaglevSettings, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
+    desired_backend_flags, frontend_flags, service_port, slot_layout, source_range_key,
 };
 pub use store::{BpfStore, Store};
 
@@ -50,6 +50,8 @@ struct Programmed {
     terminating_ids: Vec<u32>,
     flags: u16,
     affinity_timeout_s: u32,
+    /// The rev-NAT id its clients' affinity is kept under when not its own ([`image::affinity_id`]).
+    affinity_id: u16,
     /// Sorted.
     source_ranges: Vec<Cidr4>,
     /// The Maglev table this frontend uses, and the backend ids written to it
@@ -270,13 +272,22 @@ impl<S: Store> Syncer<S> {
                 *per_vip.entry(fk.vip).or_default() += 1;
             }
         }
-        for (fk, frontend) in &wanted {
+        // Cluster IPs first: a Service port's other frontends name their rev-NAT id (session affinity).
+        let cluster_ips = cluster_ip_frontends(wanted.values().copied());
+        let cluster_ips_first = wanted
+            .iter()
+            .filter(|(_, f)| f.kind == FrontendKind::ClusterIp)
+            .chain(wanted.iter().filter(|(_, f)| f.kind != FrontendKind::ClusterIp));
+        for (fk, frontend) in cluster_ips_first {
             let name = format!("{}:{}", frontend.service, frontend.port_name);
             let vip = match per_vip.get(&fk.vip) {
                 Some(count) if frontend.kind == FrontendKind::ClusterIp => self.ensure_vip(fk.vip, *count),
                 _ => Ok(()),
             };
-            let result = vip.and_then(|()| self.apply_frontend(*fk, frontend, name, &flags, &mut report));
+            let affinity =
+                affinity_id(frontend, &cluster_ips, |ck| self.frontends.get(ck).map(|p| p.rev_nat_id));
+            let result =
+                vip.and_then(|()| self.apply_frontend(*fk, frontend, name, affinity, &flags, &mut report));
             if let Err(e) = result {
                 report.errors.push(SyncError::FrontendNotProgrammed {
                     service: frontend.service.clone(),

@@ -204,3 +204,53 @@ fn slot_layout_and_flags() {
     fe.terminating_fallback = true;
     assert_eq!(frontend_flags(&fe), SVC_FLAG_AFFINITY | SVC_FLAG_LOCAL_ONLY | SVC_FLAG_TERMINATING_FALLBACK);
 }
+
+/// sessionAffinity is kept per Service port (kube-proxy's affinity sets): every frontend of the port names the
+/// cluster IP frontend's rev-NAT id, the cluster IP its own (0); without affinity none is named.
+#[test]
+fn a_service_ports_frontends_share_the_cluster_ips_affinity_id() {
+    let external = [192, 168, 100, 50];
+    let frontend = |vip: [u8; 4], kind: FrontendKind, affinity: Option<u32>| {
+        let mut fe = web(80, Protocol::Tcp, &[1, 2], &[]);
+        fe.vip = Ipv4Addr::from(vip);
+        fe.kind = kind;
+        fe.session_affinity_timeout = affinity;
+        fe
+    };
+    // The external IP sorts before the cluster IP, so it would be applied first in address order.
+    let external_ip = frontend(external, FrontendKind::ExternalIp, Some(60));
+    let mut external_local = external_ip.clone();
+    external_local.scope = crate::model::Scope::External;
+    external_local.external_local = true;
+    let desired = Desired::new(vec![
+        frontend(VIP, FrontendKind::ClusterIp, Some(60)),
+        external_ip.clone(),
+        external_local,
+    ]);
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let report = syncer.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let store = syncer.store();
+    let cluster_ip = slot0(store, 80, Protocol::Tcp);
+    assert_eq!(cluster_ip.named_affinity_id(), 0);
+    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+        let master = store.services[&(external, 80, Protocol::Tcp.number(), scope, 0)];
+        assert_ne!(master.rev_nat_id, cluster_ip.rev_nat_id);
+        assert_eq!(master.affinity_id(), cluster_ip.rev_nat_id, "scope {scope}");
+        assert_eq!(master.maglev_table(), None);
+    }
+
+    // A restarted agent reads the ids back and rewrites nothing.
+    let mut restarted = Syncer::with_store(syncer.store().clone()).unwrap();
+    let again = restarted.apply(&desired);
+    assert_eq!((again.frontends_added, again.frontends_updated), (0, 0), "{again:?}");
+
+    // Affinity turned off: the external IP keys by nothing but its own id again.
+    let plain = Desired::new(vec![
+        frontend(VIP, FrontendKind::ClusterIp, None),
+        frontend(external, FrontendKind::ExternalIp, None),
+    ]);
+    restarted.apply(&plain);
+    let master = restarted.store().services[&(external, 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
+    assert_eq!((master.named_affinity_id(), master.backend_id), (0, 0));
+}

@@ -136,6 +136,7 @@ impl<S: Store> Syncer<S> {
         fk: FrontendKey,
         frontend: &Frontend,
         name: String,
+        affinity_id: u16,
         wanted_flags: &BTreeMap<(BackendAddr, Protocol), u8>,
         report: &mut SyncReport,
     ) -> Result<()> {
@@ -161,6 +162,7 @@ impl<S: Store> Syncer<S> {
                 && p.name == name
                 && p.flags == flags
                 && p.affinity_timeout_s == affinity_timeout_s
+                && p.affinity_id == affinity_id
                 && p.source_ranges == source_ranges
                 && (maglev.is_none() || !p.maglev_entries.is_empty())
         }) {
@@ -180,6 +182,7 @@ impl<S: Store> Syncer<S> {
             }
             None => (None, Vec::new()),
         };
+        slots[0].1.backend_id = ServiceValueV4::slot0_backend_id(maglev_table, affinity_id);
         let flags = slots[0].1.flags;
         self.write_frontend(fk, rev_nat_id, &name, previous.as_ref(), &slots, &source_ranges)?;
         if previous.is_some() {
@@ -196,6 +199,7 @@ impl<S: Store> Syncer<S> {
                 terminating_ids,
                 flags,
                 affinity_timeout_s,
+                affinity_id,
                 source_ranges,
                 maglev_table,
                 maglev_entries,
@@ -231,7 +235,6 @@ impl<S: Store> Syncer<S> {
                         self.store.put_maglev(base + i as u32, *id)?;
                     }
                 }
-                slots[0].1.backend_id = table + 1;
                 Ok((Some(table), maglev_entries))
             }
             None => {
@@ -296,7 +299,7 @@ impl<S: Store> Syncer<S> {
     /// The lowest Maglev table no frontend uses.
     fn free_maglev_table(&self, tables: u32) -> Option<u32> {
         let used: BTreeSet<u32> = self.frontends.values().filter_map(|p| p.maglev_table).collect();
-        (0..tables).find(|t| !used.contains(t))
+        (0..tables.min(MAGLEV_TABLES_MAX)).find(|t| !used.contains(t))
     }
 
     pub(super) fn remove_frontend(&mut self, fk: FrontendKey) -> Result<()> {

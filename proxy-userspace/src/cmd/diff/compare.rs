@@ -18,7 +18,10 @@ use super::{Difference, MapState};
 use crate::{
     model::{BackendAddr, Desired, Frontend},
     net::{Cidr4, Protocol},
-    sync::{FrontendKey, build_maglev_table, desired_backend_flags, frontend_flags},
+    sync::{
+        FrontendKey, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
+        desired_backend_flags, frontend_flags,
+    },
 };
 
 /// One frontend's services map entries, by slot.
@@ -29,8 +32,16 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     let mut grouped = group_by_frontend(state);
     // Before anything is taken out.
     let per_vip = cluster_ip_frontends_per_vip(&grouped);
-    let mut comparison =
-        Comparison { state, out: Vec::new(), referenced: BTreeSet::new(), used_rev_nat: BTreeSet::new() };
+    let slot0s: BTreeMap<Key, ServiceValueV4> =
+        grouped.iter().filter_map(|(key, slots)| Some((*key, *slots.get(&0)?))).collect();
+    let mut comparison = Comparison {
+        state,
+        out: Vec::new(),
+        referenced: BTreeSet::new(),
+        used_rev_nat: BTreeSet::new(),
+        cluster_ips: cluster_ip_frontends(&desired.frontends),
+        slot0s,
+    };
     for frontend in &desired.frontends {
         comparison.wanted_frontend(frontend, &mut grouped);
     }
@@ -76,8 +87,9 @@ fn missing_and_extra<T: Ord + Display>(have: &BTreeSet<T>, want: &BTreeSet<T>) -
     parts
 }
 
-/// Slot 0's flags (but the Maglev bit, the syncer's choice) and affinity timeout against the wanted ones.
-fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4) -> Vec<String> {
+/// Slot 0's flags (but the Maglev bit, the syncer's choice), affinity timeout and affinity id against the wanted
+/// ones.
+fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4, affinity_id: u16) -> Vec<String> {
     let mut problems = Vec::new();
     let flags = frontend_flags(frontend);
     if master.flags & !SVC_FLAG_MAGLEV != flags {
@@ -86,6 +98,14 @@ fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4) -> Vec<String> {
     let timeout = frontend.session_affinity_timeout.unwrap_or(0);
     if master.affinity_timeout_s != timeout {
         problems.push(format!("affinity timeout {} s, want {timeout} s", master.affinity_timeout_s));
+    }
+    if master.named_affinity_id() != affinity_id {
+        let id = |id: u16| if id == 0 { "its own".to_owned() } else { format!("rev-NAT id {id}'s") };
+        problems.push(format!(
+            "keeps affinity under {}, want {} (the Service port's cluster IP)",
+            id(master.named_affinity_id()),
+            id(affinity_id)
+        ));
     }
     problems
 }
@@ -98,6 +118,10 @@ struct Comparison<'a> {
     referenced: BTreeSet<u32>,
     /// The rev-NAT ids of the frontends in the services map.
     used_rev_nat: BTreeSet<u16>,
+    /// Each wanted Service port's cluster-IP frontend, whose rev-NAT id its other frontends keep affinity under.
+    cluster_ips: BTreeMap<ServicePortKey, FrontendKey>,
+    /// Slot 0 of every frontend in the services map.
+    slot0s: BTreeMap<Key, ServiceValueV4>,
 }
 
 /// A wanted frontend, with what its differences name it by.
@@ -142,7 +166,11 @@ impl Comparison<'_> {
             self.maglev_table(&named, &master, &slots);
         }
         self.source_ranges(&named, &master);
-        let slot0 = slot0_problems(frontend, &master);
+        let slot0s = &self.slot0s;
+        let affinity_id = affinity_id(frontend, &self.cluster_ips, |ck| {
+            slot0s.get(&(ck.vip, ck.port, ck.proto.number(), ck.scope)).map(|v| v.rev_nat_id)
+        });
+        let slot0 = slot0_problems(frontend, &master, affinity_id);
         if !slot0.is_empty() {
             self.push_for(&named, "slot0", slot0.join("; "));
         }
@@ -245,7 +273,10 @@ impl Comparison<'_> {
             .filter_map(|s| slots.get(&s))
             .filter_map(|v| state.backends.get(&v.backend_id).map(|b| (backend_addr(b), v.backend_id)))
             .collect();
-        let table = master.backend_id.saturating_sub(1);
+        let Some(table) = master.maglev_table() else {
+            self.push_for(named, "maglev", "slot 0 has the Maglev flag but names no table".to_owned());
+            return;
+        };
         let detail = match (
             state.maglev.get(&table),
             build_maglev_table(&pairs, named.frontend.proto, state.maglev_seed),

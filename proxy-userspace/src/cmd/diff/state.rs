@@ -70,8 +70,8 @@ impl MapState {
         let tables: BTreeSet<u32> = self
             .services
             .iter()
-            .filter(|(k, v)| k.slot == 0 && v.flags & SVC_FLAG_MAGLEV != 0 && v.backend_id > 0)
-            .map(|(_, v)| v.backend_id - 1)
+            .filter(|(k, v)| k.slot == 0 && v.flags & SVC_FLAG_MAGLEV != 0)
+            .filter_map(|(_, v)| v.maglev_table())
             .collect();
         for table in tables {
             let entries: Option<Vec<u32>> =
