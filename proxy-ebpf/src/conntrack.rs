@@ -102,10 +102,12 @@ pub fn remove_pair(forward_key: &CtKeyV4, forward: &CtEntryV4, hairpin_addr: &[u
 /// Plain and remapped flows only can clash: hairpin and node-address SNAT
 /// reply tuples never are a pod's own.
 #[inline(never)]
-pub fn claim(flow: &Flow, reply_key: &CtKeyV4, now: u64) -> Option<Clash> {
+pub fn claim(flow: &Flow, reply_key: &CtKeyV4) -> Option<Clash> {
     // Map values are read in place: copies of two entries would not fit in
     // the stack beside the caller's.
     let reply = lookup(reply_key)?;
+    // Read only now: most packets that get here clash with nothing.
+    let now = now();
     // SAFETY: a map value valid for this program run.
     let (reply_flags, reply_flags_seen, nat_addr, nat_port) =
         unsafe { ((*reply).flags, (*reply).tcp_flags_seen, (*reply).nat_addr, (*reply).nat_port) };
@@ -293,10 +295,19 @@ pub unsafe fn touch(entry: *mut CtEntryV4, flow: &Flow, direction: u8, now: u64)
         // `core`, and a rare lost increment under contention is acceptable.
         (*entry).packets += 1;
         (*entry).bytes += u64::from(flow.ip_total_len);
-        (*entry).tcp_flags_seen |= flow.tcp_flags;
+        // Flags and state are written only when they change: steady traffic
+        // stores nothing but the counters and the timestamp.
+        let flags_seen = (*entry).tcp_flags_seen;
+        if flags_seen | flow.tcp_flags != flags_seen {
+            (*entry).tcp_flags_seen = flags_seen | flow.tcp_flags;
+        }
         if direction != CT_DIR_REPLY {
-            let state = CtState::from_u8((*entry).state).unwrap_or(CtState::Open);
-            (*entry).state = state.next(flow.proto, flow.tcp_flags, direction) as u8;
+            let current = (*entry).state;
+            let state = CtState::from_u8(current).unwrap_or(CtState::Open);
+            let next = state.next(flow.proto, flow.tcp_flags, direction) as u8;
+            if next != current {
+                (*entry).state = next;
+            }
         }
     }
 }

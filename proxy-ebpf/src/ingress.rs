@@ -108,8 +108,7 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
             // tuple netfilter still holds for a flow it translated would make
             // netfilter drop this one.
             if !plan.reply_to.is(CT_FLAG_SNAT)
-                && (conntrack::claim(&flow, &reply_key, found.now).is_some()
-                    || inherited::holds_reply(&reply_key))
+                && (conntrack::claim(&flow, &reply_key).is_some() || inherited::holds_reply(&reply_key))
             {
                 plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
@@ -117,8 +116,8 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
         }
         Step::Direct => {
             let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(flow.daddr, flow.dport);
-            match conntrack::claim(&flow, &reply_key, found.now) {
-                Some(Clash::Remap) => direct(ctx, &flow, &found),
+            match conntrack::claim(&flow, &reply_key) {
+                Some(Clash::Remap) => direct(ctx, &flow),
                 _ => Err(Verdict::pass(Stat::PassNoService)),
             }
         }
@@ -137,14 +136,16 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
         return Step::SnatReply;
     }
     let key = flow.ct_key(CT_DIR_FORWARD);
-    let now = conntrack::now();
-    found.now = now;
     found.hairpin_addr = config.hairpin_addr;
 
     // A known flow before its frontend: as with netfilter's conntrack, it
     // continues after its Service (or the port) is deleted, and so does a
     // direct flow whose source port was remapped.
     if let Some(entry) = conntrack::lookup(&key) {
+        // The clock is read only for a packet that needs it: a packet to no
+        // Service never does.
+        let now = conntrack::now();
+        found.now = now;
         // SAFETY: map values stay valid for the program's run; concurrent
         // writers only race on counters and timestamps.
         let entry_copy = unsafe { *entry };
@@ -170,7 +171,7 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
                 return Step::Pass(Stat::PassInheritedFlow);
             }
             // A port the Service does not have.
-            events::untranslated(flow, EV_REJECT, 0, now);
+            events::untranslated(flow, EV_REJECT, 0, conntrack::now());
             return Step::Refuse;
         }
         // kube-proxy's cluster-ips-check: an unallocated address of the service
@@ -194,6 +195,8 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     if inherited::is_open(&key) {
         return Step::Pass(Stat::PassInheritedFlow);
     }
+    let now = conntrack::now();
+    found.now = now;
     let value = frontend.value;
     // Pods are filtered too: kube-proxy checks every source before DNAT, so an
     // allow-list cannot be bypassed from inside the cluster.
@@ -227,15 +230,16 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
 /// is over, and otherwise this flow's source port is remapped, so that the
 /// replies of each reach the right socket (netfilter's clash resolution).
 #[inline(never)]
-fn direct(ctx: &TcContext, flow: &parse::Flow, found: &Found) -> Result<Verdict, Verdict> {
+fn direct(ctx: &TcContext, flow: &parse::Flow) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_FORWARD);
-    let port = snat::allocate(flow, &key, flow.daddr, flow.dport, flow.saddr, found.now)?;
+    let now = conntrack::now();
+    let port = snat::allocate(flow, &key, flow.daddr, flow.dport, flow.saddr, now)?;
     let choice = lb::Choice {
         backend_id: 0,
         backend: BackendV4 { addr: flow.daddr, port: flow.dport, proto: flow.proto, flags: 0 },
         slot: 0,
     };
-    if let Err(e) = conntrack::create(flow, &key, &choice, 0, found.now, ReplyTo::remap(port, true)) {
+    if let Err(e) = conntrack::create(flow, &key, &choice, 0, now, ReplyTo::remap(port, true)) {
         snat::remove(&key, flow.daddr, flow.dport, CT_FLAG_REMAP);
         return Err(e);
     }

@@ -64,6 +64,34 @@ fn load<T>(ctx: &TcContext, offset: usize, on_error: Stat) -> Result<T, Stat> {
     ctx.load::<T>(offset).map_err(|_| on_error)
 }
 
+/// Bytes of the frame read in place when the skb's linear part holds them:
+/// Ethernet, an IPv4 header without options, and a TCP header up to its
+/// flags (UDP's ports are inside).
+const DIRECT_HEAD_LEN: usize = ETH_HLEN + 20 + TCP_OFF_FLAGS + 1;
+
+/// The start of the frame, when its first [`DIRECT_HEAD_LEN`] bytes can be
+/// read in place (direct packet access): no helper call per field, which is
+/// most of the cost of a packet the datapath leaves alone. `None`: the
+/// helper reads them (a short or non-linear skb).
+#[inline(always)]
+fn linear_head(ctx: &TcContext) -> Option<*const u8> {
+    let start = ctx.data();
+    if start + DIRECT_HEAD_LEN > ctx.data_end() {
+        return None;
+    }
+    Some(start as *const u8)
+}
+
+/// `N` bytes at constant `offset` of a head [`linear_head`] returned.
+///
+/// # Safety
+/// `offset + N` must not exceed [`DIRECT_HEAD_LEN`].
+#[inline(always)]
+unsafe fn read_head<const N: usize>(head: *const u8, offset: usize) -> [u8; N] {
+    // SAFETY: per the contract above, inside the bounds checked against data_end.
+    unsafe { core::ptr::read_unaligned(head.add(offset).cast::<[u8; N]>()) }
+}
+
 /// The counter of a packet left untranslated for `skip`.
 #[inline(always)]
 pub fn skip_stat(skip: Skip) -> Stat {
@@ -80,12 +108,21 @@ pub fn skip_stat(skip: Skip) -> Stat {
 /// with the stage it calls next.
 #[inline(never)]
 pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
-    let ethertype: [u8; 2] = load(ctx, 12, Stat::PassNotIpv4)?;
+    let head = linear_head(ctx);
+    let ethertype: [u8; 2] = match head {
+        // SAFETY: inside DIRECT_HEAD_LEN.
+        Some(head) => unsafe { read_head(head, 12) },
+        None => load(ctx, 12, Stat::PassNotIpv4)?,
+    };
     if u16::from_be_bytes(ethertype) != ETH_P_IP {
         return Err(Stat::PassNotIpv4);
     }
-    // The fixed part of the header, in one helper call.
-    let header: [u8; 20] = load(ctx, ETH_HLEN, Stat::PassTruncated)?;
+    // The fixed part of the header, in place or in one helper call.
+    let header: [u8; 20] = match head {
+        // SAFETY: inside DIRECT_HEAD_LEN.
+        Some(head) => unsafe { read_head(head, ETH_HLEN) },
+        None => load(ctx, ETH_HLEN, Stat::PassTruncated)?,
+    };
     let total_len = u16::from_be_bytes([header[2], header[3]]);
     let frag = u16::from_be_bytes([header[6], header[7]]);
     let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
@@ -104,11 +141,26 @@ pub fn flow(ctx: &TcContext) -> Result<Flow, Stat> {
             ((recalled as u32).to_ne_bytes(), 0)
         }
         Fragment::First | Fragment::Whole => {
-            let ports: [u8; 4] = load(ctx, l4_offset + L4_OFF_SPORT, Stat::PassTruncated)?;
-            let tcp_flags = if loc.proto == IPPROTO_TCP {
-                load::<u8>(ctx, l4_offset + TCP_OFF_FLAGS, Stat::PassTruncated)?
-            } else {
-                0
+            // In place only at the constant offset of a header without
+            // options: a variable one would need a bounds check of its own.
+            let in_place = match head {
+                Some(head) if loc.ip_header_len == 20 => Some(head),
+                _ => None,
+            };
+            let ports: [u8; 4] = match in_place {
+                // SAFETY: inside DIRECT_HEAD_LEN.
+                Some(head) => unsafe { read_head(head, ETH_HLEN + 20 + L4_OFF_SPORT) },
+                None => load(ctx, l4_offset + L4_OFF_SPORT, Stat::PassTruncated)?,
+            };
+            let tcp_flags = match in_place {
+                // SAFETY: inside DIRECT_HEAD_LEN.
+                Some(head) if loc.proto == IPPROTO_TCP => unsafe {
+                    read_head::<1>(head, ETH_HLEN + 20 + TCP_OFF_FLAGS)[0]
+                },
+                None if loc.proto == IPPROTO_TCP => {
+                    load::<u8>(ctx, l4_offset + TCP_OFF_FLAGS, Stat::PassTruncated)?
+                }
+                _ => 0,
             };
             if let Fragment::First = loc.fragment {
                 remember_ports(&header, loc.proto, u32::from_ne_bytes(ports));
