@@ -124,3 +124,54 @@ fn diff_reads_the_api_server_like_the_agent() {
     let (code, out) = diff(&cluster, &["--master", &url, "--hostname-override", "node-1", "--json"]);
     assert_eq!((code, out.trim()), (0, "[]"), "agent log:\n{}", cluster.agent_log());
 }
+
+const SERVICE_CIDR: &str = "apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata:
+  name: kubernetes
+spec:
+  cidrs:
+  - 10.96.0.0/16
+";
+
+#[test]
+fn diff_compares_the_service_cidrs_with_the_clusters_and_the_flag() {
+    let mut cluster = Cluster::start_with("diffcidr", Mode::Api);
+    let url = cluster.api().url();
+    let args = ["--master", url.as_str(), "--hostname-override", "node-1"];
+    assert_eq!(diff(&cluster, &args), (0, "no differences\n".to_owned()));
+
+    // While the agent is down the cluster gets a ServiceCIDR: SERVICE_CIDRS_V4 lacks it.
+    cluster.stop_agent();
+    cluster.api().apply_yaml(SERVICE_CIDR).unwrap();
+    let (code, out) = diff(&cluster, &[&args[..], &["--json"]].concat());
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).unwrap(),
+        serde_json::json!([
+            {"kind": "service-cidrs", "frontend": "", "service": "", "detail": "missing 10.96.0.0/16"},
+        ])
+    );
+    // The diff listed the ServiceCIDRs, unselected, as the agent's watch does.
+    let requests = cluster.api().requests();
+    assert!(
+        requests.iter().any(
+            |r| r.starts_with("GET /apis/networking.k8s.io/v1/servicecidrs") && !r.contains("watch=true")
+        ),
+        "{requests:?}"
+    );
+
+    // The agent catches up; the diff is clean again, unless it is told of a range the agent was not.
+    cluster.start_agent();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while cluster.dump_json("service-cidrs") != serde_json::json!([{"cidr": "10.96.0.0/16"}]) {
+        assert!(std::time::Instant::now() < deadline, "never programmed:\n{}", cluster.agent_log());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(diff(&cluster, &args), (0, "no differences\n".to_owned()));
+    let (code, table) = diff(&cluster, &[&args[..], &["--service-cidr", "192.0.2.0/24,fd00::/108"]].concat());
+    assert_eq!(code, 1, "{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "header, one difference, count:\n{table}");
+    assert!(lines[1].starts_with("service-cidrs") && lines[1].ends_with("missing 192.0.2.0/24"), "{table}");
+}

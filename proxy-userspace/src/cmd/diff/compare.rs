@@ -53,6 +53,18 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     comparison.out
 }
 
+/// SERVICE_CIDRS_V4 (`have`) against the IPv4 service CIDRs the agent would program (`want`).
+pub fn service_cidrs(want: &[Cidr4], have: &[Cidr4]) -> Option<Difference> {
+    let want: BTreeSet<Cidr4> = want.iter().copied().collect();
+    let have: BTreeSet<Cidr4> = have.iter().copied().collect();
+    (want != have).then(|| Difference {
+        kind: "service-cidrs",
+        frontend: String::new(),
+        service: String::new(),
+        detail: missing_and_extra(&have, &want).join("; "),
+    })
+}
+
 fn group_by_frontend(state: &MapState) -> BTreeMap<Key, Slots> {
     let mut grouped: BTreeMap<Key, Slots> = BTreeMap::new();
     for (key, value) in &state.services {
@@ -494,6 +506,7 @@ mod tests {
                 tables
             },
             maglev_seed: MAGLEV_SEED,
+            service_cidrs: Vec::new(),
         }
     }
 
@@ -637,6 +650,23 @@ mod tests {
         let json = serde_json::to_value(&diff).unwrap();
         assert_eq!(json[0]["kind"], "backends");
         assert_eq!(json[1]["frontend"], "10.96.0.200:80/TCP");
+    }
+
+    #[test]
+    fn service_cidrs_that_differ_are_named() {
+        let cidr = |text: &str| text.parse::<Cidr4>().unwrap();
+        let want = [cidr("10.96.0.0/16"), cidr("10.97.0.0/16")];
+        assert_eq!(service_cidrs(&want, &[cidr("10.97.0.0/16"), cidr("10.96.0.0/16")]), None);
+        let diff = service_cidrs(&want, &[cidr("10.96.0.0/16"), cidr("192.0.2.0/24")]).unwrap();
+        assert_eq!(diff.kind, "service-cidrs");
+        assert!(
+            diff.detail.contains("10.97.0.0/16") && diff.detail.contains("192.0.2.0/24"),
+            "{}",
+            diff.detail
+        );
+        assert!(diff.detail.find("10.97.0.0/16") < diff.detail.find("192.0.2.0/24"), "missing, then extra");
+        assert!(service_cidrs(&[], &want).is_some(), "the map holds ranges nothing wants");
+        assert!(service_cidrs(&want, &[]).is_some(), "the map holds none");
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context as _, Result};
 use k8s_openapi::{
     Metadata,
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
@@ -13,12 +13,21 @@ use super::DiffArgs;
 use crate::{
     k8s::api_watch::KubeOptions,
     k8s::manifest::{self, ManifestError, Sourced},
-    model::{self, Desired, ModelOptions},
+    model::{self, Desired, ModelOptions, service_cidrs},
+    net::Cidr4,
 };
 
+/// What the agent would program: the frontends, and the IPv4 service CIDRs SERVICE_CIDRS_V4 would hold.
+pub(super) struct Wanted {
+    pub desired: Desired,
+    pub service_cidrs: Vec<Cidr4>,
+}
+
 /// What the agent would program, from the same source it would read.
-pub(super) fn desired(args: &DiffArgs) -> Result<Desired> {
-    let (services, slices, source_errors) = match &args.manifests {
+pub(super) fn desired(args: &DiffArgs) -> Result<Wanted> {
+    let (flag_cidrs, _ipv6) =
+        service_cidrs::parse_flag(&args.service_cidr).map_err(|e| anyhow::anyhow!("--service-cidr: {e}"))?;
+    let (services, slices, cidr_objects, source_errors) = match &args.manifests {
         Some(path) => {
             if !path.exists() {
                 anyhow::bail!("--manifests {}: no such file or directory", path.display());
@@ -40,13 +49,15 @@ pub(super) fn desired(args: &DiffArgs) -> Result<Desired> {
         ..Default::default()
     };
     let (desired, model_errors) = model::build_with(&services, &slices, &options);
-    for error in source_errors.iter().chain(&model_errors) {
+    let (cidrs, cidr_errors) = service_cidrs::resolve(&flag_cidrs, &cidr_objects);
+    for error in source_errors.iter().chain(&model_errors).chain(&cidr_errors) {
         tracing::warn!("{error}");
     }
-    Ok(desired)
+    Ok(Wanted { desired, service_cidrs: cidrs.ipv4 })
 }
 
-type Objects = (Vec<Sourced<Service>>, Vec<Sourced<EndpointSlice>>, Vec<ManifestError>);
+type Objects =
+    (Vec<Sourced<Service>>, Vec<Sourced<EndpointSlice>>, Vec<Sourced<ServiceCIDR>>, Vec<ManifestError>);
 
 /// In the order the agent's file source hands them to the model (by
 /// namespace, name, then position), so conflicts resolve the same way.
@@ -60,7 +71,7 @@ fn from_files(objects: manifest::Objects) -> Objects {
         }
         keyed.into_values().collect()
     }
-    (ordered(objects.services), ordered(objects.slices), objects.errors)
+    (ordered(objects.services), ordered(objects.slices), objects.service_cidrs, objects.errors)
 }
 
 /// One list of Services and EndpointSlices, with the agent's label selector.
@@ -74,9 +85,18 @@ fn from_cluster(options: &KubeOptions, service_proxy_name: Option<&str>) -> Resu
         let client = crate::k8s::api_watch::client(options).await?;
         let params = ListParams::default().labels(&crate::k8s::api_watch::label_selector(service_proxy_name));
         let services = Api::<Service>::all(client.clone()).list(&params).await.context("listing Services")?;
-        let slices =
-            Api::<EndpointSlice>::all(client).list(&params).await.context("listing EndpointSlices")?;
-        Ok((listed("Service", services.items), listed("EndpointSlice", slices.items), Vec::new()))
+        let slices = Api::<EndpointSlice>::all(client.clone())
+            .list(&params)
+            .await
+            .context("listing EndpointSlices")?;
+        // Every ServiceCIDR, unselected, as the agent watches them; a server before Kubernetes 1.33 has none
+        // to list (404), and the agent then drops with --service-cidr alone.
+        let cidrs = match Api::<ServiceCIDR>::all(client).list(&ListParams::default()).await {
+            Ok(list) => listed("ServiceCIDR", list.items),
+            Err(kube::Error::Api(status)) if status.code == 404 => Vec::new(),
+            Err(e) => return Err(e).context("listing ServiceCIDRs"),
+        };
+        Ok((listed("Service", services.items), listed("EndpointSlice", slices.items), cidrs, Vec::new()))
     })
 }
 
@@ -104,7 +124,7 @@ mod tests {
     #[test]
     fn manifests_are_ordered_like_the_agent() {
         let text = "apiVersion: v1\nkind: Service\nmetadata: {name: b, namespace: x}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: a, namespace: x}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n";
-        let (services, _, _) = from_files(manifest::parse_str(text, "test"));
+        let (services, _, _, _) = from_files(manifest::parse_str(text, "test"));
         let names: Vec<_> = services.iter().map(|s| s.object.metadata.name.clone().unwrap()).collect();
         assert_eq!(names, ["a", "b"]);
     }

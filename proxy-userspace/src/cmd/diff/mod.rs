@@ -21,6 +21,7 @@
 //! | `source-ranges` | the source ranges of a LoadBalancer frontend differ: missing / extra ranges |
 //! | `orphan-source-range` | a source range of no frontend |
 //! | `maglev` | the Maglev table slot 0 names does not hold the table of its active backends |
+//! | `service-cidrs` | SERVICE_CIDRS_V4 does not hold the IPv4 service CIDRs (ServiceCIDR objects and `--service-cidr`) |
 //!
 //! Frontends are keyed as the syncer keys them ([`FrontendKey::of`]: the
 //! `externalTrafficPolicy: Local` entry of a north–south address has its own
@@ -69,6 +70,9 @@ pub struct DiffArgs {
     /// dump diff: only Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long)]
     pub service_proxy_name: Option<String>,
+    /// dump diff: the agent's --service-cidr (ranges besides the ServiceCIDR objects').
+    #[arg(long = "service-cidr", value_name = "CIDR[,CIDR]")]
+    pub service_cidr: Vec<String>,
 }
 
 /// One difference between the desired state and the maps.
@@ -84,9 +88,10 @@ pub struct Difference {
 
 /// The report, and whether anything differs.
 pub fn run(maps: &Maps, args: &DiffArgs, json: bool) -> Result<(String, bool)> {
-    let desired = desired::desired(args)?;
+    let wanted = desired::desired(args)?;
     let state = MapState::read(maps)?;
-    let differences = compare(&desired, &state);
+    let mut differences = compare(&wanted.desired, &state);
+    differences.extend(compare::service_cidrs(&wanted.service_cidrs, &state.service_cidrs));
     let text = if json { serde_json::to_string_pretty(&differences)? + "\n" } else { table(&differences) };
     Ok((text, !differences.is_empty()))
 }

@@ -28,6 +28,8 @@ pub struct MapState {
     pub maglev: BTreeMap<u32, Vec<u32>>,
     /// NODEPORT_CONFIG's Maglev seed (every table is built with it).
     pub maglev_seed: u32,
+    /// What SERVICE_CIDRS_V4 holds.
+    pub service_cidrs: Vec<Cidr4>,
 }
 
 impl MapState {
@@ -47,6 +49,7 @@ impl MapState {
             source_ranges: BTreeMap::new(),
             maglev: BTreeMap::new(),
             maglev_seed: maps.nodeport_config.get(&0, 0).map(|c| c.maglev_seed).unwrap_or(0),
+            service_cidrs: crate::sync::service_cidrs::read(&maps.service_cidrs)?,
         }
         .with_source_ranges(maps)?
         .with_maglev_tables(maps))
