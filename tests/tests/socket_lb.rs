@@ -39,6 +39,7 @@ in_both_modes!(
     session_affinity_keeps_a_pod_on_one_backend,
     a_pod_reaches_itself_through_its_service,
     a_service_port_the_cluster_ip_does_not_have_refuses_connect,
+    an_unallocated_service_address_is_refused_at_connect,
 );
 
 type TestCgroup = sandbox::cgroup::ChildCgroup;
@@ -550,5 +551,41 @@ fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_lea
     assert_eq!(cluster.stat("dnat_new_flow"), dnat_before + 1, "the outsider's connection went through tc");
     outsider.kill().unwrap();
     wait_for(&[]);
+    check_veths(&cluster);
+}
+
+/// An address of the service CIDR that no Service has is refused at connect() (EPERM, as for the
+/// node's own sockets): with no tc on the veth nothing else would keep it from leaving the node.
+fn an_unallocated_service_address_is_refused_at_connect(datapath: Datapath) {
+    let mut cluster = start("sock-unalloc", datapath);
+    cluster.stop_agent();
+    cluster.extra_agent_args.extend(["--service-cidr".into(), "10.96.0.0/16".into()]);
+    cluster.start_agent();
+    cluster.wait_for_attachment();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cluster.dump_json("service-cidrs").as_array().is_none_or(|a| a.is_empty()) {
+        assert!(Instant::now() < deadline, "no service CIDR programmed:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let dropped_before = cluster.stat("drop_unallocated_service_ip");
+    let script = r#"
+import socket, errno
+for proto in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+    s = socket.socket(socket.AF_INET, proto)
+    s.settimeout(5)
+    try:
+        if proto == socket.SOCK_STREAM:
+            s.connect(('10.96.0.222', 80))
+        else:
+            s.sendto(b'x', ('10.96.0.222', 53))
+        print('sent')
+    except OSError as e:
+        print(errno.errorcode.get(e.errno, e))
+"#;
+    assert_eq!(
+        run(&cluster.cgroup, cluster.client.netns(), script).split_whitespace().collect::<Vec<_>>(),
+        ["EPERM"; 2]
+    );
+    assert!(cluster.stat("drop_unallocated_service_ip") >= dropped_before + 2);
     check_veths(&cluster);
 }
