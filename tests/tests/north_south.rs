@@ -623,6 +623,71 @@ fn load_balancer_source_ranges_drop_other_clients_but_not_the_node_port() {
     assert!(cluster.stat(0, "drop_source_range") > before);
 }
 
+/// kube-proxy's `allowFromNode` (pkg/proxy/nftables/proxier.go, the firewall chain): when a
+/// `loadBalancerSourceRanges` range holds the node's IP, the Service's load-balancer IPs are admitted
+/// as sources too — a VIP-style load balancer whose IP is local to the node loops the node's own
+/// requests back with that IP as their source. The client here owns web-ranges' second LB IP and
+/// sends from it.
+#[test]
+fn a_source_range_holding_the_nodes_address_admits_the_services_own_load_balancer_ips() {
+    const SECOND_LB_IP: &str = "192.168.200.12";
+    let cluster = NorthSouth::start("fromnode");
+    let ranges = cluster.manifests.join("web-ranges.yaml");
+    let text = std::fs::read_to_string(&ranges).unwrap();
+    let two_ips = text.replacen(
+        "    - ip: 192.168.200.11\n",
+        &format!("    - ip: 192.168.200.11\n    - ip: {SECOND_LB_IP}\n"),
+        1,
+    );
+    assert_ne!(two_ips, text);
+    std::fs::write(&ranges, &two_ips).unwrap();
+    cluster.wait_for_frontend(0, &format!("{SECOND_LB_IP}:80"), "TCP", 2);
+    cluster.multi.external_exec(["ip", "addr", "add", &format!("{SECOND_LB_IP}/32"), "dev", "eth0"]).unwrap();
+    cluster.multi.external_exec(["ip", "addr", "add", &format!("{OTHER_CLIENT}/24"), "dev", "eth0"]).unwrap();
+    let client = CLIENT.to_string();
+    cluster
+        .multi
+        .node(0)
+        .node_exec([
+            "ip",
+            "route",
+            "add",
+            &format!("{SECOND_LB_IP}/32"),
+            "via",
+            client.as_str(),
+            "dev",
+            "eth0",
+        ])
+        .unwrap();
+    let url = format!("http://{LB_RANGES}/whoami");
+    let from = |source: &str| cluster.whoami(&url, &["--interface", source]);
+
+    // 192.168.100.200/32 holds no node address: the LB IP as a source is dropped like any other.
+    cluster.whoami(&url, &[]).unwrap_or_else(|e| panic!("allowed client: {e}\n{}", cluster.agent_logs()));
+    let before = cluster.stat(0, "drop_source_range");
+    assert!(from(SECOND_LB_IP).is_err(), "the LB IP got through a range that holds no node address");
+    assert!(cluster.stat(0, "drop_source_range") > before);
+
+    // A range holding both nodes' addresses (192.168.100.10 and .11), not the client's.
+    std::fs::write(&ranges, two_ips.replacen("  - 192.168.100.200/32\n", "  - 192.168.100.10/31\n", 1))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cluster.whoami(&url, &[]).is_ok() {
+        assert!(Instant::now() < deadline, "the old range stayed:\n{}", cluster.agent_logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (backend, seen) = from(SECOND_LB_IP).unwrap_or_else(|e| {
+        panic!("the Service's own LB IP was not admitted: {e}\n{}", cluster.agent_logs())
+    });
+    assert!([WEB_A, WEB_B].contains(&backend), "{backend}");
+    let expected_source =
+        if home_node(backend) == 0 { SECOND_LB_IP.parse().unwrap() } else { cluster.multi.node_ip(0) };
+    assert_eq!(seen, expected_source, "local backends see the client's address, remote ones the node's");
+    let before = cluster.stat(0, "drop_source_range");
+    assert!(from(&OTHER_CLIENT.to_string()).is_err(), "a source in no range and no LB IP got through");
+    assert!(cluster.stat(0, "drop_source_range") > before);
+}
+
 #[test]
 fn external_ips_are_served_and_cluster_ips_from_outside_are_masqueraded() {
     let cluster = NorthSouth::start("extip");
