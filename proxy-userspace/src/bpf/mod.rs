@@ -16,6 +16,7 @@ mod pins;
 mod stats;
 #[cfg(test)]
 mod tests;
+pub mod trace;
 
 pub use attach::{
     AttachReport, Interface, InterfaceSelector, XDP_SUFFIX, XdpSetting, attach_all, attach_matching,

@@ -183,14 +183,7 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let names = names(maps);
     let config = crate::bpf::conntrack::read_config(maps);
     let now = crate::bpf::conntrack::monotonic_ns();
-    let mut entries = Vec::new();
-    for entry in maps.conntrack.iter() {
-        match entry {
-            Ok(pair) => entries.push(pair),
-            Err(aya::maps::MapError::KeyNotFound) => continue,
-            Err(e) => return Err(e).context("reading the conntrack map"),
-        }
-    }
+    let entries = crate::bpf::conntrack::read_conntrack(maps)?;
     Ok(conntrack_rows(&entries, &names, &config, &crate::bpf::conntrack::snat_index(maps), now))
 }
 

@@ -13,17 +13,19 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use proxy_common::{
-    maps::{CT_FLAG_HAIRPIN, FrontendNameV4, IPPROTO_TCP, IPPROTO_UDP, MAP_FRONTEND_NAMES_V4},
+    maps::{CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP},
     trace::{
-        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, MAP_EVENTS,
-        MAP_TRACE, TraceConfig, TraceEventV4,
+        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, TraceEventV4,
     },
 };
 use serde::Serialize;
 
-use crate::bpf::{PinDir, conntrack::monotonic_ns};
+use crate::bpf::{
+    PinDir,
+    conntrack::monotonic_ns,
+    trace::{EventRing, Listening, TraceFlag, frontend_names},
+};
 
 #[derive(clap::Args, Debug, Default)]
 pub struct TraceArgs {
@@ -191,56 +193,10 @@ pub fn line(step: &Step) -> String {
     if step.note.is_empty() { base } else { format!("{base} ({})", step.note) }
 }
 
-fn names(pins: &PinDir) -> Result<BTreeMap<u16, String>> {
-    let path = pins.map(MAP_FRONTEND_NAMES_V4);
-    let map: HashMap<MapData, u16, FrontendNameV4> = HashMap::try_from(Map::HashMap(
-        MapData::from_pin(&path).with_context(|| path.display().to_string())?,
-    ))?;
-    Ok(map.iter().filter_map(Result::ok).map(|(id, n)| (id, n.as_str().to_owned())).collect())
-}
-
-/// This session's share of the TRACE flag, which every `kproxy trace` of the node sets and the
-/// last one to leave clears. The sessions are counted by the kernel: each holds a shared flock
-/// on the pin tree's maps directory while it listens (bpffs holds no regular files to lock),
-/// and a leaving session that can turn its lock exclusive was the last. A session that dies
-/// loses its lock with it, so the count never goes stale; a flag it left set is cleared by the
-/// next session to leave. Each session reads the ring buffer from its own position (aya keeps
-/// the consumer position in the process), so sessions side by side see the same events.
-struct Listening {
-    flag: Array<MapData, TraceConfig>,
-    sessions: std::fs::File,
-}
-
-impl Listening {
-    fn start(pins: &PinDir, mut flag: Array<MapData, TraceConfig>) -> Result<Self> {
-        let dir = pins.maps_dir();
-        let sessions = std::fs::File::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
-        // Waits only while a leaving last session clears the flag.
-        crate::bpf::flock(&sessions, libc::LOCK_SH)
-            .with_context(|| format!("joining the trace sessions on {}", dir.display()))?;
-        flag.set(0, TraceConfig { enabled: 1 }, 0).context("switching tracing on")?;
-        Ok(Self { flag, sessions })
-    }
-}
-
-impl Drop for Listening {
-    /// Clears the flag, however tracing ends, unless another session still listens.
-    fn drop(&mut self) {
-        if crate::bpf::flock(&self.sessions, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
-            let _ = self.flag.set(0, TraceConfig { enabled: 0 }, 0);
-        }
-    }
-}
-
 pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
-    let open = |name: &str| {
-        let path = pins.map(name);
-        MapData::from_pin(&path)
-            .with_context(|| format!("opening {} (is kproxy loaded? run `kproxy load`)", path.display()))
-    };
-    let mut ring = RingBuf::try_from(Map::RingBuf(open(MAP_EVENTS)?))?;
-    let flag: Array<MapData, TraceConfig> = Array::try_from(Map::Array(open(MAP_TRACE)?))?;
-    let mut names = names(pins)?;
+    let mut ring = EventRing::open(pins)?;
+    let flag = TraceFlag::open(pins)?;
+    let mut names = frontend_names(pins)?;
     let service_ids = |names: &BTreeMap<u16, String>| -> Option<Vec<u16>> {
         let wanted = args.service.as_ref()?;
         let prefix = format!("{wanted}:");
@@ -269,20 +225,13 @@ pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
         if args.timeout.is_some_and(|t| started.elapsed() >= Duration::from_secs(t)) {
             break;
         }
-        let Some(item) = ring.next() else {
+        let Some(event) = ring.next_event() else {
             std::thread::sleep(Duration::from_millis(5));
             continue;
         };
-        if item.len() < core::mem::size_of::<TraceEventV4>() {
-            continue;
-        }
-        // SAFETY: the datapath writes whole TraceEventV4 records; the read is
-        // unaligned-safe.
-        let event: TraceEventV4 = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-        drop(item);
         if !names.contains_key(&event.rev_nat_id) && last_names_refresh.elapsed() > Duration::from_millis(200)
         {
-            names = self::names(pins)?;
+            names = frontend_names(pins)?;
             last_names_refresh = Instant::now();
         }
         let ids = service_ids(&names);
