@@ -96,15 +96,21 @@ pub(super) fn service_error(
     ManifestError::new(origin, message).with_object(format!("Service {name}")).with_field(field)
 }
 
-/// `TCP` when absent (the API server's default); SCTP and anything else are not supported.
+/// `TCP` when absent (the API server's default); SCTP and anything else are not supported: the reason, for
+/// the error that names the port.
 pub(super) fn parse_protocol(protocol: Option<&str>) -> Result<Protocol, String> {
     match protocol {
         None | Some("") | Some("TCP") => Ok(Protocol::Tcp),
         Some("UDP") => Ok(Protocol::Udp),
-        Some("SCTP") => Err("SCTP is not supported by kproxy; the port is skipped".to_string()),
-        Some(other) => {
-            Err(format!("protocol {other:?} is not supported by kproxy (TCP or UDP); the port is skipped"))
-        }
+        // kube-proxy serves SCTP ClusterIPs and NodePorts through netfilter. kproxy would need SCTP's own
+        // conntrack states and, for a port rewrite, a CRC32c recomputed over the whole packet (its checksum
+        // has no pseudo-header, so an address rewrite alone leaves it valid) — and the kernels it is tested
+        // on have no SCTP module to show it with real packets.
+        Some("SCTP") => Err("SCTP is not supported by kproxy: its datapath translates TCP and UDP only \
+                             (SCTP needs its own conntrack states and a CRC32c recomputed after a port rewrite, \
+                             not implemented)"
+            .to_string()),
+        Some(other) => Err(format!("protocol {other:?} is not supported by kproxy (TCP or UDP)")),
     }
 }
 
@@ -305,7 +311,13 @@ fn ports(
     for (index, sp) in spec.ports.iter().flatten().enumerate() {
         let proto = match parse_protocol(sp.protocol.as_deref()) {
             Ok(proto) => proto,
-            Err(message) => {
+            Err(reason) => {
+                let port_name = sp.name.as_deref().map(|n| format!("{n:?} ")).unwrap_or_default();
+                let protocol = sp.protocol.as_deref().unwrap_or_default();
+                let message = format!(
+                    "{reason}; port {port_name}{}/{protocol} is skipped: its packets are not translated",
+                    sp.port
+                );
                 errors.push(service_error(origin, name, format!("spec.ports[{index}].protocol"), message));
                 continue;
             }

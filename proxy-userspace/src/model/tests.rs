@@ -338,7 +338,10 @@ fn protocol_defaults_to_tcp_and_sctp_is_reported_but_other_ports_kept() {
     assert_eq!(errors[0].object.as_deref(), Some("Service shop/web"));
     assert_eq!(errors[0].field.as_deref(), Some("spec.ports[1].protocol"));
     assert!(errors[0].message.contains("SCTP is not supported by kproxy"), "{}", errors[0].message);
-    assert!(errors[0].message.contains("skipped"), "{}", errors[0].message);
+    // The port, and why.
+    assert!(errors[0].message.contains("port \"sig\" 3868/SCTP is skipped"), "{}", errors[0].message);
+    assert!(errors[0].message.contains("translates TCP and UDP only"), "{}", errors[0].message);
+    assert!(errors[0].message.contains("CRC32c"), "{}", errors[0].message);
     assert_eq!(errors[1].field.as_deref(), Some("spec.ports[3].protocol"));
     assert!(errors[1].message.contains("\"tcp\""), "{}", errors[1].message);
 }
