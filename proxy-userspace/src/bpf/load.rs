@@ -68,7 +68,24 @@ pub fn load_unpinned() -> Result<Ebpf> {
 }
 
 pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
-    load_object(capacities, &[])
+    load_object(ebpf_object(), capacities, &[])
+}
+
+/// [`load_unpinned_with`] on a copy of the object that `patch` changed first: benchmarks load
+/// variants of the datapath this way (another flavour of a map, in its definition).
+pub fn load_unpinned_patched(
+    capacities: &Capacities,
+    patch: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<Ebpf> {
+    let object = ebpf_object();
+    // 8-byte aligned, as the ELF parser wants it.
+    let mut words = vec![0u64; object.len().div_ceil(8)];
+    // SAFETY: the byte view covers exactly the vector's initialised u64s.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
+    let bytes = &mut bytes[..object.len()];
+    bytes.copy_from_slice(object);
+    patch(bytes)?;
+    load_object(bytes, capacities, &[])
 }
 
 /// The embedded object with its BTF made acceptable to the kernel ([`btf_unions_as_structs`]),
@@ -201,7 +218,11 @@ pub fn btf_unions_as_structs(btf: &mut [u8]) -> usize {
 
 /// Loads the object and its programs; maps named in `pin_paths` are reused
 /// from (or created and pinned at) those paths.
-fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -> Result<Ebpf> {
+fn load_object(
+    object: &[u8],
+    capacities: &Capacities,
+    pin_paths: &[(&'static str, PathBuf)],
+) -> Result<Ebpf> {
     if EBPF_OBJECT.is_empty() {
         bail!("this kproxy was built with AYA_BUILD_SKIP: it carries no eBPF programs");
     }
@@ -224,7 +245,7 @@ fn load_object(capacities: &Capacities, pin_paths: &[(&'static str, PathBuf)]) -
             MAP_MAGLEV_V4,
             capacities.maglev_tables.max(1).saturating_mul(proxy_common::maglev::MAGLEV_TABLE_SIZE),
         )
-        .load(ebpf_object())
+        .load(object)
         .context("loading the eBPF object")?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier = ebpf
@@ -324,7 +345,7 @@ fn check_pinned_maps(pins: &PinDir) -> Result<(), LoadError> {
 /// their links.
 fn pin_programs(pins: &PinDir, capacities: &Capacities) -> Result<()> {
     let paths: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|name| (*name, pins.map(name))).collect();
-    let mut ebpf = load_object(capacities, &paths)?;
+    let mut ebpf = load_object(ebpf_object(), capacities, &paths)?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier =
             ebpf.program_mut(hook.program()).expect("loaded above").try_into()?;

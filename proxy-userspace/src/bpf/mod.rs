@@ -24,8 +24,8 @@ pub use attach::{
 };
 pub use bpffs::{BpffsScope, bpffs_scope, ensure_bpffs};
 pub use load::{
-    Capacities, LoadError, Unloaded, btf_unions_as_structs, load, load_unpinned, load_unpinned_with,
-    load_with, set_bpf_debug_log, unload, unload_after, unload_with,
+    Capacities, LoadError, Unloaded, btf_unions_as_structs, load, load_unpinned, load_unpinned_patched,
+    load_unpinned_with, load_with, set_bpf_debug_log, unload, unload_after, unload_with,
 };
 pub(crate) use lock::flock;
 pub use lock::{ClaimOptions, PinLock, claim, lock_holder, pin_lock_pid};

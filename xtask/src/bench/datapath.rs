@@ -64,6 +64,8 @@ pub struct DatapathResult {
     pub sizes: Vec<usize>,
     /// `rows[case][size]`, ns per packet.
     pub rows: Vec<Vec<Measured>>,
+    /// For each of [`FLAVOURS`] (at 1 Service): ns per packet of every case, or why it failed.
+    pub flavours: Vec<Result<Vec<Measured>, String>>,
     pub repeat: u32,
     pub packets_per_run: usize,
     pub runs: usize,
@@ -293,7 +295,113 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
                 .join(", ")
         );
     }
-    Ok(DatapathResult { sizes, rows, repeat, packets_per_run: k, runs, notes })
+    drop(runner);
+    drop(ebpf);
+    let flavours = FLAVOURS
+        .iter()
+        .map(|&(name, map_type, flags)| {
+            let result = flavour(ctx, map_type, flags, runs, repeat, k).map_err(|e| format!("{e:#}"));
+            eprintln!(
+                "bench: datapath, conntrack as {name}: {}",
+                if result.is_ok() { "measured" } else { "failed" }
+            );
+            result
+        })
+        .collect();
+    Ok(DatapathResult { sizes, rows, flavours, repeat, packets_per_run: k, runs, notes })
+}
+
+const BPF_MAP_TYPE_HASH: u32 = 1;
+const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+const BPF_F_NO_PREALLOC: u32 = 1;
+const BPF_F_NO_COMMON_LRU: u32 = 2;
+
+/// Flavours of CONNTRACK_V4 measured on a copy of the object whose map definition says so (name,
+/// map type, flags); the first is kproxy's own.
+pub const FLAVOURS: [(&str, u32, u32); 4] = [
+    ("LRU hash, one LRU list for all CPUs (kproxy's)", BPF_MAP_TYPE_LRU_HASH, 0),
+    ("LRU hash, BPF_F_NO_COMMON_LRU (an LRU list per CPU)", BPF_MAP_TYPE_LRU_HASH, BPF_F_NO_COMMON_LRU),
+    ("hash, preallocated (no eviction)", BPF_MAP_TYPE_HASH, 0),
+    ("hash, BPF_F_NO_PREALLOC (no eviction)", BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC),
+];
+
+/// Rewrites the type and flags of the legacy map definition (`struct bpf_map_def`, in section
+/// `maps`) of symbol `name` in a little-endian ELF64 object.
+fn patch_map(object: &mut [u8], name: &str, map_type: u32, flags: u32) -> Result<()> {
+    let u16_at = |o: &[u8], at: usize| o.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    let u32_at =
+        |o: &[u8], at: usize| o.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize);
+    let u64_at =
+        |o: &[u8], at: usize| o.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize);
+    let bad = || anyhow!("not the ELF object expected");
+    let o: &[u8] = object;
+    let (table, entry) = (u64_at(o, 0x28).ok_or_else(bad)?, u16_at(o, 0x3a).ok_or_else(bad)?);
+    let count = u16_at(o, 0x3c).ok_or_else(bad)?;
+    // (type, offset, size, link) of section `i`.
+    let section = |i: usize| -> Option<(usize, usize, usize, usize)> {
+        let at = table + i * entry;
+        Some((u32_at(o, at + 4)?, u64_at(o, at + 24)?, u64_at(o, at + 32)?, u32_at(o, at + 40)?))
+    };
+    const SHT_SYMTAB: usize = 2;
+    let (_, symtab, symtab_size, strtab_index) =
+        (0..count).filter_map(section).find(|s| s.0 == SHT_SYMTAB).ok_or_else(bad)?;
+    let (_, strtab, _, _) = section(strtab_index).ok_or_else(bad)?;
+    for sym in (symtab..symtab + symtab_size).step_by(24) {
+        let name_at = strtab + u32_at(o, sym).ok_or_else(bad)?;
+        let matches = o
+            .get(name_at..name_at + name.len() + 1)
+            .is_some_and(|n| &n[..name.len()] == name.as_bytes() && n[name.len()] == 0);
+        if !matches {
+            continue;
+        }
+        let (shndx, value, size) = (
+            u16_at(o, sym + 6).ok_or_else(bad)?,
+            u64_at(o, sym + 8).ok_or_else(bad)?,
+            u64_at(o, sym + 16).ok_or_else(bad)?,
+        );
+        if size != 28 {
+            bail!("{name} is not a legacy map definition ({size} bytes)");
+        }
+        let (_, offset, _, _) = section(shndx).ok_or_else(bad)?;
+        let def = offset + value;
+        object[def..def + 4].copy_from_slice(&map_type.to_le_bytes());
+        object[def + 16..def + 20].copy_from_slice(&flags.to_le_bytes());
+        return Ok(());
+    }
+    bail!("no symbol {name} in the object")
+}
+
+/// Every case at 1 Service on a datapath whose conntrack map is of `map_type` with `flags`.
+fn flavour(
+    ctx: &Ctx,
+    map_type: u32,
+    flags: u32,
+    runs: usize,
+    repeat: u32,
+    k: usize,
+) -> Result<Vec<Measured>> {
+    let mut ebpf = bpf::load_unpinned_patched(&capacities(), |object| {
+        patch_map(object, MAP_CONNTRACK_V4, map_type, flags)
+    })
+    .context("loading the datapath with another conntrack map")?;
+    let maps = Maps::from_ebpf(&mut ebpf)?;
+    let mut conntrack = maps.conntrack;
+    let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)?;
+    let report = syncer.apply(&Desired::new(vec![frontend(&measured_service())]));
+    if !report.errors.is_empty() {
+        bail!("programming the Service failed");
+    }
+    let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
+    let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
+    let mut runner = Runner { ingress, egress, out: Vec::new() };
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
+    for _ in 0..runs {
+        ctx.check()?;
+        for (case, result) in one_run(&mut runner, &mut conntrack, repeat, k).into_iter().enumerate() {
+            samples[case].push(result?);
+        }
+    }
+    Ok(samples.iter().enumerate().map(|(case, s)| measured(CASES[case], s)).collect())
 }
 
 fn clear_conntrack(conntrack: &mut HashMap<MapData, CtKeyV4, CtEntryV4>) -> Result<()> {

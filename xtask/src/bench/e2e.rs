@@ -1,6 +1,9 @@
 //! End to end in a network-namespace sandbox: wrk (new connections and keep-alive requests) and
-//! dnsperf (UDP DNS) from a client pod, (a) to a pod IP with no proxy, (b) to the ClusterIP
-//! through kproxy, (c) to the ClusterIP through kube-proxy-shaped iptables rules, at N Services.
+//! dnsperf (UDP DNS) from a client pod, (a) to a pod IP with no proxy, (a') the same with a
+//! pass-all tc program on every pod veth (the floor), (b) to the ClusterIP through kproxy and
+//! (a'') to the pod IP with kproxy attached, (c) to the ClusterIP through kube-proxy-shaped
+//! iptables rules, (d) and (d') through kproxy's socket LB with and without tc on the pod veths,
+//! at N Services.
 use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
@@ -32,13 +35,33 @@ const WRK_CONNECTIONS: &str = "16";
 pub enum Path3 {
     /// (a) the pod IP, no proxy.
     Direct,
+    /// (a') the pod IP with a pass-all (TC_ACT_OK) program on both directions of every pod veth:
+    /// the floor of any tc datapath.
+    Floor,
+    /// (a'') the pod IP with kproxy attached (tc on the pod veths, N Services programmed).
+    KproxyPodIp,
     /// (b) the ClusterIP through kproxy.
     Kproxy,
     /// (c) the ClusterIP through kube-proxy's iptables rules.
     Iptables,
     /// (d) the ClusterIP through kproxy's socket-level load balancing (the client in a cgroup
-    /// with the connect/sendmsg hooks): translated once per connection, no per-packet NAT.
+    /// with the connect/sendmsg hooks): translated once per connection, no per-packet NAT, but
+    /// the tc programs still on every pod veth (`--pod-veth-tc on`).
     SocketLb,
+    /// (d') socket LB with no per-packet program: every pod's processes in the hooks' cgroup and
+    /// `--pod-veth-tc auto` (the default), so the agent leaves the pod veths without tc.
+    SocketLbNoTc,
+}
+
+/// How the agent of a kproxy path runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// tc on the pod veths, no socket hooks: (b) and (a'').
+    Tc,
+    /// (d).
+    SocketLbTc,
+    /// (d').
+    SocketLbOnly,
 }
 
 pub struct Row {
@@ -111,6 +134,10 @@ struct Bench<'a> {
     notes: Vec<String>,
     /// The cgroup the client's load generators run in (socket LB), if any.
     cgroup: Option<sandbox::cgroup::ChildCgroup>,
+    /// The kproxy binary has `--pod-veth-tc` (socket LB without tc on covered pods' veths).
+    pod_veth_tc: bool,
+    /// The pods' network namespaces (client, web, dns), for (d'): their processes join the cgroup.
+    pod_netns: Vec<PathBuf>,
 }
 
 /// The number after `label` on a line of `text` (e.g. `Requests/sec:  1234.5`).
@@ -242,12 +269,28 @@ impl Bench<'_> {
         Row { path, services, close: Err(e.clone()), keepalive: Err(e.clone()), dns: Err(e) }
     }
 
-    /// Sanity check before measuring: the ClusterIP answers.
+    /// Sanity check before measuring: the ClusterIP answers (from inside [`Bench::cgroup`] when
+    /// set, as the load generators: without tc only the socket hooks translate).
     fn check_vip(&self) -> Result<()> {
-        self.client.curl(&format!("http://{WEB_VIP}/")).context("curl through the ClusterIP")?;
-        self.client
-            .dig(DNS_VIP, "web.default.svc.cluster.local", "A")
+        let curl = find_tool("curl")?.to_string_lossy().into_owned();
+        let url = format!("http://{WEB_VIP}/");
+        self.client_exec(&[curl, "-sS".into(), "--max-time".into(), "5".into(), url])
+            .context("curl through the ClusterIP")?;
+        let dig = find_tool("dig")?.to_string_lossy().into_owned();
+        let answer = self
+            .client_exec(&[
+                dig,
+                "+short".into(),
+                "+time=2".into(),
+                "+tries=1".into(),
+                format!("@{DNS_VIP}"),
+                "web.default.svc.cluster.local".into(),
+                "A".into(),
+            ])
             .context("dig through the ClusterIP")?;
+        if answer.trim() != WEB_VIP.to_string() {
+            bail!("dig through the ClusterIP answered {answer:?}");
+        }
         Ok(())
     }
 
@@ -261,24 +304,72 @@ impl Bench<'_> {
         Ok(port)
     }
 
-    fn kproxy(&mut self, services: usize, dir: &Path) -> Result<Row> {
-        self.kproxy_with(services, dir, None)
+    /// (b), then (a'') with the same agent.
+    fn kproxy(&mut self, services: usize, dir: &Path) -> Result<Vec<Row>> {
+        self.kproxy_with(services, dir, Mode::Tc, None)
     }
 
-    /// (d): the agent attaches its socket programs to a cgroup made for the bench, and the load
-    /// generators run in it.
-    fn kproxy_socket_lb(&mut self, services: usize, dir: &Path) -> Result<Row> {
+    /// (d) and (d'): the agent attaches its socket programs to a cgroup made for the bench, and
+    /// the load generators run in it (for (d'), every pod's processes too).
+    fn kproxy_socket_lb(&mut self, services: usize, dir: &Path, mode: Mode) -> Result<Row> {
+        if mode == Mode::SocketLbOnly && !self.pod_veth_tc {
+            bail!(
+                "not measurable: this kproxy has no --pod-veth-tc, so socket LB keeps tc on every pod veth \
+                 (that is (d))"
+            );
+        }
         let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-bench")?;
         let path = cgroup.path().to_path_buf();
         self.cgroup = Some(cgroup);
-        let row = self.kproxy_with(services, dir, Some(&path));
+        let rows = self.kproxy_with(services, dir, mode, Some(&path));
         // Dropping it kills what is left in it and removes it.
         self.cgroup = None;
-        row
+        rows?.into_iter().next().context("no row")
     }
 
-    fn kproxy_with(&mut self, services: usize, dir: &Path, socket_lb: Option<&Path>) -> Result<Row> {
+    fn kproxy_with(
+        &mut self,
+        services: usize,
+        dir: &Path,
+        mode: Mode,
+        socket_lb: Option<&Path>,
+    ) -> Result<Vec<Row>> {
         let port = self.new_backend()?;
+        // (d'): every process of the three pods in the hooks' cgroup before the agent starts,
+        // so that it finds all of them covered; the client pod gets a process of its own (its
+        // load generators come and go).
+        let mut moved = Vec::new();
+        let mut holder = None;
+        if mode == Mode::SocketLbOnly
+            && let (Some(cgroup), Some(path)) = (&self.cgroup, socket_lb)
+        {
+            let mut sleeper = cgroup.command(self.client.netns(), &["sleep", "3600"]);
+            holder = Some(sleeper.spawn().context("a process for the client pod in the bench cgroup")?);
+            for netns in &self.pod_netns {
+                moved.extend(move_netns_processes(netns, path)?);
+            }
+        }
+        let result = self.kproxy_agent(services, dir, mode, socket_lb, port);
+        if let Some(mut holder) = holder {
+            let _ = holder.kill();
+            let _ = holder.wait();
+        }
+        // Back where they were: dropping the bench cgroup kills what is in it, and the DNS
+        // server serves the later paths too.
+        for (pid, cgroup) in moved {
+            let _ = std::fs::write(cgroup.join("cgroup.procs"), pid.to_string());
+        }
+        result
+    }
+
+    fn kproxy_agent(
+        &mut self,
+        services: usize,
+        dir: &Path,
+        mode: Mode,
+        socket_lb: Option<&Path>,
+        port: u16,
+    ) -> Result<Vec<Row>> {
         let svcs = rules::cluster(services, &[web_svc(port), dns_svc()]);
         let manifests = dir.join(format!("manifests-{services}"));
         std::fs::create_dir_all(&manifests)?;
@@ -286,28 +377,45 @@ impl Bench<'_> {
         let _ = kproxy::bpf::unload(&PinDir::new(PIN_DIR));
         let _unload = Unload(PIN_DIR.into());
         let bin = self.ctx.kproxy.to_string_lossy().into_owned();
-        let agent = self.sandbox.node_spawn([
-            bin.as_str(),
-            "--pin-dir",
-            PIN_DIR,
-            "agent",
-            "--manifests",
-            &manifests.to_string_lossy(),
-            "--interfaces",
-            "veth*",
-            "--healthz-bind-address",
-            "",
-            "--metrics-bind-address",
-            "",
-            "--socket-lb",
-            if socket_lb.is_some() { "on" } else { "off" },
-            "--cgroup-root",
-            &socket_lb.map_or(String::from("/nonexistent"), |p| p.to_string_lossy().into_owned()),
-        ])?;
-        let path = if socket_lb.is_some() { Path3::SocketLb } else { Path3::Kproxy };
+        let mut extra: Vec<&str> = Vec::new();
+        if mode == Mode::SocketLbTc && self.pod_veth_tc {
+            extra.extend(["--pod-veth-tc", "on"]);
+        }
+        let agent = self.sandbox.node_spawn(
+            [
+                bin.as_str(),
+                "--pin-dir",
+                PIN_DIR,
+                "agent",
+                "--manifests",
+                &manifests.to_string_lossy(),
+                "--interfaces",
+                "veth*",
+                "--healthz-bind-address",
+                "",
+                "--metrics-bind-address",
+                "",
+                "--socket-lb",
+                if socket_lb.is_some() { "on" } else { "off" },
+                "--cgroup-root",
+                &socket_lb.map_or(String::from("/nonexistent"), |p| p.to_string_lossy().into_owned()),
+            ]
+            .into_iter()
+            .chain(extra),
+        )?;
+        let path = match mode {
+            Mode::Tc => Path3::Kproxy,
+            Mode::SocketLbTc => Path3::SocketLb,
+            Mode::SocketLbOnly => Path3::SocketLbNoTc,
+        };
         let result = (|| {
-            // client, web, dns: ingress + egress each (+ the 4 socket hooks).
-            let links = 2 * 3 + if socket_lb.is_some() { 4 } else { 0 };
+            // client, web, dns: ingress + egress each (+ the 4 socket hooks); none on the pod
+            // veths for (d').
+            let links = match mode {
+                Mode::Tc => 2 * 3,
+                Mode::SocketLbTc => 2 * 3 + 4,
+                Mode::SocketLbOnly => 4,
+            };
             let deadline = Instant::now() + Duration::from_secs(120);
             loop {
                 self.ctx.check()?;
@@ -323,28 +431,32 @@ impl Bench<'_> {
                 std::thread::sleep(Duration::from_millis(50));
             }
             self.check_vip()?;
-            if socket_lb.is_some() {
-                return Ok(self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP));
+            if mode == Mode::SocketLbOnly {
+                // The agent may attach before it has looked at the pods: wait for it to settle
+                // with no program on their veths, and say how many links there were.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while count_links() > links && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let before = link_names();
+                let row = self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP);
+                self.notes.push(format!(
+                    "(d') N={services}: the agent's pinned links while measured: {} ({} after).",
+                    before.join(", "),
+                    link_names().len()
+                ));
+                return Ok(vec![row]);
             }
-            // Port reuse: the client's new connections to the backend pod's own address reuse
-            // the source ports of the ClusterIP connections just closed, whose conntrack entries
-            // are still there (closing, 10 s). Their replies must not be un-NATed; when they
-            // were, this ran at 6–8 connections per second.
-            let pod_url = format!("http://{WEB_IP}:{port}/");
-            let before = self.wrk(&pod_url, true);
+            if socket_lb.is_some() {
+                return Ok(vec![self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP)]);
+            }
             let row = self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP);
-            let after = self.wrk(&pod_url, true);
-            let show = |r: &Result<f64>| {
-                r.as_ref().map_or_else(|e| format!("failed ({e:#})"), |v| format!("{v:.0}"))
-            };
-            self.notes.push(format!(
-                "Port reuse, N={services}: new connections to the backend pod's own address with kproxy attached, \
-                 {} conn/s before the ClusterIP load and {} conn/s right after it (its closing entries still in \
-                 conntrack).",
-                show(&before),
-                show(&after)
-            ));
-            Ok(row)
+            // (a'') right after the ClusterIP load: its first connections to the backend pod's
+            // own address reuse the source ports of the ClusterIP connections just closed, whose
+            // conntrack entries are still there (closing, 10 s). Their replies must not be
+            // un-NATed; when they were, this ran at 6–8 connections per second.
+            let pod = self.measure(Path3::KproxyPodIp, services, &format!("http://{WEB_IP}:{port}/"), DNS_IP);
+            Ok(vec![row, pod])
         })();
         let _ = agent.terminate(Duration::from_secs(5));
         result
@@ -388,6 +500,46 @@ fn count_links() -> usize {
     std::fs::read_dir(Path::new(PIN_DIR).join("links")).map_or(0, |d| d.count())
 }
 
+/// The agent's pinned links, by name (interface@ifindex-hook, or a socket hook), sorted.
+fn link_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(Path::new(PIN_DIR).join("links"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Moves every process whose network namespace is the one at `netns` into the cgroup at `into`;
+/// returns each with the cgroup it was in.
+fn move_netns_processes(netns: &Path, into: &Path) -> Result<Vec<(u32, PathBuf)>> {
+    use std::os::unix::fs::MetadataExt as _;
+    let root = sandbox::cgroup::cgroup2_root().context("no cgroup2 hierarchy")?;
+    let target = std::fs::metadata(netns).with_context(|| format!("{}", netns.display()))?;
+    let mut moved = Vec::new();
+    for entry in std::fs::read_dir("/proc")?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(ns) = std::fs::metadata(entry.path().join("ns/net")) else { continue };
+        if ns.ino() != target.ino() || ns.dev() != target.dev() {
+            continue;
+        }
+        let Ok(cgroup) = std::fs::read_to_string(entry.path().join("cgroup")) else { continue };
+        let Some(relative) = cgroup.lines().find_map(|l| l.strip_prefix("0::")) else { continue };
+        let was = root.join(relative.trim_start_matches('/'));
+        std::fs::write(into.join("cgroup.procs"), pid.to_string())
+            .with_context(|| format!("moving process {pid} into {}", into.display()))?;
+        moved.push((pid, was));
+    }
+    Ok(moved)
+}
+
+/// Whether the kproxy binary has `--pod-veth-tc` (socket LB leaving covered pods without tc).
+fn has_pod_veth_tc(kproxy: &Path) -> bool {
+    std::process::Command::new(kproxy)
+        .args(["agent", "--help"])
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("--pod-veth-tc"))
+}
+
 pub fn run(ctx: &Ctx) -> Result<E2eResult> {
     let sizes: Vec<usize> = if ctx.quick { vec![1, 1_000] } else { vec![1, 1_000, 10_000] };
     let sandbox = Sandbox::new("bench")?;
@@ -419,20 +571,45 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
         dns_seconds,
         notes: Vec::new(),
         cgroup: None,
+        pod_veth_tc: has_pod_veth_tc(&ctx.kproxy),
+        pod_netns: vec![client.netns_path(), web.netns_path(), dns.netns_path()],
     };
 
     let direct_port = bench.new_backend()?;
     let mut rows = vec![bench.measure(Path3::Direct, 0, &format!("http://{WEB_IP}:{direct_port}/"), DNS_IP)];
+    {
+        let floor_port = bench.new_backend()?;
+        let veths = [client.host_veth(), web.host_veth(), dns.host_veth()];
+        rows.push(match super::floor::Floor::attach(&sandbox.node_netns_path(), &veths) {
+            Ok(_floor) => bench.measure(Path3::Floor, 0, &format!("http://{WEB_IP}:{floor_port}/"), DNS_IP),
+            Err(e) => Bench::failed_row(Path3::Floor, 0, &e),
+        });
+    }
     let dir = sandbox.dir().to_path_buf();
     // kproxy first: once the nat table exists, netfilter conntrack runs in the node namespace.
     for &n in &sizes {
         ctx.check()?;
-        rows.push(bench.kproxy(n, &dir).unwrap_or_else(|e| Bench::failed_row(Path3::Kproxy, n, &e)));
+        match bench.kproxy(n, &dir) {
+            Ok(r) => rows.extend(r),
+            Err(e) => {
+                rows.push(Bench::failed_row(Path3::Kproxy, n, &e));
+                rows.push(Bench::failed_row(Path3::KproxyPodIp, n, &e));
+            }
+        }
     }
-    for &n in &sizes {
-        ctx.check()?;
-        rows.push(
-            bench.kproxy_socket_lb(n, &dir).unwrap_or_else(|e| Bench::failed_row(Path3::SocketLb, n, &e)),
+    for (mode, path) in [(Mode::SocketLbTc, Path3::SocketLb), (Mode::SocketLbOnly, Path3::SocketLbNoTc)] {
+        for &n in &sizes {
+            ctx.check()?;
+            rows.push(
+                bench.kproxy_socket_lb(n, &dir, mode).unwrap_or_else(|e| Bench::failed_row(path, n, &e)),
+            );
+        }
+    }
+    if !bench.pod_veth_tc {
+        bench.notes.push(
+            "This kproxy has no `--pod-veth-tc`: (d) ran with tc on every pod veth (the only socket-LB mode it \
+             has) and (d') could not be measured."
+                .into(),
         );
     }
     for &n in &sizes {

@@ -5,8 +5,9 @@
 //! report and the others still run):
 //! - `datapath`: ns per packet of the tc programs through `BPF_PROG_TEST_RUN`, at 1 to 100k
 //!   Services;
-//! - `e2e`: wrk and dnsperf in a network-namespace sandbox: a pod IP with no proxy, the ClusterIP
-//!   through kproxy, and through kube-proxy-shaped iptables rules for N Services;
+//! - `e2e`: wrk and dnsperf in a network-namespace sandbox: a pod IP with no proxy and with a
+//!   pass-all tc program (the floor), the ClusterIP and the pod IP through kproxy, its socket LB
+//!   with and without tc on the pod veths, and kube-proxy-shaped iptables rules for N Services;
 //! - `control`: initial sync of 10k Services (manifests and API server), one endpoint change,
 //!   agent peak RSS, beside `iptables-restore` of the equivalent kube-proxy ruleset.
 //!
@@ -24,6 +25,8 @@ mod control;
 mod datapath;
 #[cfg(feature = "bench")]
 mod e2e;
+#[cfg(feature = "bench")]
+mod floor;
 #[cfg(feature = "bench")]
 mod imp;
 #[cfg(feature = "bench")]
