@@ -679,6 +679,27 @@ mod tests {
     }
 
     #[test]
+    fn pod_veths_lose_tc_only_with_socket_lb_on_and_pod_veth_tc_auto() {
+        use coverage::Coverage;
+        let cgroup = PathBuf::from("/sys/fs/cgroup/no-such-child");
+        let options = |mode, pod_veth_tc| SocketLbOptions {
+            mode,
+            cgroup: Some(cgroup.clone()),
+            asked: true,
+            pod_veth_tc,
+        };
+        assert_eq!(options(SocketLbMode::On, PodVethTc::Auto).coverage(), Coverage::Subtree(cgroup.clone()));
+        assert_eq!(options(SocketLbMode::On, PodVethTc::On).coverage(), Coverage::Nothing);
+        assert_eq!(options(SocketLbMode::HostOnly, PodVethTc::Auto).coverage(), Coverage::Nothing);
+        assert_eq!(options(SocketLbMode::Off, PodVethTc::Auto).coverage(), Coverage::Nothing);
+        assert_eq!(Coverage::Nothing.covered(&["veth0".into()]).unwrap(), BTreeSet::new());
+        assert_eq!(
+            Coverage::Everything.covered(&["veth0".into()]).unwrap(),
+            BTreeSet::from(["veth0".into()])
+        );
+    }
+
+    #[test]
     fn durations_like_kube_proxy_flags() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
