@@ -138,6 +138,8 @@ struct Bench<'a> {
     pod_veth_tc: bool,
     /// The pods' network namespaces (client, web, dns), for (d'): their processes join the cgroup.
     pod_netns: Vec<PathBuf>,
+    /// The pods' host-side veths.
+    pod_veths: Vec<String>,
 }
 
 /// The number after `label` on a line of `text` (e.g. `Requests/sec:  1234.5`).
@@ -433,17 +435,29 @@ impl Bench<'_> {
             self.check_vip()?;
             if mode == Mode::SocketLbOnly {
                 // The agent may attach before it has looked at the pods: wait for it to settle
-                // with no program on their veths, and say how many links there were.
+                // with no program on their veths, and say which links there were.
+                let veths = self.pod_veths.clone();
+                let on_pod_veths = || {
+                    link_names()
+                        .into_iter()
+                        .filter(|l| veths.iter().any(|v| l.starts_with(&format!("{v}@"))))
+                        .collect::<Vec<_>>()
+                };
                 let deadline = Instant::now() + Duration::from_secs(10);
-                while count_links() > links && Instant::now() < deadline {
+                while !on_pod_veths().is_empty() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                let before = link_names();
+                let (pods_before, all) = (on_pod_veths(), link_names());
                 let row = self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP);
+                let others: Vec<&String> = all.iter().filter(|l| !l.starts_with("cgroup@")).collect();
                 self.notes.push(format!(
-                    "(d') N={services}: the agent's pinned links while measured: {} ({} after).",
-                    before.join(", "),
-                    link_names().len()
+                    "(d') N={services}: {} links on the pod veths while measured ({} after): [{}]; socket hooks {}; \
+                     other interfaces (the node's uplink keeps tc and XDP): {}.",
+                    pods_before.len(),
+                    on_pod_veths().len(),
+                    pods_before.join(", "),
+                    all.iter().filter(|l| l.starts_with("cgroup@")).count(),
+                    others.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
                 ));
                 return Ok(vec![row]);
             }
@@ -573,6 +587,7 @@ pub fn run(ctx: &Ctx) -> Result<E2eResult> {
         cgroup: None,
         pod_veth_tc: has_pod_veth_tc(&ctx.kproxy),
         pod_netns: vec![client.netns_path(), web.netns_path(), dns.netns_path()],
+        pod_veths: [&client, &web, &dns].iter().map(|p| p.host_veth().to_owned()).collect(),
     };
 
     let direct_port = bench.new_backend()?;
