@@ -48,6 +48,10 @@ pub struct Svc {
     /// `sessionAffinity: ClientIP` with this timeout (seconds).
     pub affinity_timeout: Option<u32>,
     pub endpoints: Vec<Ipv4Addr>,
+    /// `internalTrafficPolicy: Local` whose endpoints are all on other nodes (`endpoints` is empty):
+    /// new connections to the cluster IP are dropped, not rejected ("has no local endpoints"). The
+    /// cluster IP only: NodePorts and LB IPs of such a port are not generated.
+    pub no_local_endpoints: bool,
 }
 
 /// A ClusterIP port of `bench/unnamed` at 0.0.0.0:0 with no endpoints and nothing else; set the
@@ -67,6 +71,7 @@ impl Default for Svc {
             source_ranges: Vec::new(),
             affinity_timeout: None,
             endpoints: Vec::new(),
+            no_local_endpoints: false,
         }
     }
 }
@@ -331,9 +336,16 @@ pub fn kube_proxy_filter_ruleset(svcs: &[Svc]) -> String {
         writeln!(out, "-A OUTPUT {new} -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES");
     for svc in svcs.iter().filter(|s| s.endpoints.is_empty()) {
         let proto = svc.proto.to_ascii_lowercase();
+        // pkg/proxy/iptables/proxier.go: internalTrafficFilterTarget, DROP when the Service has
+        // endpoints but none on this node for internalTrafficPolicy: Local.
+        let (comment, target) = if svc.no_local_endpoints {
+            ("has no local endpoints", "DROP")
+        } else {
+            ("has no endpoints", "REJECT --reject-with icmp-port-unreachable")
+        };
         let _ = writeln!(
             out,
-            "-A KUBE-SERVICES -d {}/32 -p {proto} -m comment --comment \"{} has no endpoints\" -m {proto} --dport {} -j REJECT --reject-with icmp-port-unreachable",
+            "-A KUBE-SERVICES -d {}/32 -p {proto} -m comment --comment \"{} {comment}\" -m {proto} --dport {} -j {target}",
             svc.vip,
             svc.port_name_string(),
             svc.port
@@ -470,8 +482,10 @@ pub fn kube_proxy_nftables(svcs: &[Svc], cluster_cidr: &str, service_cidr: &str)
         let port = svc.port;
         let lbs = &svc.load_balancer_ips;
         if svc.endpoints.is_empty() {
+            // internalTrafficFilterVerdict: "drop" for a Local policy without local endpoints.
+            let verdict = if svc.no_local_endpoints { "drop" } else { "goto reject-chain" };
             for ip in std::iter::once(&svc.vip).chain(lbs) {
-                no_endpoint.push(format!("{ip} . {proto} . {port} : goto reject-chain"));
+                no_endpoint.push(format!("{ip} . {proto} . {port} : {verdict}"));
             }
             if let Some(n) = svc.node_port {
                 no_endpoint_node_ports.push(format!("{proto} . {n} : goto reject-chain"));
@@ -747,6 +761,19 @@ mod tests {
         assert!(nft.contains("192.0.2.10 . tcp . 80 : goto external-"), "{nft}");
         assert!(nft.contains("192.0.2.10 . tcp . 80 : goto firewall-"), "{nft}");
         assert!(nft.contains("ip saddr != { 10.244.0.12/32 } drop"), "{nft}");
+    }
+
+    #[test]
+    fn a_local_policy_without_local_endpoints_drops_where_no_endpoints_rejects() {
+        let local =
+            Svc { name: "local".into(), endpoints: Vec::new(), no_local_endpoints: true, ..filler(3) };
+        let svcs = [local.clone(), empty_svc()];
+        let nft = kube_proxy_nftables(&svcs, "10.244.0.0/16", "10.96.0.0/12");
+        assert!(nft.contains(&format!("{} . tcp . 80 : drop", local.vip)), "{nft}");
+        assert!(nft.contains(&format!("{} . tcp . 80 : goto reject-chain", empty_svc().vip)), "{nft}");
+        let ipt = kube_proxy_iptables(&svcs, "10.244.0.0/16");
+        assert!(ipt.contains("bench/local:http has no local endpoints\" -m tcp --dport 80 -j DROP"), "{ipt}");
+        assert!(ipt.contains("bench/empty:http has no endpoints\" -m tcp --dport 80 -j REJECT"), "{ipt}");
     }
 
     #[test]

@@ -404,6 +404,31 @@ fn scenarios() -> Vec<Scenario> {
         .client_close("c")
         .allow(4, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED)
         .allow(7, Oracle::Both, Field::Seen, LOCAL_BACKEND_NOT_MASQUERADED),
+        Scenario::new(
+            "internal-traffic-policy-local-elsewhere",
+            "internalTrafficPolicy: Local with every endpoint on other nodes: TCP and UDP are dropped (timeout), not refused",
+        )
+        .tcp("a", svc("local-elsewhere", 80), P0)
+        .udp_connected("u", P1, svc("local-elsewhere", 80))
+        .echo_connected("u", 100),
+        Scenario::new(
+            "prefer-same-node-hints",
+            "trafficDistribution: PreferSameNode with node hints: every connection and datagram reaches this node's endpoint",
+        )
+        .tcp("a", svc("same-node", 80), P0)
+        .hello("a")
+        .tcp("b", svc("same-node", 80), P1)
+        .hello("b")
+        .tcp("c", svc("same-node", 80), P2)
+        .hello("c")
+        .udp("u", Port::Nth(3))
+        .echo("u", svc("same-node", 80), 100)
+        .tcp("d", pod("web-1", 8080), Port::Nth(4))
+        .hello("d")
+        .client_close("a")
+        .client_close("b")
+        .client_close("c")
+        .client_close("d"),
         Scenario::new("nodeport-from-node", "a process of the node reaches a NodePort on the node's own address")
             .tcp_from(Place::Node, "a", node_port(NODE_PORT), P0)
             .hello("a")

@@ -144,6 +144,8 @@ pub fn baseline() -> ClusterSpec {
         load_balancer_ip: None,
         source_ranges: Vec::new(),
         affinity_timeout: None,
+        internal_local: false,
+        traffic_distribution: None,
     };
     let with_node_port = |node_port| {
         web_ports(WEB_PORT).into_iter().map(|p| PortSpec { node_port: Some(node_port), ..p }).collect()
@@ -166,6 +168,39 @@ pub fn baseline() -> ClusterSpec {
             ServiceSpec {
                 affinity_timeout: Some(10800),
                 ..service("default", "sticky", [10, 96, 0, 108], web_ports(WEB_PORT), endpoints(&WEB_PODS))
+            },
+            // internalTrafficPolicy: Local, its endpoints on other nodes: dropped (clients time out).
+            ServiceSpec {
+                internal_local: true,
+                ..service(
+                    "default",
+                    "local-elsewhere",
+                    [10, 96, 0, 109],
+                    web_ports(WEB_PORT),
+                    WEB_PODS[1..]
+                        .iter()
+                        .map(|(name, ip)| EndpointSpec { node: "node-2", ..EndpointSpec::ready(name, *ip) })
+                        .collect(),
+                )
+            },
+            // trafficDistribution: PreferSameNode, one endpoint hinted for each node: web-1 is this node's.
+            ServiceSpec {
+                traffic_distribution: Some("PreferSameNode"),
+                ..service(
+                    "default",
+                    "same-node",
+                    [10, 96, 0, 110],
+                    web_ports(WEB_PORT),
+                    WEB_PODS
+                        .iter()
+                        .zip(["node-1", "node-2", "node-3"])
+                        .map(|((name, ip), node)| EndpointSpec {
+                            node,
+                            for_nodes: vec![node],
+                            ..EndpointSpec::ready(name, *ip)
+                        })
+                        .collect(),
+                )
             },
             ServiceSpec {
                 load_balancer_ip: Some(LB_IP),
@@ -540,7 +575,7 @@ impl World {
             "--poll-ms".into(),
             "100".into(),
             "--hostname-override".into(),
-            "node-1".into(),
+            THIS_NODE.into(),
             "--manifests".into(),
             manifests.clone().into(),
             "--cgroup-root".into(),
@@ -691,7 +726,18 @@ impl World {
     fn kproxy_programmed(&self, spec: &ClusterSpec) -> Result<(bool, String)> {
         let kproxy = self.kproxy.as_ref().context("kproxy mode")?;
         let manifests = kproxy.manifests.display().to_string();
-        let diff = self.kproxy_json(&["dump", "diff", "--json", "--manifests", &manifests])?;
+        // As the agent runs: this node's name (local endpoints, node hints) and its --service-cidr.
+        let diff = self.kproxy_json(&[
+            "dump",
+            "diff",
+            "--json",
+            "--manifests",
+            &manifests,
+            "--hostname-override",
+            THIS_NODE,
+            "--service-cidr",
+            SERVICE_CIDR,
+        ])?;
         let node_prefix = format!("{NODE_IP}:");
         let mut node_ports = Vec::new();
         let mut others = Vec::new();

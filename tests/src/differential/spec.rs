@@ -34,6 +34,9 @@ pub struct PortSpec {
     pub node_port: Option<u16>,
 }
 
+/// The node the sandbox's proxy runs as (`--hostname-override`; kube-proxy's rules are generated for it).
+pub const THIS_NODE: &str = "node-1";
+
 /// One endpoint of a Service's EndpointSlice, with its conditions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointSpec {
@@ -42,11 +45,23 @@ pub struct EndpointSpec {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
+    /// `nodeName` (every pod runs in the one sandbox; the slice says where it is).
+    pub node: &'static str,
+    /// `hints.forNodes`.
+    pub for_nodes: Vec<&'static str>,
 }
 
 impl EndpointSpec {
     pub fn ready(pod: &str, ip: Ipv4Addr) -> Self {
-        Self { pod: pod.to_owned(), ip, ready: true, serving: true, terminating: false }
+        Self {
+            pod: pod.to_owned(),
+            ip,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node: THIS_NODE,
+            for_nodes: Vec::new(),
+        }
     }
 }
 
@@ -63,17 +78,38 @@ pub struct ServiceSpec {
     pub source_ranges: Vec<&'static str>,
     /// `sessionAffinity: ClientIP` with this timeout (seconds).
     pub affinity_timeout: Option<u32>,
+    /// `internalTrafficPolicy: Local`.
+    pub internal_local: bool,
+    /// `spec.trafficDistribution` (kube-proxy reads the hints the EndpointSlice controller wrote for it).
+    pub traffic_distribution: Option<&'static str>,
 }
 
 impl ServiceSpec {
-    /// The endpoints kube-proxy sends new connections to: the ready ones, or, when none is ready,
-    /// the serving and terminating ones (KEP-1669). kproxy's model makes the same choice.
+    /// The endpoints kube-proxy sends new connections to the cluster IP to, as
+    /// `CategorizeEndpoints` (pkg/proxy/topology.go) picks them: the ready ones (on this node only
+    /// for `internalTrafficPolicy: Local`), or, when none is ready, the serving and terminating
+    /// ones (KEP-1669); for the cluster-wide policy narrowed by node hints when every ready
+    /// endpoint has `hints.forNodes` and one names this node (`topologyModeFromHints`:
+    /// PreferSameNode). kproxy's model makes the same choice.
     pub fn used_endpoints(&self) -> Vec<&EndpointSpec> {
-        let ready: Vec<&EndpointSpec> = self.endpoints.iter().filter(|e| e.ready).collect();
-        if !ready.is_empty() {
-            return ready;
+        let candidates: Vec<&EndpointSpec> =
+            self.endpoints.iter().filter(|e| !self.internal_local || e.node == THIS_NODE).collect();
+        let ready: Vec<&EndpointSpec> = candidates.iter().copied().filter(|e| e.ready).collect();
+        if ready.is_empty() {
+            return candidates.into_iter().filter(|e| e.serving && e.terminating).collect();
         }
-        self.endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+        let hinted = !self.internal_local
+            && ready.iter().all(|e| !e.for_nodes.is_empty())
+            && ready.iter().any(|e| e.for_nodes.contains(&THIS_NODE));
+        if hinted {
+            return ready.into_iter().filter(|e| e.for_nodes.contains(&THIS_NODE)).collect();
+        }
+        ready
+    }
+
+    /// Whether the Service has usable endpoints, on any node (kube-proxy's `hasEndpoints`).
+    fn has_endpoints(&self) -> bool {
+        self.endpoints.iter().any(|e| e.ready || (e.serving && e.terminating))
     }
 
     fn manifest(&self) -> Value {
@@ -106,6 +142,12 @@ impl ServiceSpec {
                 "ports": ports,
             },
         });
+        if self.internal_local {
+            service["spec"]["internalTrafficPolicy"] = "Local".into();
+        }
+        if let Some(distribution) = self.traffic_distribution {
+            service["spec"]["trafficDistribution"] = distribution.into();
+        }
         if let Some(timeout) = self.affinity_timeout {
             service["spec"]["sessionAffinity"] = "ClientIP".into();
             service["spec"]["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": timeout}});
@@ -118,12 +160,17 @@ impl ServiceSpec {
             .endpoints
             .iter()
             .map(|e| {
-                json!({
+                let mut endpoint = json!({
                     "addresses": [e.ip.to_string()],
                     "conditions": {"ready": e.ready, "serving": e.serving, "terminating": e.terminating},
-                    "nodeName": "node-1",
+                    "nodeName": e.node,
                     "targetRef": {"kind": "Pod", "name": e.pod, "namespace": self.namespace},
-                })
+                });
+                if !e.for_nodes.is_empty() {
+                    let nodes: Vec<Value> = e.for_nodes.iter().map(|n| json!({"name": n})).collect();
+                    endpoint["hints"] = json!({"forNodes": nodes});
+                }
+                endpoint
             })
             .collect();
         let slice_ports: Vec<Value> = self
@@ -184,6 +231,7 @@ impl ClusterSpec {
             .iter()
             .flat_map(|s| {
                 let endpoints: Vec<Ipv4Addr> = s.used_endpoints().iter().map(|e| e.ip).collect();
+                let no_local_endpoints = s.internal_local && endpoints.is_empty() && s.has_endpoints();
                 s.ports.iter().map(move |p| Svc {
                     namespace: s.namespace.into(),
                     name: s.name.into(),
@@ -197,6 +245,7 @@ impl ClusterSpec {
                     source_ranges: s.source_ranges.iter().map(|r| (*r).to_owned()).collect(),
                     affinity_timeout: s.affinity_timeout,
                     endpoints: endpoints.clone(),
+                    no_local_endpoints,
                 })
             })
             .collect()
