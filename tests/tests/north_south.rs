@@ -821,4 +821,20 @@ fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
         assert_eq!(fields.len(), 4, "{out}");
         assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
     }
+    // A covered pod (web-a, node 0) reaching a NodePort of the other node, the ExternalIP and the
+    // cluster IP: its connect() is translated by the hooks, with no tc on its veth to do it.
+    let node1 = cluster.multi.node_ip(1);
+    for url in [format!("http://{node1}:30080/whoami"), format!("http://{EXTERNAL_IP}/whoami")] {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..12 {
+            let out = cluster._cgroups[0]
+                .command(cluster._pods[0].netns(), &["curl", "-sS", "--max-time", "5", &url])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{url} from web-a: {}", String::from_utf8_lossy(&out.stderr));
+            let page = String::from_utf8_lossy(&out.stdout).into_owned();
+            seen.insert(page.split_whitespace().next().unwrap_or_default().to_owned());
+        }
+        assert_eq!(seen, [WEB_A.to_string(), WEB_B.to_string()].into(), "{url} from web-a");
+    }
 }
