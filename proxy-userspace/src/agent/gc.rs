@@ -18,7 +18,6 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::Timeouts,
     maps::{
@@ -30,9 +29,10 @@ use proxy_common::{
 use crate::bpf::{
     Maps,
     conntrack::{
-        SnatIndex, delete, delete_snat, hairpin_addr, monotonic_ns, pair_expired, read_config,
+        SnatIndex, capacity, delete, delete_snat, hairpin_addr, monotonic_ns, pair_expired, read_config,
         read_conntrack, reply_key, select, snat_index, state_name,
     },
+    remove_present,
 };
 
 const SECOND_NS: u64 = 1_000_000_000;
@@ -243,10 +243,9 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     let affinity: Vec<(AffinityKeyV4, AffinityValueV4)> =
         maps.affinity.iter().filter_map(|e| e.ok()).collect();
     for key in plan_affinity(&affinity, &frontends, monotonic_ns()) {
-        match maps.affinity.remove(&key) {
-            Ok(()) => report.affinity_deleted += 1,
-            Err(MapError::KeyNotFound) => {}
-            Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+        match remove_present(&mut maps.affinity, &key) {
+            Ok(true) => report.affinity_deleted += 1,
+            Ok(false) => {}
             Err(e) => return Err(e).context("deleting an affinity entry"),
         }
     }
@@ -275,7 +274,7 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     }
 
     report.remaining = maps.conntrack.keys().count() as u64;
-    report.capacity = maps.conntrack.map().info().map_or(0, |i| u64::from(i.max_entries()));
+    report.capacity = capacity(maps);
     Ok(report)
 }
 

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{Context as _, Result};
-use aya::maps::MapError;
+use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
@@ -15,7 +15,7 @@ use proxy_common::{
     },
 };
 
-use super::Maps;
+use super::{Maps, remove_present};
 
 /// SNAT_V4's forward entries (`client → backend` after DNAT), by key.
 pub type SnatIndex = BTreeMap<KeyOrd, SnatEntryV4>;
@@ -151,12 +151,12 @@ pub fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) 
 }
 
 pub fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
-    match maps.conntrack.remove(key) {
-        Ok(()) => Ok(true),
-        Err(MapError::KeyNotFound) => Ok(false),
-        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-        Err(e) => Err(e).context("deleting a conntrack entry"),
-    }
+    remove_present(&mut maps.conntrack, key).context("deleting a conntrack entry")
+}
+
+/// CONNTRACK_V4's capacity (max entries); 0 when the kernel does not say.
+pub fn capacity(maps: &Maps) -> u64 {
+    maps.conntrack.map().info().map_or(0, |i| u64::from(i.max_entries()))
 }
 
 /// The estimate behind `kproxy_conntrack_evicted_total`: every new flow

@@ -6,7 +6,7 @@
 use anyhow::{Context as _, Result, anyhow};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, lpm_trie},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, lpm_trie},
 };
 use proxy_common::maps::*;
 use proxy_common::service_cidr::ServiceCidrsV4;
@@ -91,6 +91,20 @@ map_table! {
         MAP_EVENTS;
         MAP_TRACE => (u32, TraceConfig);
         MAP_FRAGMENTS_V4 => (FragmentKeyV4, FragmentPortsV4);
+    }
+}
+
+/// Removes `key` from `map`: `Ok(false)` when it is not there (the datapath or the LRU deleted it
+/// first; the kernel answers ENOENT).
+pub fn remove_present<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
+) -> Result<bool, MapError> {
+    match map.remove(key) {
+        Ok(()) => Ok(true),
+        Err(MapError::KeyNotFound) => Ok(false),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

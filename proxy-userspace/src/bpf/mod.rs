@@ -32,7 +32,7 @@ pub use lock::{ClaimOptions, PinLock, claim, lock_holder, pin_lock_pid};
 pub use log::forward_bpf_logs;
 pub use maps::{
     ALL_MAPS, InheritedMap, Maps, expected_layout, map_usage, open_inherited, open_service_cidrs,
-    open_sock_revnat,
+    open_sock_revnat, remove_present,
 };
 pub use pins::{DEFAULT_PIN_DIR, Hook, PinDir, SOCKET_PROGRAMS};
 pub use stats::read_stats;
