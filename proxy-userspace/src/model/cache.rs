@@ -8,7 +8,9 @@
 //! or a health check port belongs to the first Service that claims it) are
 //! applied by the same merge as a full build, in the same order.
 
-use std::{borrow::Cow, collections::HashMap, sync::Arc};
+use std::{borrow::Cow, sync::Arc};
+
+use foldhash::{HashMap, HashMapExt as _};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 

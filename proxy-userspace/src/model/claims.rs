@@ -19,6 +19,9 @@ use super::frontend::{Frontend, FrontendKind, HealthCheck, Scope, ServiceName, T
 use super::service::{ServicePlan, plan_service, service_error};
 use super::{Desired, ModelOptions, ModelStats, filter_of};
 
+/// The merge's maps, rebuilt every sync (see foldhash in Cargo.toml).
+type FastMap<K, V> = foldhash::HashMap<K, V>;
+
 /// What the model makes of some Services, each taken on its own: everything but the rules that span
 /// Services, which [`Merge`] applies. [`crate::model::cache::ModelCache`] keeps one per Service and merges
 /// them as [`build_with`] does, so both give the same result.
@@ -107,9 +110,9 @@ pub(crate) struct Merge {
     /// Problems found by the merge; reported after the others.
     pub(super) conflicts: Vec<ManifestError>,
     /// Who holds an address:port/protocol: the position of its first entry in `frontends`.
-    pub(super) taken: HashMap<(Ipv4Addr, u16, Protocol), usize>,
+    pub(super) taken: FastMap<(Ipv4Addr, u16, Protocol), usize>,
     /// Who holds a health check port: the position of its check in `health_checks`.
-    pub(super) health_ports: HashMap<u16, usize>,
+    pub(super) health_ports: FastMap<u16, usize>,
 }
 
 /// A [`Claim`] the merge may keep: moved out of owned parts, copied from borrowed ones.

@@ -14,7 +14,7 @@
 //! This file holds the [`Syncer`], what it reports and the order of one [`Syncer::apply`]; `mirror` reads the
 //! maps into what it knows of them (and hands out ids), `write` holds each step's writes.
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use anyhow::Result;
 use aya::maps::{HashMap, MapData};
@@ -278,8 +278,12 @@ impl<S: Store> Syncer<S> {
             .iter()
             .filter(|(_, f)| f.kind == FrontendKind::ClusterIp)
             .chain(wanted.iter().filter(|(_, f)| f.kind != FrontendKind::ClusterIp));
+        // One buffer for every frontend's name: most syncs change nothing of most frontends, and a
+        // name formatted afresh for each was an allocation per frontend per sync.
+        let mut name = String::new();
         for (fk, frontend) in cluster_ips_first {
-            let name = format!("{}:{}", frontend.service, frontend.port_name);
+            name.clear();
+            let _ = write!(name, "{}:{}", frontend.service, frontend.port_name);
             let vip = match per_vip.get(&fk.vip) {
                 Some(count) if frontend.kind == FrontendKind::ClusterIp => self.ensure_vip(fk.vip, *count),
                 _ => Ok(()),
@@ -287,7 +291,7 @@ impl<S: Store> Syncer<S> {
             let affinity =
                 affinity_id(frontend, &cluster_ips, |ck| self.frontends.get(ck).map(|p| p.rev_nat_id));
             let result =
-                vip.and_then(|()| self.apply_frontend(*fk, frontend, name, affinity, &flags, &mut report));
+                vip.and_then(|()| self.apply_frontend(*fk, frontend, &name, affinity, &flags, &mut report));
             if let Err(e) = result {
                 report.errors.push(SyncError::FrontendNotProgrammed {
                     service: frontend.service.clone(),

@@ -135,7 +135,7 @@ impl<S: Store> Syncer<S> {
         &mut self,
         fk: FrontendKey,
         frontend: &Frontend,
-        name: String,
+        name: &str,
         affinity_id: u16,
         wanted_flags: &BTreeMap<(BackendAddr, Protocol), u8>,
         report: &mut SyncReport,
@@ -184,7 +184,7 @@ impl<S: Store> Syncer<S> {
         };
         slots[0].1.backend_id = ServiceValueV4::slot0_backend_id(maglev_table, affinity_id);
         let flags = slots[0].1.flags;
-        self.write_frontend(fk, rev_nat_id, &name, previous.as_ref(), &slots, &source_ranges)?;
+        self.write_frontend(fk, rev_nat_id, name, previous.as_ref(), &slots, &source_ranges)?;
         if previous.is_some() {
             report.frontends_updated += 1;
         } else {
@@ -194,7 +194,7 @@ impl<S: Store> Syncer<S> {
             fk,
             Programmed {
                 rev_nat_id,
-                name,
+                name: name.to_owned(),
                 backend_ids: ids,
                 terminating_ids,
                 flags,
