@@ -332,6 +332,57 @@ fn a_removed_backend_gets_no_new_flows_and_slots_shrink() {
 /// kube-proxy's nftables `cluster-ips-check`: inside a service CIDR, an address that is no Service's
 /// is dropped (and counted) from a pod and from outside alike; a Service's cluster IP in it is still
 /// translated, an unknown port of one still refused, and an address outside every CIDR passes.
+/// `frame` with its IP protocol set to `proto` (the IP checksum recomputed).
+fn with_protocol(frame: &[u8], proto: u8) -> Vec<u8> {
+    let mut frame = frame.to_vec();
+    frame[14 + 9] = proto;
+    frame[14 + 10..14 + 12].fill(0);
+    let check = proxy_common::checksum::checksum(&frame[14..34]);
+    frame[14 + 10..14 + 12].copy_from_slice(&check.to_be_bytes());
+    frame
+}
+
+/// Neither TCP nor UDP: kube-proxy's `cluster-ips-check` drops what conntrack calls new, whatever the
+/// protocol — ICMP requests, any packet of a generically tracked protocol — and lets ICMP errors and
+/// replies (related or invalid there) pass.
+#[test]
+fn other_protocols_to_an_unallocated_address_are_dropped_when_they_would_open_a_connection() {
+    use common::harness::DROP;
+    use kproxy::net::Cidr4;
+
+    let mut h = Harness::new();
+    let unallocated = [10, 96, 0, 77];
+    let echo = icmp_error(CLIENT, unallocated, 8, 0, b"kproxy-echo-");
+    let gre = with_protocol(&echo, 47);
+    let quote = Packet::udp(unallocated, 53, CLIENT, 40000, b"late").frame()[14..42].to_vec();
+    let port_unreachable = icmp_error(CLIENT, unallocated, 3, 3, &quote);
+    let echo_reply = icmp_error(CLIENT, unallocated, 0, 0, b"kproxy-echo-");
+    let echo_to_a_pod = icmp_error(CLIENT, WEB_BACKENDS[0], 8, 0, b"kproxy-echo-");
+    let echo_to_a_vip = icmp_error(CLIENT, WEB_VIP, 8, 0, b"kproxy-echo-");
+
+    // No CIDR known: all pass.
+    assert_eq!(h.ingress(&echo), (PASS, echo.clone()));
+    assert_eq!(h.ingress(&gre), (PASS, gre.clone()));
+
+    let cidrs: Vec<Cidr4> = vec!["10.96.0.0/16".parse().unwrap()];
+    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
+    assert_eq!(h.ingress(&echo).0, DROP, "an echo request");
+    assert_eq!(h.ingress(&gre).0, DROP, "GRE");
+    assert_eq!(h.run("kproxy_external_ingress", &echo).0, DROP, "an echo request from an external interface");
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 3);
+    // Errors and replies, a pod's address, a cluster IP: untouched.
+    for (what, frame) in [
+        ("a port unreachable", &port_unreachable),
+        ("an echo reply", &echo_reply),
+        ("an echo request to a pod", &echo_to_a_pod),
+        ("an echo request to a cluster IP", &echo_to_a_vip),
+    ] {
+        assert_eq!(h.ingress(frame), (PASS, frame.clone()), "{what}");
+    }
+    assert_eq!(h.run("kproxy_external_ingress", &port_unreachable).0, PASS);
+    assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 3);
+}
+
 #[test]
 fn an_unallocated_address_of_a_service_cidr_is_dropped_and_the_rest_untouched() {
     use common::harness::DROP;
