@@ -433,7 +433,9 @@ impl World {
                 self.cgroups[node].path().display().to_string(),
             ];
             if self.datapath == Datapath::SocketLb {
-                args.extend(["--socket-lb".into(), "on".into()]);
+                // tc stays on every pod veth (what these tests wait for and what `--socket-lb on`
+                // meant before --pod-veth-tc): the move under `auto` is not covered here.
+                args.extend(["--socket-lb".into(), "on".into(), "--pod-veth-tc".into(), "on".into()]);
             }
             self.agents.push(self.multi.node(node).node_spawn(&args).unwrap());
             self.pins.push(pin_dir);
