@@ -522,7 +522,9 @@ except OSError as e:
 fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_leaves() {
     let cluster = start("sock-cover", Datapath::SocketLbNoTc);
     let veth = cluster.client.host_veth().to_owned();
-    let outsider = cluster.client.spawn(["sleep", "600"]).unwrap();
+    let mut nsenter = std::process::Command::new("nsenter");
+    nsenter.arg(format!("--net={}", cluster.client.netns_path().display())).args(["sleep", "600"]);
+    let outsider = cluster.client.spawn_command(nsenter).unwrap();
     let wait_for = |wanted: &[&str]| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -533,7 +535,9 @@ fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_lea
             }
             assert!(
                 Instant::now() < deadline,
-                "{veth}: {programs:?}, not {wanted:?}\n{}",
+                "{veth}: {programs:?}, not {wanted:?}; the outsider {}: {}\n{}",
+                if outsider.is_running() { "runs" } else { "has exited" },
+                outsider.log(),
                 cluster.agent_log()
             );
             std::thread::sleep(Duration::from_millis(50));

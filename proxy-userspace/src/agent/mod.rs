@@ -520,22 +520,32 @@ async fn attach_loop(
     poll: Duration,
 ) {
     let mut untranslated = BTreeSet::new();
+    let mut coverage_error: Option<String> = None;
     loop {
         let (p, s, ns, c) = (pins.clone(), selector.clone(), north_south.clone(), coverage.clone());
-        let attach = move || -> Result<(bpf::AttachReport, BTreeSet<String>)> {
+        type Attached = (bpf::AttachReport, BTreeSet<String>, Option<String>);
+        let attach = move || -> Result<Attached> {
             let external = nodeport::select(&ns, &nodeport::local_addresses()?, &s, None).interface_names();
             let pods: Vec<String> =
                 bpf::interfaces()?.into_iter().filter(|i| s.matches(&i.name)).map(|i| i.name).collect();
             // Not knowing who is covered keeps tc everywhere: a pod's packets are never left
             // untranslated by mistake.
-            let covered = c.covered(&pods).unwrap_or_else(|e| {
-                tracing::warn!(error = %format!("{e:#}"), "cannot tell which pods the socket hooks cover; tc on every pod veth");
-                BTreeSet::new()
-            });
-            Ok((bpf::attach_all(&p, &s, &external, ns.xdp, &covered)?, covered))
+            let (covered, error) = match c.covered(&pods) {
+                Ok(covered) => (covered, None),
+                Err(e) => (BTreeSet::new(), Some(format!("{e:#}"))),
+            };
+            Ok((bpf::attach_all(&p, &s, &external, ns.xdp, &covered)?, covered, error))
         };
         match tokio::task::spawn_blocking(attach).await {
-            Ok(Ok((report, covered))) => {
+            Ok(Ok((report, covered, error))) => {
+                // Once per distinct error, not every pass.
+                if error.is_some() && error != coverage_error {
+                    tracing::warn!(
+                        error = error.as_deref().unwrap_or_default(),
+                        "cannot tell which pods the socket hooks cover; tc on every pod veth"
+                    );
+                }
+                coverage_error = error;
                 for name in covered.difference(&untranslated) {
                     tracing::info!(interface = %name, "pod covered by the socket hooks: no tc program on its veth");
                 }
