@@ -166,8 +166,11 @@ pub(crate) struct AgentArgs {
     /// socket hooks cover (with --socket-lb on: pods whose every process is in
     /// --cgroup-root; all of them when it is the cgroup2 root), so their
     /// east–west traffic crosses no per-packet program; on keeps them on every
-    /// pod veth. External interfaces and uncovered pods always keep tc.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// pod veth. External interfaces and uncovered pods always keep tc. on by
+    /// default: without a program on the backend's veth, a client outside the
+    /// cluster reaching a cluster IP (masqueraded to the node's address) gets
+    /// no answer from a local backend.
+    #[arg(long, value_enum, default_value = "on")]
     pub(crate) pod_veth_tc: kproxy::agent::PodVethTc,
     /// How NodePort, ExternalIP and LoadBalancer frontends pick a backend for
     /// a new flow: at random, or by Maglev consistent hashing of the flow

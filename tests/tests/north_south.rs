@@ -768,7 +768,7 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
 /// the external interface's egress program) and remote ones SNATed, fragments included.
 #[test]
 fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
-    let cluster = NorthSouth::start_with("np-notc", &["--socket-lb", "on"]);
+    let cluster = NorthSouth::start_with("np-notc", &["--socket-lb", "on", "--pod-veth-tc", "auto"]);
     // web-a on node 0, web-b and dns-b on node 1.
     for (pod, node) in cluster._pods.iter().zip([0, 1, 1]) {
         use std::os::unix::fs::MetadataExt;

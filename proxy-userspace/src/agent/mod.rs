@@ -92,9 +92,10 @@ pub struct SocketLbOptions {
 pub enum PodVethTc {
     /// With `--socket-lb on`, none on the veths of pods whose every process is in
     /// `--cgroup-root` (their sockets are translated at connect()/sendmsg()); tc everywhere else.
-    #[default]
     Auto,
-    /// On every pod veth, whatever the socket hooks cover.
+    /// On every pod veth, whatever the socket hooks cover. The default: a masqueraded flow from
+    /// outside the cluster to a cluster IP is un-NATed only by the backend veth's program.
+    #[default]
     On,
 }
 

@@ -40,7 +40,7 @@ pub enum Datapath {
     /// `--socket-lb on --pod-veth-tc on`: at connect()/sendmsg() for the client's processes
     /// (started in [`Cluster::cgroup`]), and the tc programs still on every pod veth.
     SocketLbWithTc,
-    /// `--socket-lb on` (`--pod-veth-tc auto`): the same, and the client pod covered by the
+    /// `--socket-lb on --pod-veth-tc auto`: the same, and the client pod covered by the
     /// hooks — every process of its namespace is in the cgroup — so its veth has no tc program;
     /// the server pods' processes are outside the cgroup, so theirs keep it.
     SocketLbNoTc,
@@ -174,7 +174,8 @@ impl Cluster {
                     ["--socket-lb", "on", "--pod-veth-tc", "on"].map(Into::into).to_vec()
             }
             Datapath::SocketLbNoTc => {
-                cluster.extra_agent_args = ["--socket-lb", "on"].map(Into::into).to_vec()
+                cluster.extra_agent_args =
+                    ["--socket-lb", "on", "--pod-veth-tc", "auto"].map(Into::into).to_vec()
             }
         }
         if datapath != Datapath::Tc {
