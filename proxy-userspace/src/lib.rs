@@ -8,6 +8,8 @@ pub mod agent;
 pub mod bpf;
 /// Operator commands: dump, diff, trace, conntrack flush, cleanup, doctor.
 pub mod cmd;
+/// Which pods the socket hooks cover (a leaf: the agent leaves their veths bare, doctor expects it).
+pub mod coverage;
 /// What the cluster says: manifests, API and manifest watchers, object errors.
 pub mod k8s;
 /// Pure: Services and EndpointSlices → the desired frontends.

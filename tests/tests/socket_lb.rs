@@ -79,6 +79,26 @@ fn check_veths(cluster: &Cluster) {
     }
 }
 
+/// `kproxy doctor --json`'s attach checks in the node namespace: (status, name, finding). Its
+/// exit status is not asserted: the sandbox has no API server for its api-server check.
+fn doctor_attach_checks(cluster: &Cluster) -> Vec<(String, String, String)> {
+    let bin = common::cluster::kproxy_bin();
+    let pin_dir = cluster.pin_dir.display().to_string();
+    let args =
+        [bin.to_string_lossy().into_owned(), "--pin-dir".into(), pin_dir, "doctor".into(), "--json".into()];
+    let out = cluster.sandbox.node_exec_output(args).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("doctor --json: {e}\n{}", String::from_utf8_lossy(&out.stderr)));
+    let text = |c: &serde_json::Value, key: &str| c[key].as_str().unwrap_or_default().to_owned();
+    report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| text(c, "name").starts_with("attach"))
+        .map(|c| (text(c, "status"), text(c, "name"), text(c, "finding")))
+        .collect()
+}
+
 fn wait_for_socket_hooks(cluster: &Cluster) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !cluster.agent_log().contains("socket-level load balancing on") {
@@ -522,6 +542,11 @@ except OSError as e:
 fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_leaves() {
     let cluster = start("sock-cover", Datapath::SocketLbNoTc);
     let veth = cluster.client.host_veth().to_owned();
+    // doctor knows the bare veth is the hooks' doing: no WARN, and it says why.
+    let attach = doctor_attach_checks(&cluster);
+    assert!(attach.iter().all(|(status, ..)| status == "OK"), "doctor: {attach:#?}");
+    let covered = format!("{veth} covered by the socket hooks: no per-packet program needed");
+    assert!(attach.iter().any(|(_, _, finding)| finding.contains(&covered)), "doctor: {attach:#?}");
     let mut nsenter = std::process::Command::new("nsenter");
     nsenter.arg(format!("--net={}", cluster.client.netns_path().display())).args(["sleep", "600"]);
     let outsider = cluster.client.spawn_command(nsenter).unwrap();
@@ -556,6 +581,8 @@ fn a_pod_with_a_process_outside_the_cgroup_gets_tc_back_and_loses_it_when_it_lea
     outsider.kill().unwrap();
     wait_for(&[]);
     check_veths(&cluster);
+    let attach = doctor_attach_checks(&cluster);
+    assert!(attach.iter().all(|(status, ..)| status == "OK"), "doctor: {attach:#?}");
 }
 
 /// An address of the service CIDR that no Service has is refused at connect() (EPERM, as for the

@@ -2,7 +2,6 @@
 //! disk) and attached to every pod-facing interface, with kube-proxy's health
 //! and metrics endpoints, until SIGTERM or Ctrl-C.
 
-pub mod coverage;
 pub mod gc;
 pub mod http;
 pub mod inherited;
@@ -32,6 +31,7 @@ use crate::{
     agent::http::metrics::Metrics,
     agent::nodeport::NorthSouthOptions,
     bpf::{self, Capacities, InterfaceSelector, Maps, PinDir},
+    coverage,
     k8s::api_watch::{self, Changes, KubeOptions},
     model::ModelOptions,
     net::Protocol,

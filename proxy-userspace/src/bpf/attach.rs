@@ -36,7 +36,7 @@ fn socket_link(pins: &PinDir, cgroup: &Path, program: &str) -> PathBuf {
 }
 
 /// The cgroup of a socket link pin's name.
-fn socket_link_cgroup(name: &str) -> Option<PathBuf> {
+pub fn socket_link_cgroup(name: &str) -> Option<PathBuf> {
     let hex = name.strip_prefix("cgroup@")?.split('-').next()?;
     let bytes: Option<Vec<u8>> = (0..hex.len())
         .step_by(2)

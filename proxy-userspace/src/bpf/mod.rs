@@ -20,7 +20,7 @@ pub mod trace;
 
 pub use attach::{
     AttachReport, Interface, InterfaceSelector, XDP_SUFFIX, XdpSetting, attach_all, attach_matching,
-    attach_socket_lb, cgroup2_mount, detach_socket_lb, interfaces,
+    attach_socket_lb, cgroup2_mount, detach_socket_lb, interfaces, socket_link_cgroup,
 };
 pub use bpffs::{BpffsScope, bpffs_scope, ensure_bpffs};
 pub use load::{

@@ -1,22 +1,38 @@
 //! Datapath checks: the pinned programs and their links on the selected interfaces, map fill, the
 //! north–south and socket-level programs.
 
-use std::{fs, path::Path};
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+};
 
 use super::Check;
 use crate::bpf::{self, Hook, InterfaceSelector, PinDir};
+use crate::coverage::Coverage;
 
 /// The link pin names an interface should have (as `datapath` writes them).
 pub fn link_pin_name(name: &str, index: u32, hook: Hook) -> String {
     format!("{}@{index}-{}", name.replace('.', "%2E"), hook.suffix())
 }
 
-/// One WARN per matching interface missing a hook, or one OK.
+/// The cgroups the socket hooks sit on when they translate every socket (mode `on`): only then
+/// may the agent (`--pod-veth-tc auto`) leave a covered pod's veth without tc programs.
+pub fn covering_cgroups(links: &BTreeSet<String>, mode: Option<u32>) -> BTreeSet<PathBuf> {
+    if mode != Some(proxy_common::maps::SOCKET_LB_ALL) {
+        return BTreeSet::new();
+    }
+    links.iter().filter_map(|l| bpf::socket_link_cgroup(l)).collect()
+}
+
+/// One WARN per matching interface missing a hook, or one OK. An interface with no hook at all
+/// whose pod the socket hooks cover (`covered`) needs none: OK.
 pub fn attach_checks(
     interfaces: &[bpf::Interface],
     selector: &InterfaceSelector,
     globs: &[String],
-    links: &std::collections::BTreeSet<String>,
+    links: &BTreeSet<String>,
+    covered: &BTreeSet<String>,
     pin_dir: &Path,
 ) -> Vec<Check> {
     let wanted: Vec<&bpf::Interface> = interfaces.iter().filter(|i| selector.matches(&i.name)).collect();
@@ -41,6 +57,7 @@ pub fn attach_checks(
         )];
     }
     let mut out = Vec::new();
+    let (mut attached, mut bare_covered) = (Vec::new(), Vec::new());
     for iface in &wanted {
         let missing: Vec<&str> = Hook::POD
             .iter()
@@ -51,7 +68,11 @@ pub fn attach_checks(
                 Hook::ExternalIngress => "external ingress (NodePort, ExternalIP and LB traffic)",
             })
             .collect();
-        if !missing.is_empty() {
+        if missing.is_empty() {
+            attached.push(iface.name.as_str());
+        } else if missing.len() == Hook::POD.len() && covered.contains(&iface.name) {
+            bare_covered.push(iface.name.as_str());
+        } else {
             out.push(Check::warn(
                 format!("attach {}", iface.name),
                 format!(
@@ -69,16 +90,22 @@ pub fn attach_checks(
             ));
         }
     }
-    if out.is_empty() {
-        let names: Vec<&str> = wanted.iter().map(|i| i.name.as_str()).collect();
-        out.push(Check::ok(
-            "attach",
-            format!(
-                "ingress and egress programs attached on {} interfaces: {}",
-                names.len(),
-                names.join(", ")
-            ),
+    let mut parts = Vec::new();
+    if out.is_empty() && !attached.is_empty() {
+        parts.push(format!(
+            "ingress and egress programs attached on {} interfaces: {}",
+            attached.len(),
+            attached.join(", ")
         ));
+    }
+    if !bare_covered.is_empty() {
+        parts.push(format!(
+            "{} covered by the socket hooks: no per-packet program needed",
+            bare_covered.join(", ")
+        ));
+    }
+    if !parts.is_empty() {
+        out.push(Check::ok("attach", parts.join("; ")));
     }
     out
 }
@@ -156,21 +183,25 @@ pub(super) fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs
     };
     let mut out =
         vec![Check::ok("datapath", format!("programs and maps pinned under {}{holder}", root.display()))];
-    let links: std::collections::BTreeSet<String> = fs::read_dir(root.join("links"))
+    let links: BTreeSet<String> = fs::read_dir(root.join("links"))
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
+    let maps = bpf::Maps::from_pins(pins);
+    let mode = maps.as_ref().ok().and_then(|m| m.socket_lb_config.get(&0, 0).ok()).map(|c| c.mode);
     match bpf::interfaces() {
-        Ok(interfaces) => out.extend(attach_checks(&interfaces, selector, globs, &links, root)),
+        Ok(interfaces) => {
+            let covered = covered_interfaces(&interfaces, selector, &covering_cgroups(&links, mode));
+            out.extend(attach_checks(&interfaces, selector, globs, &links, &covered, root))
+        }
         Err(e) => {
             out.push(Check::warn("attach", format!("cannot list interfaces: {e:#}"), "check `ip link`"))
         }
     }
     out.push(north_south_check(&links));
-    match bpf::Maps::from_pins(pins) {
+    match maps {
         Ok(maps) => {
-            let mode = maps.socket_lb_config.get(&0, 0).ok().map(|c| c.mode);
             out.push(socket_lb_check(&links, mode));
             for (map, entries, capacity) in bpf::map_usage(&maps) {
                 out.push(map_fill_check(map, entries, capacity));
@@ -185,9 +216,21 @@ pub(super) fn datapath_checks(pins: &PinDir, selector: &InterfaceSelector, globs
     out
 }
 
+/// The matching interfaces whose pods the hooks on `cgroups` cover, as the agent decides it. An
+/// error reading the processes leaves them uncovered: their missing programs stay a WARN.
+fn covered_interfaces(
+    interfaces: &[bpf::Interface],
+    selector: &InterfaceSelector,
+    cgroups: &BTreeSet<PathBuf>,
+) -> BTreeSet<String> {
+    let names: Vec<String> =
+        interfaces.iter().filter(|i| selector.matches(&i.name)).map(|i| i.name.clone()).collect();
+    cgroups.iter().filter_map(|cgroup| Coverage::of_cgroup(cgroup).covered(&names).ok()).flatten().collect()
+}
+
 /// What serves traffic from outside, from the link pins: external interfaces (tc, XDP).
 /// Informational: a node may well have none.
-pub fn north_south_check(links: &std::collections::BTreeSet<String>) -> Check {
+pub fn north_south_check(links: &BTreeSet<String>) -> Check {
     let interface = |l: &str| l.split('@').next().unwrap_or(l).replace("%2E", ".");
     let external: Vec<String> =
         links.iter().filter(|l| l.ends_with("-external")).map(|l| interface(l)).collect();
@@ -212,7 +255,7 @@ pub fn north_south_check(links: &std::collections::BTreeSet<String>) -> Check {
 /// them the node's own processes — hostNetwork pods, the kubelet, node daemons — cannot reach
 /// a cluster IP: their packets never cross the pods' interfaces, where the tc programs sit
 /// (kube-proxy serves them in nat OUTPUT).
-pub fn socket_lb_check(links: &std::collections::BTreeSet<String>, mode: Option<u32>) -> Check {
+pub fn socket_lb_check(links: &BTreeSet<String>, mode: Option<u32>) -> Check {
     use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY, SOCKET_LB_OFF};
     let hooks = links.iter().filter(|l| l.starts_with("cgroup@")).count();
     match mode {

@@ -13,7 +13,9 @@
 //!   holds the pin directory.
 //! - **attach**: both hooks on every interface matching `--interfaces` in this network namespace
 //!   (one WARN per interface missing a hook; FAIL, listing the interfaces there are, when none
-//!   matches: a Calico `cali*` or Cilium `lxc*` node checked with the default `veth*`).
+//!   matches: a Calico `cali*` or Cilium `lxc*` node checked with the default `veth*`); an
+//!   interface with no hook whose pod the socket hooks cover (`--socket-lb on`, every process of
+//!   the pod in their cgroup: `--pod-veth-tc auto` leaves it bare) is OK.
 //! - **map \<name\>**: entries / capacity; hash maps WARN above 80 %, FAIL when full (inserts fail);
 //!   the LRU maps (conntrack, affinity) WARN when (nearly) full: they evict.
 //! - **north-south**: the external interfaces (tc, XDP) from the link pins (informational).
@@ -67,7 +69,9 @@ mod tests;
 
 pub use agent::{agent_verdict, parse_http_response};
 pub use api::{Probe, api_verdict};
-pub use datapath::{attach_checks, link_pin_name, map_fill_check, north_south_check, socket_lb_check};
+pub use datapath::{
+    attach_checks, covering_cgroups, link_pin_name, map_fill_check, north_south_check, socket_lb_check,
+};
 pub use kernel::{bpffs_check, bpffs_host_check, cgroup2_check, kernel_verdict, parse_kernel_version};
 pub use kube_proxy::{kube_proxy_verdict, leftover_lines};
 pub use sysctl::{

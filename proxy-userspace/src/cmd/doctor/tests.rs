@@ -170,14 +170,15 @@ fn attach_per_interface() {
     ];
     let selector = InterfaceSelector::new(&["veth*".to_owned()]).unwrap();
     let globs = ["veth*".to_owned()];
+    let none = std::collections::BTreeSet::new();
     let mut links: std::collections::BTreeSet<String> =
         ["veth0-a@5-ingress", "veth0-a@5-egress", "veth1%2E100@6-ingress"].map(String::from).into();
-    let checks = attach_checks(&ifaces, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &none, Path::new("/sys/fs/bpf/kproxy"));
     assert_eq!(checks.len(), 1);
     assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Warn, "attach veth1.100"));
     assert!(checks[0].finding.contains("no egress"), "{}", checks[0].finding);
     links.insert("veth1%2E100@6-egress".into());
-    let checks = attach_checks(&ifaces, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &none, Path::new("/sys/fs/bpf/kproxy"));
     assert_eq!(checks[0].status, Status::Ok);
     assert!(checks[0].finding.contains("2 interfaces"));
 
@@ -187,12 +188,82 @@ fn attach_per_interface() {
         bpf::Interface { name: "eth0".into(), index: 2 },
         bpf::Interface { name: "cali12ab34cd".into(), index: 7 },
     ];
-    let checks = attach_checks(&calico, &selector, &globs, &links, Path::new("/sys/fs/bpf/kproxy"));
+    let checks = attach_checks(&calico, &selector, &globs, &links, &none, Path::new("/sys/fs/bpf/kproxy"));
     assert_eq!(checks.len(), 1);
     assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Fail, "attach"));
     assert!(checks[0].finding.contains("no interface matches veth*"), "{}", checks[0].finding);
     assert!(checks[0].finding.ends_with("its interfaces: lo, eth0, cali12ab34cd"), "{}", checks[0].finding);
     assert!(checks[0].fix.as_deref().unwrap_or_default().contains("cali*"), "{:?}", checks[0].fix);
+}
+
+#[test]
+fn a_covered_veth_without_programs_is_ok_and_an_uncovered_or_half_attached_one_warns() {
+    use std::collections::BTreeSet;
+    let ifaces = vec![
+        bpf::Interface { name: "veth-client".into(), index: 5 },
+        bpf::Interface { name: "veth-web".into(), index: 6 },
+        bpf::Interface { name: "veth-dns".into(), index: 7 },
+    ];
+    let selector = InterfaceSelector::new(&["veth*".to_owned()]).unwrap();
+    let globs = ["veth*".to_owned()];
+    let pin_dir = Path::new("/sys/fs/bpf/kproxy");
+    let mut links: BTreeSet<String> =
+        ["veth-web@6-ingress", "veth-web@6-egress", "veth-dns@7-ingress", "veth-dns@7-egress"]
+            .map(String::from)
+            .into();
+    let client: BTreeSet<String> = ["veth-client".to_owned()].into();
+
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &client, pin_dir);
+    assert_eq!(checks.len(), 1, "{checks:?}");
+    assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Ok, "attach"));
+    assert!(
+        checks[0].finding.contains("attached on 2 interfaces: veth-web, veth-dns"),
+        "{}",
+        checks[0].finding
+    );
+    assert!(
+        checks[0].finding.contains("veth-client covered by the socket hooks: no per-packet program needed"),
+        "{}",
+        checks[0].finding
+    );
+
+    // The same veth uncovered: its missing programs are a WARN.
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &BTreeSet::new(), pin_dir);
+    assert_eq!(checks.len(), 1, "{checks:?}");
+    assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Warn, "attach veth-client"));
+    assert!(checks[0].finding.contains("no ingress"), "{}", checks[0].finding);
+
+    // Covered but half attached is not what the agent leaves: WARN.
+    links.insert("veth-client@5-ingress".into());
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &client, pin_dir);
+    assert_eq!((checks[0].status, checks[0].name.as_str()), (Status::Warn, "attach veth-client"));
+    assert!(checks[0].finding.contains("no egress"), "{}", checks[0].finding);
+
+    // Another interface WARNs while the covered one is still reported OK.
+    links.remove("veth-client@5-ingress");
+    links.remove("veth-dns@7-egress");
+    let checks = attach_checks(&ifaces, &selector, &globs, &links, &client, pin_dir);
+    let found: Vec<(Status, &str)> = checks.iter().map(|c| (c.status, c.name.as_str())).collect();
+    assert_eq!(found, [(Status::Warn, "attach veth-dns"), (Status::Ok, "attach")]);
+    assert!(checks[1].finding.starts_with("veth-client covered"), "{}", checks[1].finding);
+}
+
+#[test]
+fn only_hooks_in_mode_on_cover_pods_and_their_cgroup_comes_from_the_link_pins() {
+    use proxy_common::maps::{SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY};
+    // "/sys/fs/cgroup/kp" in hex.
+    let links: std::collections::BTreeSet<String> = [
+        "cgroup@2f7379732f66732f6367726f75702f6b70-kproxy_connect4",
+        "cgroup@2f7379732f66732f6367726f75702f6b70-kproxy_sendmsg4",
+        "veth0@5-ingress",
+    ]
+    .map(String::from)
+    .into();
+    let on = covering_cgroups(&links, Some(SOCKET_LB_ALL));
+    assert_eq!(on.into_iter().collect::<Vec<_>>(), [std::path::PathBuf::from("/sys/fs/cgroup/kp")]);
+    assert!(covering_cgroups(&links, Some(SOCKET_LB_HOST_ONLY)).is_empty());
+    assert!(covering_cgroups(&links, None).is_empty());
+    assert!(covering_cgroups(&["veth0@5-ingress".to_owned()].into(), Some(SOCKET_LB_ALL)).is_empty());
 }
 
 #[test]
