@@ -134,7 +134,7 @@ pub fn run(ctx: &Ctx) -> Result<ControlResult> {
     let last = svcs.last().context("no Services")?.clone();
     let dir = sandbox.dir().join("manifests");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(dir.join("services.json"), rules::manifests(&svcs))?;
+    super::e2e::write_manifests(&dir, &svcs)?;
     let agent = Agent { ctx, sandbox: &sandbox };
     let mut notes = Vec::new();
 

@@ -375,7 +375,7 @@ impl Bench<'_> {
         let svcs = rules::cluster(services, &[web_svc(port), dns_svc()]);
         let manifests = dir.join(format!("manifests-{services}"));
         std::fs::create_dir_all(&manifests)?;
-        std::fs::write(manifests.join("services.json"), rules::manifests(&svcs))?;
+        write_manifests(&manifests, &svcs)?;
         let _ = kproxy::bpf::unload(&PinDir::new(PIN_DIR));
         let _unload = Unload(PIN_DIR.into());
         let bin = self.ctx.kproxy.to_string_lossy().into_owned();
@@ -491,6 +491,17 @@ impl Bench<'_> {
         let _ = self.sandbox.node_exec([restore.as_os_str(), empty.as_os_str()]);
         result
     }
+}
+
+/// Services per manifest file: the agent refuses a file over 4 MiB (10k Services in one are ~7 MB).
+const SERVICES_PER_FILE: usize = 2_000;
+
+/// `svcs` (with their EndpointSlices) as JSON `List`s in `dir`, [`SERVICES_PER_FILE`] a file.
+pub(super) fn write_manifests(dir: &Path, svcs: &[Svc]) -> Result<()> {
+    for (i, chunk) in svcs.chunks(SERVICES_PER_FILE).enumerate() {
+        std::fs::write(dir.join(format!("services-{i:03}.json")), rules::manifests(chunk))?;
+    }
+    Ok(())
 }
 
 /// Both measured Services are in the pinned services map with their backend.

@@ -536,7 +536,7 @@ fn control_section(doc: &mut Doc, dir: &Path, part: &Part<ControlResult>) {
          /sys/fs/bpf/kproxy-bench-cp`, starting on empty pins each run. \
          **Initial sync**: from spawning the agent until slot 0 of the last frontend (the highest key, which the \
          Syncer writes last) is in the pinned services map, read with `Maps::from_pins` and a key lookup every \
-         0.2 ms. (a) `--manifests DIR` (one JSON `List`); (b) `--master` the in-process API server \
+         0.2 ms. (a) `--manifests DIR` (JSON `List`s of 2,000 Services each: the agent reads no file over 4 MiB); (b) `--master` the in-process API server \
          (`sandbox::apiserver`, real list/watch over HTTP on 127.0.0.1 in the node namespace). **One endpoint \
          change**: `api.apply` of one EndpointSlice (3 ↔ 2 endpoints), timed until that frontend's slot-0 count \
          changes, 100 ms apart (more than the `--min-sync-period` of 50 ms given; the default is kube-proxy's \
