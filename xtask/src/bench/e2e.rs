@@ -49,7 +49,7 @@ pub enum Path3 {
     /// the tc programs still on every pod veth (`--pod-veth-tc on`).
     SocketLb,
     /// (d') socket LB with no per-packet program: every pod's processes in the hooks' cgroup and
-    /// `--pod-veth-tc auto` (the default), so the agent leaves the pod veths without tc.
+    /// `--pod-veth-tc auto` (asked for: the default is `on`), so the agent leaves the pod veths without tc.
     SocketLbNoTc,
 }
 
@@ -383,6 +383,10 @@ impl Bench<'_> {
         if mode == Mode::SocketLbTc && self.pod_veth_tc {
             extra.extend(["--pod-veth-tc", "on"]);
         }
+        if mode == Mode::SocketLbOnly {
+            // `on` is the agent's default: no tc on covered pods' veths is asked for.
+            extra.extend(["--pod-veth-tc", "auto"]);
+        }
         let agent = self.sandbox.node_spawn(
             [
                 bin.as_str(),
@@ -465,11 +469,22 @@ impl Bench<'_> {
                 return Ok(vec![self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP)]);
             }
             let row = self.measure(path, services, &format!("http://{WEB_VIP}/"), DNS_VIP);
-            // (a'') right after the ClusterIP load: its first connections to the backend pod's
-            // own address reuse the source ports of the ClusterIP connections just closed, whose
-            // conntrack entries are still there (closing, 10 s). Their replies must not be
-            // un-NATed; when they were, this ran at 6–8 connections per second.
-            let pod = self.measure(Path3::KproxyPodIp, services, &format!("http://{WEB_IP}:{port}/"), DNS_IP);
+            // Port reuse: new connections to the backend pod's own address right after the
+            // ClusterIP load reuse the source ports of the connections just closed, whose conntrack
+            // entries are still there (closing, 10 s). Their replies must not be un-NATed; when
+            // they were, this ran at 6–8 connections per second. (The same nginx: its TIME_WAIT
+            // sockets of those connections slow it too, so it is a note, not (a'').)
+            let reused = self.wrk(&format!("http://{WEB_IP}:{port}/"), true);
+            self.notes.push(format!(
+                "Port reuse, N={services}: new connections to the backend pod's own address (the same nginx) right \
+                 after the ClusterIP load: {} conn/s.",
+                reused.as_ref().map_or_else(|e| format!("failed ({e:#})"), |v| format!("{v:.0}"))
+            ));
+            // (a'') on an nginx of its own, as every path: the ClusterIP connections left TIME_WAIT
+            // sockets in the other one.
+            let pod_port = self.new_backend()?;
+            let pod =
+                self.measure(Path3::KproxyPodIp, services, &format!("http://{WEB_IP}:{pod_port}/"), DNS_IP);
             Ok(vec![row, pod])
         })();
         let _ = agent.terminate(Duration::from_secs(5));

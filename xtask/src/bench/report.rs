@@ -338,15 +338,14 @@ fn e2e_section(doc: &mut Doc, dir: &Path, part: &Part<E2eResult>) {
          **(a)** the pod IP, nothing in between; **(a')** the pod IP with a two-instruction `TC_ACT_OK` program \
          attached with TCX to ingress and egress of every pod veth (the floor of any tc datapath: what the mere \
          presence of a per-packet program costs); **(a'')** the pod IP with kproxy attached as in (b), measured \
-         right after (b) with the same agent (its first connections reuse the source ports of (b)'s, whose \
-         closing conntrack entries are still there); **(b)** the ClusterIP through `kproxy agent --manifests` (release \
+         right after (b) with the same agent, on an nginx of its own; **(b)** the ClusterIP through `kproxy agent --manifests` (release \
          binary, attached to the pods' veths) programmed with N Services; **(c)** the ClusterIP through kube-proxy's \
          iptables-mode nat rules for N Services (`KUBE-SERVICES` → `KUBE-SVC-*` with `-m statistic --mode random \
          --probability` → `KUBE-SEP-*` DNAT), loaded with `iptables-restore` inside the node namespace, kproxy not \
          attached; **(d)** the ClusterIP through kproxy with `--socket-lb on --pod-veth-tc on`, the load generators \
          running in a cgroup the socket hooks are attached to (connections go to the backend from `connect()` on; \
          no per-packet NAT, but kproxy's tc programs still run on every pod veth); **(d')** the same with \
-         `--pod-veth-tc auto` (the default) and every process of the three pods in that cgroup, so the agent \
+         `--pod-veth-tc auto` (asked for: the default is `on`) and every process of the three pods in that cgroup, so the agent \
          leaves the pod veths without any program: east–west Service traffic crosses no per-packet program. \
          The measured Services sit in the middle of the N (the DNS Service and the web Service are 2 of \
          the N; N = 1 means just those). Each measured Service has one backend, so (a), (b) and (c) load the same \
