@@ -383,6 +383,10 @@ impl Bench<'_> {
         if mode == Mode::SocketLbTc && self.pod_veth_tc {
             extra.extend(["--pod-veth-tc", "on"]);
         }
+        // Explicit: the default became `on` (b9f57ae).
+        if mode == Mode::SocketLbOnly {
+            extra.extend(["--pod-veth-tc", "auto"]);
+        }
         if mode == Mode::SocketLbOnly {
             // `on` is the agent's default: no tc on covered pods' veths is asked for.
             extra.extend(["--pod-veth-tc", "auto"]);
