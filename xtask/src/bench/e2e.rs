@@ -387,10 +387,6 @@ impl Bench<'_> {
         if mode == Mode::SocketLbOnly {
             extra.extend(["--pod-veth-tc", "auto"]);
         }
-        if mode == Mode::SocketLbOnly {
-            // `on` is the agent's default: no tc on covered pods' veths is asked for.
-            extra.extend(["--pod-veth-tc", "auto"]);
-        }
         let agent = self.sandbox.node_spawn(
             [
                 bin.as_str(),
