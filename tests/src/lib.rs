@@ -20,6 +20,7 @@
 pub mod apiserver;
 pub mod cgroup;
 mod cmd;
+pub mod constant_program;
 pub mod differential;
 pub mod kube_proxy_rules;
 pub mod multinode;
