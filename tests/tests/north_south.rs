@@ -280,6 +280,21 @@ ports: [{{name: tcp, port: {port}, protocol: TCP}}]
             .unwrap_or_else(|| panic!("no counter {reason} in {rows}"))
     }
 
+    /// A 2 KB DNS query from the external client to `node`'s UDP NodePort, answered from the DNS
+    /// pod on node 1 with the NodePort as its source: (query, answer) lengths in bytes.
+    fn big_dns_query_via(&self, node: usize) -> (usize, usize) {
+        let node_ip = self.multi.node_ip(node);
+        let script = sandbox::big_dns_query_script(node_ip, 30053);
+        let out = self
+            .multi
+            .external_exec(["python3", "-c", &script])
+            .unwrap_or_else(|e| panic!("via node {node}: {e:#}\n{}", self.agent_logs()));
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.len(), 4, "{out}");
+        assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
+        (fields[0].parse().unwrap(), fields[1].parse().unwrap())
+    }
+
     fn agent_logs(&self) -> String {
         self.agents.iter().enumerate().map(|(i, a)| format!("--- node {i}\n{}", a.log())).collect()
     }
@@ -441,18 +456,8 @@ fn a_fixed_port_udp_client_follows_a_replaced_nodeport_backend_and_a_deleted_nod
 fn fragmented_udp_through_a_node_port_reaches_the_dns_pod_and_comes_back() {
     let cluster = NorthSouth::start("np-frag");
     for node in 0..2 {
-        let node_ip = cluster.multi.node_ip(node);
-        let script = sandbox::big_dns_query_script(node_ip, 30053);
-        let out = cluster
-            .multi
-            .external_exec(["python3", "-c", &script])
-            .unwrap_or_else(|e| panic!("via node {node}: {e:#}\n{}", cluster.agent_logs()));
-        let fields: Vec<&str> = out.split_whitespace().collect();
-        assert_eq!(fields.len(), 4, "{out}");
-        let (query_len, answer_len): (usize, usize) =
-            (fields[0].parse().unwrap(), fields[1].parse().unwrap());
-        assert!(query_len > 1500 && answer_len > 1500, "{out}");
-        assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
+        let (query_len, answer_len) = cluster.big_dns_query_via(node);
+        assert!(query_len > 1500 && answer_len > 1500, "via node {node}: {query_len} and {answer_len} bytes");
         assert!(cluster.stat(node, "fragment_followed") >= 2, "node {node}");
     }
 }
@@ -811,15 +816,7 @@ fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
     }
     assert_eq!(seen, [WEB_A, WEB_B].into(), "the ExternalIP reaches both backends");
     for node in 0..2 {
-        let node_ip = cluster.multi.node_ip(node);
-        let script = sandbox::big_dns_query_script(node_ip, 30053);
-        let out = cluster
-            .multi
-            .external_exec(["python3", "-c", &script])
-            .unwrap_or_else(|e| panic!("via node {node}: {e:#}\n{}", cluster.agent_logs()));
-        let fields: Vec<&str> = out.split_whitespace().collect();
-        assert_eq!(fields.len(), 4, "{out}");
-        assert_eq!((fields[2], fields[3]), (node_ip.to_string().as_str(), "dns-b"), "via node {node}");
+        cluster.big_dns_query_via(node);
     }
     // A covered pod (web-a, node 0) reaching a NodePort of the other node, the ExternalIP and the
     // cluster IP: its connect() is translated by the hooks, with no tc on its veth to do it.

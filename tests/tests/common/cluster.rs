@@ -94,15 +94,21 @@ impl Cluster {
         Self::start_with(tag, Mode::Files)
     }
 
-    pub fn start_with(tag: &str, mode: Mode) -> Self {
-        let mut cluster = Self::prepared(tag, mode);
-        cluster.start_agent();
-        cluster.wait_for_frontends(&[
+    /// Starts the agent and waits until the example's frontends are programmed and the pods'
+    /// veths attached as the datapath wants them.
+    fn start_and_wait(&mut self) {
+        self.start_agent();
+        self.wait_for_frontends(&[
             ("10.96.0.100:80", "TCP", 3),
             ("10.96.0.10:53", "UDP", 2),
             ("10.96.0.10:53", "TCP", 2),
         ]);
-        cluster.wait_for_attachment();
+        self.wait_for_attachment();
+    }
+
+    pub fn start_with(tag: &str, mode: Mode) -> Self {
+        let mut cluster = Self::prepared(tag, mode);
+        cluster.start_and_wait();
         cluster
     }
 
@@ -181,13 +187,7 @@ impl Cluster {
         if datapath != Datapath::Tc {
             cluster.start_client_server();
         }
-        cluster.start_agent();
-        cluster.wait_for_frontends(&[
-            ("10.96.0.100:80", "TCP", 3),
-            ("10.96.0.10:53", "UDP", 2),
-            ("10.96.0.10:53", "TCP", 2),
-        ]);
-        cluster.wait_for_attachment();
+        cluster.start_and_wait();
         cluster
     }
 
