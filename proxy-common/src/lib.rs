@@ -9,6 +9,7 @@ pub mod icmp;
 pub mod inherited;
 pub mod maglev;
 pub mod maps;
+pub mod maps_v6;
 pub mod packet;
 pub mod reject;
 pub mod service_cidr;

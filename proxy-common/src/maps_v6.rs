@@ -1,0 +1,163 @@
+//! The IPv6 maps, parallel to the IPv4 ones in [`crate::maps`] (as Cilium keeps `lb6_*` beside `lb4_*`):
+//! the same slot scheme, conntrack states, flags and timeouts, with 16-byte addresses.
+//!
+//! Ids are shared between the families: the syncer hands out one rev-NAT id space and one backend id
+//! space, so a `rev_nat_id` or `backend_id` names one frontend or backend whatever its family, and
+//! maps keyed by id alone (`FRONTEND_NAMES_V4`, the stats) serve both. The values that name no address
+//! are the IPv4 types themselves ([`ServiceValueV4`], [`VipV4`]).
+use crate::maps::{CT_DIR_REPLY, ServiceValueV4, VipV4};
+
+pub const MAP_SERVICES_V6: &str = "SERVICES_V6";
+pub const MAP_BACKENDS_V6: &str = "BACKENDS_V6";
+pub const MAP_REV_NAT_V6: &str = "REV_NAT_V6";
+pub const MAP_CONNTRACK_V6: &str = "CONNTRACK_V6";
+pub const MAP_VIPS_V6: &str = "VIPS_V6";
+
+pub const SERVICES_V6_CAPACITY: u32 = 65_536;
+pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
+pub const REV_NAT_V6_CAPACITY: u32 = 65_536;
+pub const CONNTRACK_V6_CAPACITY: u32 = 262_144;
+pub const VIPS_V6_CAPACITY: u32 = 65_536;
+
+/// `(vip, port, proto, scope, slot)`, as [`crate::maps::ServiceKeyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ServiceKeyV6 {
+    pub vip: [u8; 16],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub scope: u8,
+    pub slot: u16,
+    pub _pad: [u8; 2],
+}
+
+impl ServiceKeyV6 {
+    pub const fn new(vip: [u8; 16], port: [u8; 2], proto: u8, scope: u8, slot: u16) -> Self {
+        Self { vip, port, proto, scope, slot, _pad: [0; 2] }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+}
+
+/// A SERVICES_V6 value: the IPv4 one, which names no address.
+pub type ServiceValueV6 = ServiceValueV4;
+/// A VIPS_V6 value: how many frontends the VIP has.
+pub type VipV6 = VipV4;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct BackendV6 {
+    pub addr: [u8; 16],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `rev_nat_id` → the IPv6 frontend a translated flow belongs to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevNatV6 {
+    pub vip: [u8; 16],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtKeyV6 {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub direction: u8,
+    pub _pad: [u8; 2],
+}
+
+impl CtKeyV6 {
+    /// The key under which the reply to a flow DNATed to `backend` is found.
+    pub const fn reply_of(&self, backend_addr: [u8; 16], backend_port: [u8; 2]) -> Self {
+        Self {
+            saddr: backend_addr,
+            daddr: self.saddr,
+            sport: backend_port,
+            dport: self.sport,
+            proto: self.proto,
+            direction: CT_DIR_REPLY,
+            _pad: [0; 2],
+        }
+    }
+}
+
+/// One direction of a translated IPv6 flow, as [`crate::maps::CtEntryV4`]: the forward entry holds the
+/// backend, the reply entry the VIP.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CtEntryV6 {
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+    pub packets: u64,
+    pub bytes: u64,
+    pub backend_id: u32,
+    /// Forward: backend address; reply: VIP.
+    pub nat_addr: [u8; 16],
+    /// Forward: backend port; reply: VIP port.
+    pub nat_port: [u8; 2],
+    pub rev_nat_id: u16,
+    pub state: u8,
+    pub flags: u8,
+    /// Union of the TCP flags seen in this direction.
+    pub tcp_flags_seen: u8,
+    pub _pad: u8,
+    /// Up to the struct's 8-byte alignment, as a field: an implicit hole would be bytes the kernel and
+    /// userspace need not agree on.
+    pub _pad2: u32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: repr(C), integers and byte arrays with explicit padding fields: every bit pattern is valid.
+    unsafe impl aya::Pod for ServiceKeyV6 {}
+    unsafe impl aya::Pod for BackendV6 {}
+    unsafe impl aya::Pod for RevNatV6 {}
+    unsafe impl aya::Pod for CtKeyV6 {}
+    unsafe impl aya::Pod for CtEntryV6 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_have_no_implicit_holes() {
+        assert_eq!(size_of::<ServiceKeyV6>(), 16 + 2 + 1 + 1 + 2 + 2);
+        assert_eq!(size_of::<BackendV6>(), 16 + 2 + 1 + 1);
+        assert_eq!(size_of::<RevNatV6>(), 16 + 2 + 1 + 1);
+        assert_eq!(size_of::<CtKeyV6>(), 16 + 16 + 2 + 2 + 1 + 1 + 2);
+        assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 2 + 4 + 4);
+    }
+
+    #[test]
+    fn the_reply_key_swaps_the_translated_tuple() {
+        let client = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5];
+        let vip = [0xfd, 0, 0, 0x10, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0a];
+        let backend = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
+        let forward = CtKeyV6 {
+            saddr: client,
+            daddr: vip,
+            sport: [0x9c, 0x40],
+            dport: [0, 53],
+            proto: 17,
+            ..Default::default()
+        };
+        let reply = forward.reply_of(backend, [0x14, 0xe9]);
+        assert_eq!((reply.saddr, reply.daddr), (backend, client));
+        assert_eq!((reply.sport, reply.dport), ([0x14, 0xe9], [0x9c, 0x40]));
+        assert_eq!(reply.direction, CT_DIR_REPLY);
+    }
+}
