@@ -160,12 +160,10 @@ impl World {
         };
         maps.config.set(0, timeouts, 0).unwrap();
         let fragments = HashMap::try_from(ebpf.take_map("FRAGMENTS_V4").expect("FRAGMENTS_V4")).unwrap();
-        let syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .unwrap()
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .with_vips(maps.vips)
-            .unwrap()
-            .with_source_ranges(maps.source_ranges)
-            .unwrap();
+            .with_source_ranges(maps.source_ranges);
+        let syncer = Syncer::with_store(store).unwrap();
         Self {
             ebpf,
             syncer,

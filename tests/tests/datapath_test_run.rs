@@ -365,7 +365,7 @@ fn other_protocols_to_an_unallocated_address_are_dropped_when_they_would_open_a_
     assert_eq!(h.ingress(&gre), (PASS, gre.clone()));
 
     let cidrs: Vec<Cidr4> = vec!["10.96.0.0/16".parse().unwrap()];
-    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
+    kproxy::bpf::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
     assert_eq!(h.ingress(&echo).0, DROP, "an echo request");
     assert_eq!(h.ingress(&gre).0, DROP, "GRE");
     assert_eq!(h.run("kproxy_external_ingress", &echo).0, DROP, "an echo request from an external interface");
@@ -398,8 +398,8 @@ fn an_unallocated_address_of_a_service_cidr_is_dropped_and_the_rest_untouched() 
     assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 0);
 
     let cidrs: Vec<Cidr4> = vec!["10.96.0.0/16".parse().unwrap(), "192.0.2.0/28".parse().unwrap()];
-    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
-    assert_eq!(kproxy::sync::service_cidrs::read(&h.service_cidrs).unwrap(), cidrs);
+    kproxy::bpf::service_cidrs::write(&mut h.service_cidrs, &cidrs).unwrap();
+    assert_eq!(kproxy::bpf::service_cidrs::read(&h.service_cidrs).unwrap(), cidrs);
 
     assert_eq!(h.ingress(&unallocated).0, DROP, "TCP to an unallocated address");
     assert_eq!(h.ingress(&udp_unallocated).0, DROP, "UDP to an unallocated address");
@@ -449,7 +449,7 @@ fn an_unallocated_address_of_a_service_cidr_is_dropped_and_the_rest_untouched() 
     assert_eq!((ret, destination(&out)), (PASS, (WEB_BACKENDS[0], 8080)));
 
     // The CIDRs removed: nothing dropped again.
-    kproxy::sync::service_cidrs::write(&mut h.service_cidrs, &[]).unwrap();
+    kproxy::bpf::service_cidrs::write(&mut h.service_cidrs, &[]).unwrap();
     assert_eq!(h.ingress(&udp_unallocated), (PASS, udp_unallocated.clone()));
     assert_eq!(h.stat(Stat::DropUnallocatedServiceIp), 4);
 }

@@ -82,10 +82,9 @@ impl External {
         );
         web.kind = FrontendKind::NodePort;
         let stats = maps.stats;
-        let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .unwrap()
-            .with_vips(maps.vips)
-            .unwrap();
+        let store =
+            bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names).with_vips(maps.vips);
+        let mut syncer = Syncer::with_store(store).unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(vec![web]));
         assert!(report.errors.is_empty(), "{:?}", report.errors);
         Self { ebpf, _syncer: syncer, stats, ingress }

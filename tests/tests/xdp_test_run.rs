@@ -69,12 +69,10 @@ impl Xdp0 {
         let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
         let (conntrack, stats, snat) = (maps.conntrack, maps.stats, maps.snat);
-        let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .unwrap()
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .with_vips(maps.vips)
-            .unwrap()
-            .with_source_ranges(maps.source_ranges)
-            .unwrap();
+            .with_source_ranges(maps.source_ranges);
+        let mut syncer = Syncer::with_store(store).unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(frontends));
         assert!(report.errors.is_empty(), "{:?}", report.errors);
         Self { ebpf, _syncer: syncer, conntrack, stats, snat, ingress }

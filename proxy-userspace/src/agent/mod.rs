@@ -296,16 +296,13 @@ fn prepare_datapath(config: &AgentConfig) -> Result<SocketLbOptions> {
         tracing::info!(pins = %config.pins.root().display(), "reloaded the programs; reusing the pinned maps and links");
     }
     let mut maps = Maps::from_pins(&config.pins)?;
-    {
-        use aya::maps::IterableMap as _;
-        let pinned = maps.conntrack.map().info().map(|i| i.max_entries()).unwrap_or(0);
-        if pinned != config.conntrack.max {
-            tracing::warn!(
-                pinned,
-                wanted = config.conntrack.max,
-                "the pinned conntrack map keeps its size; --conntrack-max applies after `kproxy unload`"
-            );
-        }
+    let pinned = bpf::conntrack::capacity(&maps);
+    if pinned != u64::from(config.conntrack.max) {
+        tracing::warn!(
+            pinned,
+            wanted = config.conntrack.max,
+            "the pinned conntrack map keeps its size; --conntrack-max applies after `kproxy unload`"
+        );
     }
     if write_config(&mut maps, &config.conntrack.config())? {
         tracing::info!(timeouts = ?config.conntrack.timeouts, "wrote the datapath configuration");

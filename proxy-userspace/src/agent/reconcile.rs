@@ -137,8 +137,8 @@ impl SyncLoop<'_> {
             }
         }
         let written = crate::bpf::open_service_cidrs(&self.pins).and_then(|mut map| {
-            if crate::sync::service_cidrs::read(&map)? != cidrs.ipv4 {
-                crate::sync::service_cidrs::write(&mut map, &cidrs.ipv4)?;
+            if crate::bpf::service_cidrs::read(&map)? != cidrs.ipv4 {
+                crate::bpf::service_cidrs::write(&mut map, &cidrs.ipv4)?;
             }
             Ok(())
         });

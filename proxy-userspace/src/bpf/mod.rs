@@ -13,6 +13,8 @@ mod lock;
 mod log;
 mod maps;
 mod pins;
+pub mod service_cidrs;
+mod service_store;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -35,4 +37,5 @@ pub use maps::{
     open_sock_revnat, remove_present,
 };
 pub use pins::{DEFAULT_PIN_DIR, Hook, PinDir, SOCKET_PROGRAMS};
+pub use service_store::{BpfStore, Store, read_entries, read_source_ranges, source_range_key};
 pub use stats::read_stats;

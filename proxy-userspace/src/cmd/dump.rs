@@ -370,7 +370,7 @@ pub struct ServiceCidrRow {
 
 /// SERVICE_CIDRS_V4: the service CIDRs in effect.
 pub fn service_cidrs(maps: &Maps) -> Result<Vec<ServiceCidrRow>> {
-    let cidrs = crate::sync::service_cidrs::read(&maps.service_cidrs)?;
+    let cidrs = crate::bpf::service_cidrs::read(&maps.service_cidrs)?;
     Ok(cidrs.into_iter().map(|cidr| ServiceCidrRow { cidr: cidr.to_string() }).collect())
 }
 

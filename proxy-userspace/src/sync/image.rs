@@ -1,6 +1,6 @@
-//! What the service maps should hold for a frontend: its key, slot layout and flags, its source-range keys
-//! and its Maglev table. The one description of the maps' contents: the [`Syncer`](super::Syncer) writes it and
-//! `kproxy dump diff` compares the maps with it.
+//! What the service maps should hold for a frontend: its key, slot layout and flags, and its Maglev table
+//! (its source-range keys are `bpf::source_range_key`). The one description of the maps' contents: the
+//! [`Syncer`](super::Syncer) writes it and `kproxy dump diff` compares the maps with it.
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
@@ -8,7 +8,7 @@ use anyhow::Result;
 use proxy_common::maps::*;
 
 use crate::model::{BackendAddr, Frontend, FrontendKind, Scope, ServiceName};
-use crate::net::{Cidr4, Protocol};
+use crate::net::Protocol;
 
 /// A frontend as the maps key it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -32,14 +32,6 @@ impl FrontendKey {
     pub(super) fn slot(&self, slot: u16) -> ServiceKeyV4 {
         ServiceKeyV4::new(self.vip.octets(), self.port.to_be_bytes(), self.proto.number(), self.scope, slot)
     }
-}
-
-/// The SOURCE_RANGES_V4 key of one of a frontend's loadBalancerSourceRanges.
-pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> aya::maps::lpm_trie::Key<SourceRangeV4> {
-    aya::maps::lpm_trie::Key::new(
-        SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
-        SourceRangeV4::new(rev_nat_id, range.addr.octets()),
-    )
 }
 
 /// `--lb-algorithm=maglev`.

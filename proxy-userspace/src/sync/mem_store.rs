@@ -9,7 +9,7 @@ use std::{
 use anyhow::Result;
 use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
 
-use crate::{net::Cidr4, sync::Store};
+use crate::{bpf::Store, net::Cidr4};
 
 /// ServiceKeyV4 has no Ord: (vip, port, proto, scope, slot).
 pub type ServiceKeyOrd = ([u8; 4], u16, u8, u8, u16);

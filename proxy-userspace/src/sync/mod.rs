@@ -17,9 +17,9 @@
 use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
 
 use anyhow::Result;
-use aya::maps::{HashMap, MapData};
 use proxy_common::maps::*;
 
+use crate::bpf::{BpfStore, Store};
 use crate::model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName};
 use crate::net::{Cidr4, Protocol};
 
@@ -27,17 +27,14 @@ pub mod image;
 #[cfg(test)]
 pub(crate) mod mem_store;
 mod mirror;
-pub mod service_cidrs;
-mod store;
 #[cfg(test)]
 mod tests;
 mod write;
 
 pub use image::{
     FrontendKey, MaglevSettings, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
-    desired_backend_flags, frontend_flags, service_port, slot_layout, source_range_key,
+    desired_backend_flags, frontend_flags, service_port, slot_layout,
 };
-pub use store::{BpfStore, Store};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Programmed {
@@ -150,51 +147,8 @@ impl SyncReport {
 }
 
 impl Syncer<BpfStore> {
-    /// Adopts what the maps already hold (a previous agent's work), so a
-    /// restart rewrites nothing that is still wanted. VIPS_V4 is not
-    /// maintained unless added with [`Syncer::with_vips`] ([`Syncer::from_maps`]
-    /// does).
-    pub fn new(
-        services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
-        backends: HashMap<MapData, u32, BackendV4>,
-        rev_nat: HashMap<MapData, u16, RevNatV4>,
-        names: HashMap<MapData, u16, FrontendNameV4>,
-    ) -> Result<Self> {
-        Self::with_store(BpfStore {
-            services,
-            backends,
-            rev_nat,
-            names,
-            vips: None,
-            source_ranges: None,
-            maglev: None,
-        })
-    }
-
-    /// Also keeps VIPS_V4 (VIP → number of frontends) in step.
-    pub fn with_vips(mut self, vips: HashMap<MapData, [u8; 4], VipV4>) -> Result<Self> {
-        self.store.vips = Some(vips);
-        self.reload()?;
-        Ok(self)
-    }
-
-    /// Also keeps SOURCE_RANGES_V4 (loadBalancerSourceRanges) in step.
-    pub fn with_source_ranges(
-        mut self,
-        trie: aya::maps::LpmTrie<MapData, SourceRangeV4, u8>,
-    ) -> Result<Self> {
-        self.store.source_ranges = Some(trie);
-        self.reload()?;
-        Ok(self)
-    }
-
-    /// Uses Maglev tables for external frontends (`--lb-algorithm=maglev`).
-    pub fn with_maglev(mut self, array: aya::maps::Array<MapData, u32>, settings: MaglevSettings) -> Self {
-        self.store.maglev = Some(array);
-        self.maglev = Some(settings);
-        self
-    }
-
+    /// Adopts what the maps already hold (a previous agent's work), so a restart rewrites nothing that is
+    /// still wanted. Keeps VIPS_V4 and SOURCE_RANGES_V4 in step with the service maps.
     pub fn from_maps(maps: crate::bpf::Maps) -> Result<Self> {
         Self::from_maps_with(maps, None)
     }
@@ -202,13 +156,9 @@ impl Syncer<BpfStore> {
     /// [`Syncer::from_maps`], with Maglev tables for external frontends when `maglev` is set
     /// (as many as `settings.tables`, and as the pinned MAGLEV_V4 holds).
     pub fn from_maps_with(maps: crate::bpf::Maps, maglev: Option<MaglevSettings>) -> Result<Self> {
-        let syncer = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)?
-            .with_vips(maps.vips)?
-            .with_source_ranges(maps.source_ranges)?;
-        let Some(settings) = maglev else { return Ok(syncer) };
-        use aya::maps::IterableMap as _;
-        let capacity = maps.maglev.map().info().map(|i| i.max_entries()).unwrap_or(0);
-        let tables = capacity / proxy_common::maglev::MAGLEV_TABLE_SIZE;
+        let store = BpfStore::from_maps(maps, maglev.is_some());
+        let Some(settings) = maglev else { return Self::with_store(store) };
+        let tables = store.maglev_tables();
         if tables < settings.tables {
             tracing::warn!(
                 pinned = tables,
@@ -216,19 +166,21 @@ impl Syncer<BpfStore> {
                 "the pinned Maglev map keeps its size; --maglev-tables applies after `kproxy unload`"
             );
         }
-        Ok(syncer
-            .with_maglev(maps.maglev, MaglevSettings { tables: tables.min(settings.tables), ..settings }))
+        Ok(Self::with_store(store)?
+            .with_maglev(MaglevSettings { tables: tables.min(settings.tables), ..settings }))
     }
 }
 
 impl<S: Store> Syncer<S> {
-    /// Maglev tables in a store that keeps them itself (tests' in-memory store).
-    #[cfg(test)]
-    pub fn with_maglev_settings(mut self, settings: MaglevSettings) -> Self {
+    /// Uses Maglev tables for external frontends (`--lb-algorithm=maglev`); the store must keep them
+    /// ([`BpfStore::with_maglev`]).
+    pub fn with_maglev(mut self, settings: MaglevSettings) -> Self {
         self.maglev = Some(settings);
         self
     }
 
+    /// Adopts what `store` already holds (a previous agent's work), so a restart rewrites nothing that is
+    /// still wanted.
     pub fn with_store(store: S) -> Result<Self> {
         let mut syncer = Self {
             store,

@@ -15,7 +15,7 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use kproxy::{
-    bpf::{self, Capacities, Maps},
+    bpf::{self, BpfStore, Capacities, Maps},
     model::{BackendAddr, Desired, Frontend, ServiceName},
     net::Protocol,
     sync::Syncer,
@@ -196,7 +196,8 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
         HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V4)?))?;
     let maps = Maps::from_ebpf(&mut ebpf)?;
     let mut conntrack = maps.conntrack;
-    let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)?;
+    let mut syncer =
+        Syncer::with_store(BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names))?;
     let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
     let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
     let mut runner = Runner { ingress, egress, out: Vec::new() };
@@ -386,7 +387,8 @@ fn flavour(
     .context("loading the datapath with another conntrack map")?;
     let maps = Maps::from_ebpf(&mut ebpf)?;
     let mut conntrack = maps.conntrack;
-    let mut syncer = Syncer::new(maps.services, maps.backends, maps.rev_nat, maps.names)?;
+    let mut syncer =
+        Syncer::with_store(BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names))?;
     let report = syncer.apply(&Desired::new(vec![frontend(&measured_service())]));
     if !report.errors.is_empty() {
         bail!("programming the Service failed");

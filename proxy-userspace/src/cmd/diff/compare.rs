@@ -475,8 +475,9 @@ mod tests {
     use super::super::table;
     use super::*;
     use crate::{
+        bpf::Store,
         model::{self, ServiceName},
-        sync::{Store, Syncer},
+        sync::Syncer,
     };
 
     /// The maps in memory, so a real [`Syncer`] programs them.
@@ -578,7 +579,7 @@ mod tests {
 
     fn programmed_north_south(desired: &Desired) -> Mem {
         let settings = crate::sync::MaglevSettings { seed: MAGLEV_SEED, tables: 8 };
-        let mut syncer = Syncer::with_store(Mem::default()).unwrap().with_maglev_settings(settings);
+        let mut syncer = Syncer::with_store(Mem::default()).unwrap().with_maglev(settings);
         let report = syncer.apply(desired);
         assert!(report.errors.is_empty(), "{report:?}");
         syncer.store().clone()

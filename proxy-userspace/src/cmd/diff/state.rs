@@ -5,13 +5,15 @@ use std::{
     net::Ipv4Addr,
 };
 
-use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, MapData, MapError};
+use anyhow::Result;
 use proxy_common::maps::{
     BackendV4, FrontendNameV4, RevNatV4, SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4,
 };
 
-use crate::{bpf::Maps, net::Cidr4};
+use crate::{
+    bpf::{Maps, read_entries, read_source_ranges},
+    net::Cidr4,
+};
 
 /// The service maps' contents, as plain values.
 #[derive(Clone, Debug, Default)]
@@ -35,34 +37,29 @@ pub struct MapState {
 impl MapState {
     pub fn read(maps: &Maps) -> Result<Self> {
         Ok(Self {
-            services: read_all(&maps.services, "services")?,
-            backends: read_all(&maps.backends, "backends")?.into_iter().collect(),
-            rev_nat: read_all(&maps.rev_nat, "rev_nat")?.into_iter().collect(),
-            names: read_all(&maps.names, "names")?
+            services: read_entries(&maps.services, "services")?,
+            backends: read_entries(&maps.backends, "backends")?.into_iter().collect(),
+            rev_nat: read_entries(&maps.rev_nat, "rev_nat")?.into_iter().collect(),
+            names: read_entries(&maps.names, "names")?
                 .into_iter()
                 .map(|(id, n): (u16, FrontendNameV4)| (id, n.as_str().to_owned()))
                 .collect(),
-            vips: read_all(&maps.vips, "VIPs")?
+            vips: read_entries(&maps.vips, "VIPs")?
                 .into_iter()
                 .map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends))
                 .collect(),
             source_ranges: BTreeMap::new(),
             maglev: BTreeMap::new(),
             maglev_seed: maps.nodeport_config.get(&0, 0).map(|c| c.maglev_seed).unwrap_or(0),
-            service_cidrs: crate::sync::service_cidrs::read(&maps.service_cidrs)?,
+            service_cidrs: crate::bpf::service_cidrs::read(&maps.service_cidrs)?,
         }
         .with_source_ranges(maps)?
         .with_maglev_tables(maps))
     }
 
     fn with_source_ranges(mut self, maps: &Maps) -> Result<Self> {
-        for key in maps.source_ranges.keys() {
-            let key = key.context("reading the source ranges map")?;
-            let data = key.data();
-            let prefix_len = key.prefix_len().saturating_sub(proxy_common::maps::SOURCE_RANGE_ID_BITS) as u8;
-            if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
-                self.source_ranges.entry(u16::from_be_bytes(data.rev_nat_id)).or_default().insert(range);
-            }
+        for (rev_nat_id, range) in read_source_ranges(&maps.source_ranges)? {
+            self.source_ranges.entry(rev_nat_id).or_default().insert(range);
         }
         Ok(self)
     }
@@ -85,17 +82,4 @@ impl MapState {
         }
         self
     }
-}
-
-/// Every entry; entries deleted while iterating are skipped.
-fn read_all<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, name: &str) -> Result<Vec<(K, V)>> {
-    let mut out = Vec::new();
-    for entry in map.iter() {
-        match entry {
-            Ok(pair) => out.push(pair),
-            Err(MapError::KeyNotFound) => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading the {name} map")),
-        }
-    }
-    Ok(out)
 }

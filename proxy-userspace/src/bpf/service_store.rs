@@ -1,12 +1,14 @@
-//! Where the syncer writes: the [`Store`] trait, and [`BpfStore`] over the pinned maps.
+//! Where the syncer writes: the [`Store`] trait, and [`BpfStore`] over the service maps. The trait lives
+//! here, at the kernel boundary, so that `sync` programs the maps without naming aya's map types; its
+//! unit tests use an in-memory store (`sync::mem_store`) instead.
 
 use std::net::Ipv4Addr;
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, MapData, MapError};
+use aya::maps::{Array, HashMap, IterableMap as _, LpmTrie, MapData, MapError, lpm_trie};
 use proxy_common::maps::*;
 
-use super::image::source_range_key;
+use super::Maps;
 use crate::net::Cidr4;
 
 /// The map operations the syncer needs: [`BpfStore`] on the real maps, and a
@@ -45,19 +47,60 @@ pub trait Store {
     }
 }
 
-/// The pinned (or freshly loaded) BPF maps.
+/// The pinned (or freshly loaded) service maps. VIPS_V4, SOURCE_RANGES_V4 and MAGLEV_V4 are kept only when
+/// added ([`BpfStore::with_vips`] …; [`BpfStore::from_maps`] adds the first two).
 pub struct BpfStore {
-    pub services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
-    pub backends: HashMap<MapData, u32, BackendV4>,
-    pub rev_nat: HashMap<MapData, u16, RevNatV4>,
-    pub names: HashMap<MapData, u16, FrontendNameV4>,
-    /// `None`: VIPS_V4 is not maintained (callers of [`Syncer::new`] that did
-    /// not add it with [`Syncer::with_vips`]).
-    pub vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
-    /// `None`: SOURCE_RANGES_V4 is not maintained.
-    pub source_ranges: Option<aya::maps::LpmTrie<MapData, SourceRangeV4, u8>>,
-    /// `None`: MAGLEV_V4 is not maintained.
-    pub maglev: Option<aya::maps::Array<MapData, u32>>,
+    services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
+    backends: HashMap<MapData, u32, BackendV4>,
+    rev_nat: HashMap<MapData, u16, RevNatV4>,
+    names: HashMap<MapData, u16, FrontendNameV4>,
+    vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
+    source_ranges: Option<LpmTrie<MapData, SourceRangeV4, u8>>,
+    maglev: Option<Array<MapData, u32>>,
+}
+
+impl BpfStore {
+    /// SERVICES_V4, BACKENDS_V4, REV_NAT_V4 and FRONTEND_NAMES_V4 alone.
+    pub fn new(
+        services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
+        backends: HashMap<MapData, u32, BackendV4>,
+        rev_nat: HashMap<MapData, u16, RevNatV4>,
+        names: HashMap<MapData, u16, FrontendNameV4>,
+    ) -> Self {
+        Self { services, backends, rev_nat, names, vips: None, source_ranges: None, maglev: None }
+    }
+
+    /// The service maps of `maps` with VIPS_V4 and SOURCE_RANGES_V4, and MAGLEV_V4 when `maglev`.
+    pub fn from_maps(maps: Maps, maglev: bool) -> Self {
+        let store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)
+            .with_vips(maps.vips)
+            .with_source_ranges(maps.source_ranges);
+        if maglev { store.with_maglev(maps.maglev) } else { store }
+    }
+
+    /// Also keeps VIPS_V4 (VIP → number of frontends).
+    pub fn with_vips(mut self, vips: HashMap<MapData, [u8; 4], VipV4>) -> Self {
+        self.vips = Some(vips);
+        self
+    }
+
+    /// Also keeps SOURCE_RANGES_V4 (loadBalancerSourceRanges).
+    pub fn with_source_ranges(mut self, trie: LpmTrie<MapData, SourceRangeV4, u8>) -> Self {
+        self.source_ranges = Some(trie);
+        self
+    }
+
+    /// Also writes MAGLEV_V4 (`--lb-algorithm=maglev`).
+    pub fn with_maglev(mut self, array: Array<MapData, u32>) -> Self {
+        self.maglev = Some(array);
+        self
+    }
+
+    /// The Maglev tables MAGLEV_V4 has room for (0 without it): a pinned map keeps its size.
+    pub fn maglev_tables(&self) -> u32 {
+        let capacity = self.maglev.as_ref().and_then(|m| m.map().info().ok()).map_or(0, |i| i.max_entries());
+        capacity / proxy_common::maglev::MAGLEV_TABLE_SIZE
+    }
 }
 
 impl Store for BpfStore {
@@ -113,17 +156,10 @@ impl Store for BpfStore {
         }
     }
     fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
-        let Some(trie) = &self.source_ranges else { return Ok(Vec::new()) };
-        let mut out = Vec::new();
-        for key in trie.keys() {
-            let key = key.context("reading the source ranges map")?;
-            let data = key.data();
-            let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
-            if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
-                out.push((u16::from_be_bytes(data.rev_nat_id), range));
-            }
+        match &self.source_ranges {
+            Some(trie) => read_source_ranges(trie),
+            None => Ok(Vec::new()),
         }
-        Ok(out)
     }
     fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
         match &mut self.source_ranges {
@@ -143,6 +179,44 @@ impl Store for BpfStore {
             None => Ok(()),
         }
     }
+}
+
+/// The SOURCE_RANGES_V4 key of one of a frontend's loadBalancerSourceRanges.
+pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> lpm_trie::Key<SourceRangeV4> {
+    lpm_trie::Key::new(
+        SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
+        SourceRangeV4::new(rev_nat_id, range.addr.octets()),
+    )
+}
+
+/// Every `(rev-NAT id, source range)` SOURCE_RANGES_V4 holds.
+pub fn read_source_ranges(trie: &LpmTrie<MapData, SourceRangeV4, u8>) -> Result<Vec<(u16, Cidr4)>> {
+    let mut out = Vec::new();
+    for key in trie.keys() {
+        let key = key.context("reading the source ranges map")?;
+        let data = key.data();
+        let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+        if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
+            out.push((u16::from_be_bytes(data.rev_nat_id), range));
+        }
+    }
+    Ok(out)
+}
+
+/// Every entry of `map`; entries deleted while iterating are skipped.
+pub fn read_entries<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &str,
+) -> Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for entry in map.iter() {
+        match entry {
+            Ok(pair) => out.push(pair),
+            Err(MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading the {name} map")),
+        }
+    }
+    Ok(out)
 }
 
 fn map_full(e: MapError) -> anyhow::Error {

@@ -1,4 +1,5 @@
-//! SERVICE_CIDRS_V4: the one entry holding the service CIDRs the datapath drops unallocated addresses of.
+//! SERVICE_CIDRS_V4: the one entry holding the service CIDRs the datapath drops unallocated addresses of
+//! (the agent writes it at every sync; `kproxy dump` and `dump diff` read it).
 
 use anyhow::{Context as _, Result};
 use aya::maps::{Array, MapData};
