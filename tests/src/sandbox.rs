@@ -1,7 +1,7 @@
 //! The node namespace, its pods, and the processes run inside them.
 use std::ffi::OsStr;
 use std::fs::File;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -18,6 +18,8 @@ use crate::tools::{find_tool, require_root, require_tools};
 pub const NETNS_PREFIX: &str = "kp-";
 /// The pods' default gateway; the node-side veth answers ARP for it (proxy ARP).
 pub const GATEWAY_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The IPv6 gateway of dual-stack pods ([`Pod::add_ipv6`]): a link-local address on every host veth.
+pub const GATEWAY_IP6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// The node's own address, on the portless bridge [`NODE_DEVICE`] (lets the node namespace reach
 /// pods, and gives proxy ARP a route to [`GATEWAY_IP`] that is not via the asking veth).
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
@@ -486,6 +488,7 @@ impl Sandbox {
             inner: Arc::clone(inner),
             name: name.to_owned(),
             ip: ip_addr,
+            ip6: None,
             netns: netns.clone(),
             host_veth: host_veth.clone(),
             dir: dir.clone(),
@@ -584,6 +587,8 @@ pub struct Pod {
     inner: Arc<Inner>,
     name: String,
     ip: Ipv4Addr,
+    /// Set by [`Pod::add_ipv6`]: the pod is dual-stack.
+    ip6: Option<Ipv6Addr>,
     netns: String,
     host_veth: String,
     dir: PathBuf,
@@ -596,6 +601,43 @@ impl Pod {
 
     pub fn ip(&self) -> Ipv4Addr {
         self.ip
+    }
+
+    /// The pod's IPv6 address, when [`Pod::add_ipv6`] made it dual-stack.
+    pub fn ip6(&self) -> Option<Ipv6Addr> {
+        self.ip6
+    }
+
+    /// Makes the pod dual-stack: IPv6 on in the pod and on its host veth, `eth0` with `addr/128`, a
+    /// default route via [`GATEWAY_IP6`] (the link-local address every host veth holds, as Calico's
+    /// `fe80::ecee:eeff:feee:eeee`), and on the node a /128 route to `addr` and IPv6 forwarding on.
+    /// Addresses skip duplicate address detection, which would leave them unusable for a second.
+    pub fn add_ipv6(&mut self, addr: Ipv6Addr) -> Result<()> {
+        let node = self.inner.node_ns.as_str();
+        let (netns, veth) = (self.netns.as_str(), self.host_veth.as_str());
+        sysctl_in(
+            node,
+            &[
+                "net.ipv6.conf.all.forwarding=1",
+                &format!("net.ipv6.conf.{veth}.accept_dad=0"),
+                &format!("net.ipv6.conf.{veth}.disable_ipv6=0"),
+            ],
+        )?;
+        sysctl_in(
+            netns,
+            &[
+                "net.ipv6.conf.all.disable_ipv6=0",
+                "net.ipv6.conf.eth0.accept_dad=0",
+                "net.ipv6.conf.eth0.disable_ipv6=0",
+            ],
+        )?;
+        let gateway = format!("{GATEWAY_IP6}/64");
+        ip(&["-n", node, "-6", "addr", "add", &gateway, "dev", veth, "nodad"])?;
+        ip(&["-n", netns, "-6", "addr", "add", &format!("{addr}/128"), "dev", "eth0", "nodad"])?;
+        ip(&["-n", netns, "-6", "route", "add", "default", "via", &GATEWAY_IP6.to_string(), "dev", "eth0"])?;
+        ip(&["-n", node, "-6", "route", "add", &format!("{addr}/128"), "dev", veth])?;
+        self.ip6 = Some(addr);
+        Ok(())
     }
 
     /// Name of the pod's namespace (under /run/netns).
@@ -673,21 +715,21 @@ impl Pod {
     }
 
     /// `dig +short +time=2 +tries=1 @<server> <name> <rtype>` from the pod (UDP).
-    pub fn dig(&self, server: Ipv4Addr, name: &str, rtype: &str) -> Result<String> {
+    pub fn dig(&self, server: impl Into<IpAddr>, name: &str, rtype: &str) -> Result<String> {
         self.dig_with(server, name, rtype, &[])
     }
 
     /// Like [`Pod::dig`], over TCP.
-    pub fn dig_tcp(&self, server: Ipv4Addr, name: &str, rtype: &str) -> Result<String> {
+    pub fn dig_tcp(&self, server: impl Into<IpAddr>, name: &str, rtype: &str) -> Result<String> {
         self.dig_with(server, name, rtype, &["+tcp"])
     }
 
-    fn dig_with(&self, server: Ipv4Addr, name: &str, rtype: &str, extra: &[&str]) -> Result<String> {
+    fn dig_with(&self, server: impl Into<IpAddr>, name: &str, rtype: &str, extra: &[&str]) -> Result<String> {
         let dig = find_tool("dig")?;
         let mut args: Vec<String> =
             vec![dig.to_string_lossy().into_owned(), "+short".into(), "+time=2".into(), "+tries=1".into()];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
-        args.extend([format!("@{server}"), name.to_owned(), rtype.to_owned()]);
+        args.extend([format!("@{}", server.into()), name.to_owned(), rtype.to_owned()]);
         self.exec(&args)
     }
 

@@ -33,9 +33,12 @@ pub fn big_file_contents() -> Vec<u8> {
     out
 }
 
-fn nginx_config(dir: &Path, port: u16, big_file: &Path) -> String {
+/// `ipv6`: also listen on `[::]:port` (a dual-stack pod, [`Pod::add_ipv6`]).
+fn nginx_config(dir: &Path, port: u16, big_file: &Path, ipv6: bool) -> String {
     let d = dir.display();
     let big = big_file.display();
+    let listen_ipv6 =
+        if ipv6 { format!("listen [::]:{port} default_server ipv6only=on;") } else { String::new() };
     format!(
         r#"# kproxy test backend; everything it writes stays in {d}
 daemon off;
@@ -57,6 +60,7 @@ http {{
     keepalive_timeout 65;
     server {{
         listen {port} default_server;
+        {listen_ipv6}
         root {d}/html;
         index index.html;
         # Where the request came from, as the backend sees it (source NAT checks).
@@ -101,7 +105,7 @@ impl Pod {
         ])
     }
 
-    /// nginx on 0.0.0.0:80 serving `body` at `/`, the pod's view of the client address at
+    /// nginx on 0.0.0.0:80 (and [::]:80 in a dual-stack pod) serving `body` at `/`, the pod's view of the client address at
     /// `/client`, and [`big_file_contents`] at [`BIG_FILE_PATH`]. Returns once it listens.
     pub fn start_nginx(&self, body: &str) -> Result<Spawned> {
         self.start_nginx_on(80, body)
@@ -118,7 +122,7 @@ impl Pod {
         let big = dir.join("big.bin");
         std::fs::write(&big, big_file_contents()).with_context(|| format!("writing {}", big.display()))?;
         let conf = dir.join("nginx.conf");
-        std::fs::write(&conf, nginx_config(&dir, port, &big))?;
+        std::fs::write(&conf, nginx_config(&dir, port, &big, self.ip6().is_some()))?;
         let mut args = vec![nginx.into_os_string()];
         args.extend(["-p".into(), dir.clone().into_os_string()]);
         args.extend(["-c".into(), conf.into_os_string()]);
@@ -133,7 +137,8 @@ impl Pod {
     /// dnsmasq on `<pod ip>:53` (UDP and TCP) answering
     /// - `web.default.svc.cluster.local` A → `answer`,
     /// - `whoami.kproxy.test` TXT → this pod's name (tells which backend answered),
-    /// - `ip.kproxy.test` A → this pod's address,
+    /// - `ip.kproxy.test` A → this pod's address, and in a dual-stack pod ([`Pod::add_ipv6`])
+    ///   `ip6.kproxy.test` AAAA → its IPv6 address (it then listens on that address too),
     /// - `big.kproxy.test` TXT → [`BIG_TXT_STRINGS`] strings of 250 bytes, the first naming this
     ///   pod (a UDP answer of about 2 KB: fragmented on a 1500-byte MTU),
     ///
@@ -169,6 +174,11 @@ impl Pod {
             format!("--log-facility={}", dir.join("dnsmasq.log").display()),
             "--cache-size=1000".into(),
         ];
+        if let Some(ip6) = self.ip6() {
+            // A dual-stack pod answers on its IPv6 address too, `ip.kproxy.test` AAAA being it.
+            args.push(format!("--listen-address={ip6}"));
+            args.push(format!("--host-record=ip6.kproxy.test,{ip6}"));
+        }
         if query_log == QueryLog::On {
             args.push("--log-queries".into());
         }

@@ -93,6 +93,25 @@ fn dnsmasq_backends_tell_who_answered() {
 }
 
 #[test]
+fn dual_stack_pods_reach_each_other_over_ipv6_through_the_node() {
+    require_tools(&["nginx", "curl", "dnsmasq", "dig"]).unwrap();
+    let sandbox = Sandbox::new("route6").unwrap();
+    let mut web = sandbox.add_pod("web-1", Ipv4Addr::new(10, 244, 0, 11)).unwrap();
+    let mut client = sandbox.add_pod("client", Ipv4Addr::new(10, 244, 0, 20)).unwrap();
+    let web_ip6: std::net::Ipv6Addr = "fd00:10:244::11".parse().unwrap();
+    web.add_ipv6(web_ip6).unwrap();
+    client.add_ipv6("fd00:10:244::20".parse().unwrap()).unwrap();
+    let _nginx = web.start_nginx("hello from web-1\n").unwrap();
+    let _dns = web.start_dnsmasq(Ipv4Addr::new(10, 96, 0, 100)).unwrap();
+    // Over IPv6, and the backend sees the client's IPv6 address; IPv4 still works beside it.
+    assert_eq!(client.curl(&format!("http://[{web_ip6}]/")).unwrap(), "hello from web-1\n");
+    assert_eq!(client.curl(&format!("http://[{web_ip6}]/client")).unwrap(), "fd00:10:244::20\n");
+    assert_eq!(client.curl("http://10.244.0.11/").unwrap(), "hello from web-1\n");
+    assert_eq!(client.dig(web_ip6, "ip6.kproxy.test", "AAAA").unwrap().trim(), "fd00:10:244::11");
+    assert_eq!(client.dig_tcp(web_ip6, "whoami.kproxy.test", "TXT").unwrap().trim(), "\"web-1\"");
+}
+
+#[test]
 fn everything_is_removed_when_a_test_panics() {
     require_tools(&["nginx"]).unwrap();
     let names = std::sync::Mutex::new(None);
