@@ -142,6 +142,67 @@ impl CtState {
     }
 }
 
+/// The fields of a conntrack entry that every packet of its flow updates, whatever its address
+/// family ([`crate::maps::CtEntryV4`], [`crate::maps_v6::CtEntryV6`]), so the update is written once.
+pub struct PacketFields<'a> {
+    pub last_seen_ns: &'a mut u64,
+    pub packets: &'a mut u64,
+    pub bytes: &'a mut u64,
+    pub tcp_flags_seen: &'a mut u8,
+    pub state: &'a mut u8,
+}
+
+macro_rules! packet_fields {
+    ($($entry:ty),*) => {$(
+        impl $entry {
+            /// What [`record_packet`] updates.
+            #[inline(always)]
+            pub fn packet_fields(&mut self) -> PacketFields<'_> {
+                PacketFields {
+                    last_seen_ns: &mut self.last_seen_ns,
+                    packets: &mut self.packets,
+                    bytes: &mut self.bytes,
+                    tcp_flags_seen: &mut self.tcp_flags_seen,
+                    state: &mut self.state,
+                }
+            }
+        }
+    )*};
+}
+packet_fields!(crate::maps::CtEntryV4, crate::maps_v6::CtEntryV6);
+
+/// Records one more packet of `len` bytes travelling in `direction` at `now`, and advances the
+/// state of a forward entry (a reply moves the state through [`reply_moves_state`] instead: it
+/// lives on the forward entry). Counters are plain adds: the BPF target has no 64-bit atomic RMW
+/// in `core`, and a rare lost increment under contention is acceptable. Flags and state are written
+/// only when they change: steady traffic stores nothing but the counters and the timestamp.
+#[inline(always)]
+pub fn record_packet(entry: PacketFields<'_>, proto: u8, tcp_flags: u8, len: u16, direction: u8, now: u64) {
+    *entry.last_seen_ns = now;
+    *entry.packets += 1;
+    *entry.bytes += u64::from(len);
+    let flags_seen = *entry.tcp_flags_seen;
+    if flags_seen | tcp_flags != flags_seen {
+        *entry.tcp_flags_seen = flags_seen | tcp_flags;
+    }
+    if direction != CT_DIR_REPLY {
+        let current = *entry.state;
+        let state = CtState::from_u8(current).unwrap_or(CtState::Open);
+        let next = state.next(proto, tcp_flags, direction) as u8;
+        if next != current {
+            *entry.state = next;
+        }
+    }
+}
+
+/// Whether a reply with `tcp_flags` may move its flow's state, `mirrored` being the state its reply
+/// entry mirrors: only TCP, and once established only SYN, FIN and RST.
+#[inline(always)]
+pub const fn reply_moves_state(proto: u8, tcp_flags: u8, mirrored: u8) -> bool {
+    proto == IPPROTO_TCP
+        && (tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0 || mirrored != CtState::Established as u8)
+}
+
 /// Whether a TCP segment with `tcp_flags` may start a flow: a bare SYN. With
 /// ACK, RST or FIN it belongs to a connection that must already exist
 /// (netfilter's TCP tracker calls SYN|FIN and SYN|RST invalid).
@@ -322,6 +383,29 @@ mod tests {
         for flags in [0, TCP_ACK, TCP_SYN | TCP_ACK, TCP_SYN | TCP_FIN, TCP_SYN | TCP_RST, TCP_FIN, TCP_RST] {
             assert!(!starts_tcp_flow(flags), "flags {flags:#x}");
         }
+    }
+
+    #[test]
+    fn a_packet_is_recorded_alike_in_both_families() {
+        let mut v4 = crate::maps::CtEntryV4 { state: CtState::SynSent as u8, ..Default::default() };
+        let mut v6 = crate::maps_v6::CtEntryV6 { state: CtState::SynSent as u8, ..Default::default() };
+        record_packet(v4.packet_fields(), IPPROTO_TCP, TCP_SYN | TCP_ACK, 60, REP, 7);
+        record_packet(v6.packet_fields(), IPPROTO_TCP, TCP_SYN | TCP_ACK, 80, REP, 7);
+        // A reply counts but leaves the state to the forward entry.
+        assert_eq!((v4.packets, v4.bytes, v4.last_seen_ns, v4.state), (1, 60, 7, CtState::SynSent as u8));
+        assert_eq!((v6.packets, v6.bytes, v6.tcp_flags_seen), (1, 80, TCP_SYN | TCP_ACK));
+        v6.state = CtState::SynReceived as u8;
+        record_packet(v6.packet_fields(), IPPROTO_TCP, TCP_ACK, 72, FWD, 9);
+        assert_eq!((v6.packets, v6.bytes, v6.state), (2, 152, CtState::Established as u8));
+    }
+
+    #[test]
+    fn an_established_reply_moves_the_state_only_with_syn_fin_or_rst() {
+        let est = CtState::Established as u8;
+        assert!(!reply_moves_state(IPPROTO_TCP, TCP_ACK, est));
+        assert!(reply_moves_state(IPPROTO_TCP, TCP_FIN | TCP_ACK, est));
+        assert!(reply_moves_state(IPPROTO_TCP, TCP_ACK, CtState::SynSent as u8));
+        assert!(!reply_moves_state(IPPROTO_UDP, 0, CtState::Open as u8));
     }
 
     #[test]

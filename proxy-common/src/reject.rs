@@ -50,12 +50,11 @@ fn addr(ip: &[u8; 20], at: usize) -> [u8; 4] {
     [ip[at], ip[at + 1], ip[at + 2], ip[at + 3]]
 }
 
-/// IPv4 + TCP headers of the RST that answers the segment with IPv4 header
-/// `ip` (20 bytes, no options) and TCP header `tcp` (its first 20 bytes),
-/// `segment_len` being the TCP header plus payload length as received.
-/// RFC 793: a segment with ACK gets `seq = its ack`; one without gets
-/// `seq = 0, ack = its seq + its length` (SYN and FIN count one).
-pub fn tcp_reset(ip: &[u8; 20], tcp: &[u8; 20], segment_len: u16) -> [u8; TCP_RESET_LEN] {
+/// The TCP header (checksum zero) of the RST that answers the segment whose TCP header is `tcp`
+/// (its first 20 bytes), `segment_len` being the TCP header plus payload length as received.
+/// RFC 793: a segment with ACK gets `seq = its ack`; one without gets `seq = 0, ack = its seq + its
+/// length` (SYN and FIN count one). Shared by both address families.
+pub fn reset_segment(tcp: &[u8; 20], segment_len: u16) -> [u8; 20] {
     let flags_in = tcp[13];
     let header_len = u16::from(tcp[12] >> 4) * 4;
     let payload = u32::from(segment_len.saturating_sub(header_len));
@@ -66,9 +65,8 @@ pub fn tcp_reset(ip: &[u8; 20], tcp: &[u8; 20], segment_len: u16) -> [u8; TCP_RE
         let syn_fin = u32::from(flags_in & packet::TCP_SYN != 0) + u32::from(flags_in & packet::TCP_FIN != 0);
         ([0; 4], seq_in.wrapping_add(payload).wrapping_add(syn_fin), packet::TCP_RST | packet::TCP_ACK)
     };
-    let (src, dst) = (addr(ip, 16), addr(ip, 12));
     let ack = ack.to_be_bytes();
-    let mut segment = [
+    [
         tcp[2],
         tcp[3],
         tcp[0],
@@ -89,7 +87,16 @@ pub fn tcp_reset(ip: &[u8; 20], tcp: &[u8; 20], segment_len: u16) -> [u8; TCP_RE
         0,
         0,
         0,
-    ];
+    ]
+}
+
+/// IPv4 + TCP headers of the RST that answers the segment with IPv4 header
+/// `ip` (20 bytes, no options) and TCP header `tcp` (its first 20 bytes),
+/// `segment_len` being the TCP header plus payload length as received
+/// ([`reset_segment`]).
+pub fn tcp_reset(ip: &[u8; 20], tcp: &[u8; 20], segment_len: u16) -> [u8; TCP_RESET_LEN] {
+    let (src, dst) = (addr(ip, 16), addr(ip, 12));
+    let mut segment = reset_segment(tcp, segment_len);
     let check = checksum::l4_checksum(src, dst, IPPROTO_TCP, &segment).to_be_bytes();
     segment[16] = check[0];
     segment[17] = check[1];

@@ -6,6 +6,9 @@
 //!   (`ingress.rs`);
 //! - `kproxy_egress` (tc egress of a pod's veth, packets entering the pod):
 //!   replies un-NATed back to the Service (`egress.rs`);
+//! - IPv6 on the pod veths: ClusterIP DNAT, refusals and un-NAT in chains of
+//!   their own (`ingress6.rs`, `egress6.rs`), chosen by ethertype;
+//!   `kproxy_external_ingress` passes IPv6 for now;
 //! - `kproxy_xdp`: the north-south fast path for remote backends (`xdp.rs`);
 //! - the cgroup socket hooks: socket-level load balancing (`sock.rs`).
 //!
@@ -16,17 +19,24 @@
 
 mod config;
 mod conntrack;
+mod conntrack6;
 mod egress;
+mod egress6;
 mod events;
 mod fib;
 mod icmp;
 mod ingress;
+mod ingress6;
 mod inherited;
 mod lb;
+mod lb6;
 mod maps;
 mod nat;
+mod nat6;
 mod parse;
+mod parse6;
 mod reject;
+mod reject6;
 mod snat;
 mod sock;
 mod stats;
@@ -43,6 +53,10 @@ use crate::verdict::finish;
 /// tc ingress of a pod's host-side veth: packets leaving the pod.
 #[classifier]
 pub fn kproxy_ingress(ctx: TcContext) -> i32 {
+    // IPv6 takes a chain of its own (`ingress6`), so neither family's stages share a stack.
+    if parse6::is_ipv6(&ctx) {
+        return ingress6::run(&ctx);
+    }
     let mut route = fib::Route::NONE;
     let result = ingress::ingress::<false>(&ctx, &mut route);
     finish(&ctx, result, &route)
@@ -93,6 +107,9 @@ pub fn kproxy_getpeername4(ctx: SockAddrContext) -> i32 {
 /// their way to the client.
 #[classifier]
 pub fn kproxy_egress(ctx: TcContext) -> i32 {
+    if parse6::is_ipv6(&ctx) {
+        return egress6::run(&ctx);
+    }
     let result = egress::egress(&ctx);
     finish(&ctx, result, &fib::Route::NONE)
 }

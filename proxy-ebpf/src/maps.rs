@@ -111,3 +111,36 @@ pub static INHERITED_V4: HashMap<CtKeyV4, InheritedFlowV4> =
 /// Not pinned.
 #[map(name = "KEY_SCRATCH")]
 pub static KEY_SCRATCH: PerCpuArray<CtKeyV4> = PerCpuArray::with_max_entries(1, 0);
+
+// IPv6 (issue 19): the maps parallel to the IPv4 ones above, layouts in `proxy_common::maps_v6`.
+// Rev-NAT and backend ids are shared with IPv4.
+
+#[map(name = "SERVICES_V6")]
+pub static SERVICES_V6: HashMap<proxy_common::maps_v6::ServiceKeyV6, proxy_common::maps_v6::ServiceValueV6> =
+    HashMap::with_max_entries(proxy_common::maps_v6::SERVICES_V6_CAPACITY, 0);
+
+#[map(name = "BACKENDS_V6")]
+pub static BACKENDS_V6: HashMap<u32, proxy_common::maps_v6::BackendV6> =
+    HashMap::with_max_entries(proxy_common::maps_v6::BACKENDS_V6_CAPACITY, 0);
+
+/// Read by userspace to name the frontend of an IPv6 conntrack entry, as REV_NAT_V4.
+#[map(name = "REV_NAT_V6")]
+pub static REV_NAT_V6: HashMap<u16, proxy_common::maps_v6::RevNatV6> =
+    HashMap::with_max_entries(proxy_common::maps_v6::REV_NAT_V6_CAPACITY, 0);
+
+#[map(name = "CONNTRACK_V6")]
+pub static CONNTRACK_V6: LruHashMap<proxy_common::maps_v6::CtKeyV6, proxy_common::maps_v6::CtEntryV6> =
+    LruHashMap::with_max_entries(proxy_common::maps_v6::CONNTRACK_V6_CAPACITY, 0);
+
+#[map(name = "VIPS_V6")]
+pub static VIPS_V6: HashMap<[u8; 16], proxy_common::maps_v6::VipV6> =
+    HashMap::with_max_entries(proxy_common::maps_v6::VIPS_V6_CAPACITY, 0);
+
+/// Where the IPv6 programs keep the packet they parse (`parse6::Flow6`): the IPv6 chain shares
+/// the 512-byte stack with the entry point's frame, sized by the IPv4 stages. Not pinned.
+#[map(name = "FLOW6_SCRATCH")]
+pub static FLOW6_SCRATCH: PerCpuArray<crate::parse6::Flow6> = PerCpuArray::with_max_entries(1, 0);
+
+/// Where an IPv6 refusal is built (`reject6`). Not pinned.
+#[map(name = "REFUSAL6_SCRATCH")]
+pub static REFUSAL6_SCRATCH: PerCpuArray<crate::reject6::Refusal6> = PerCpuArray::with_max_entries(1, 0);

@@ -9,6 +9,7 @@ use aya::{
     maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, lpm_trie},
 };
 use proxy_common::maps::*;
+use proxy_common::maps_v6::*;
 use proxy_common::service_cidr::ServiceCidrsV4;
 use proxy_common::trace::{MAP_EVENTS, MAP_TRACE, TraceConfig};
 
@@ -86,6 +87,12 @@ map_table! {
         inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4> = MAP_INHERITED_V4, HashMap, (CtKeyV4, InheritedFlowV4), usage "inherited_v4";
         /// The service CIDRs (`sync::service_cidrs` writes them).
         service_cidrs: Array<MapData, ServiceCidrsV4> = MAP_SERVICE_CIDRS_V4, Array, (u32, ServiceCidrsV4);
+        /// IPv6 (issue 19): the maps parallel to the IPv4 ones, ids shared with them.
+        services_v6: HashMap<MapData, ServiceKeyV6, ServiceValueV6> = MAP_SERVICES_V6, HashMap, (ServiceKeyV6, ServiceValueV6), usage "services_v6";
+        backends_v6: HashMap<MapData, u32, BackendV6> = MAP_BACKENDS_V6, HashMap, (u32, BackendV6), usage "backends_v6";
+        rev_nat_v6: HashMap<MapData, u16, RevNatV6> = MAP_REV_NAT_V6, HashMap, (u16, RevNatV6), usage "rev_nat_v6";
+        conntrack_v6: HashMap<MapData, CtKeyV6, CtEntryV6> = MAP_CONNTRACK_V6, LruHashMap, (CtKeyV6, CtEntryV6), usage "conntrack_v6";
+        vips_v6: HashMap<MapData, [u8; 16], VipV6> = MAP_VIPS_V6, HashMap, ([u8; 16], VipV6), usage "vips_v6";
     }
     pinned {
         MAP_EVENTS;

@@ -1,0 +1,189 @@
+//! IPv6 conntrack: CONNTRACK_V6 with the states, transitions and timeouts of IPv4's
+//! (`proxy_common::conntrack`: `CtState`, `record_packet`, `reply_moves_state`, `Timeouts`), and
+//! the same pairing of a flow's forward and reply entries. No hairpin, SNAT or remapped flows yet:
+//! every reply entry is keyed by `backend → client`.
+use proxy_common::{
+    conntrack::{CtState, Timeouts, record_packet, reply_moves_state},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY},
+    maps_v6::{CtEntryV6, CtKeyV6},
+    stats::Stat,
+};
+
+use crate::{maps::CONNTRACK_V6, parse6::Flow6, verdict::Verdict};
+
+#[inline(always)]
+pub fn lookup(key: &CtKeyV6) -> Option<*mut CtEntryV6> {
+    CONNTRACK_V6.get_ptr_mut(key)
+}
+
+/// Whether a flow has been idle past its state's timeout: the reply direction is consulted only
+/// when the forward one looks idle (a flow where only the server talks is alive).
+#[inline(always)]
+///
+/// Entries are read in place here and below: copies of them (72 bytes each) would not fit on the
+/// IPv6 chain's stack.
+///
+/// # Safety
+/// `forward` must come from [`lookup`] in this program run.
+pub unsafe fn expired(
+    forward_key: &CtKeyV6,
+    forward: *const CtEntryV6,
+    timeouts: &Timeouts,
+    now: u64,
+) -> bool {
+    // SAFETY: per the contract above.
+    let forward = unsafe { &*forward };
+    if !timeouts.expired(forward.state, forward.last_seen_ns, now) {
+        return false;
+    }
+    match lookup(&forward_key.reply_of(forward.nat_addr, forward.nat_port)) {
+        // SAFETY: a valid map value for this program run.
+        Some(reply) => timeouts.expired(forward.state, unsafe { (*reply).last_seen_ns }, now),
+        None => true,
+    }
+}
+
+/// Deletes a flow's two entries, so that a new flow can take the tuple.
+///
+/// # Safety
+/// `forward` must come from [`lookup`] in this program run.
+#[inline(always)]
+pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
+    // SAFETY: per the contract above; the key is built before either entry goes.
+    let reply_key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
+    let _ = CONNTRACK_V6.remove(reply_key);
+    let _ = CONNTRACK_V6.remove(*forward_key);
+}
+
+/// Keeps a flow's reply entry as fresh as its forward entry in the LRU and puts it back if it was
+/// evicted (a client that keeps sending to a silent backend must not lose the un-NAT of its next
+/// reply), as IPv4's `conntrack::keep_reply`.
+///
+/// # Safety
+/// `forward` must come from [`lookup`] in this program run.
+#[inline(always)]
+pub unsafe fn keep_reply(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
+    // SAFETY: per the contract above.
+    let key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
+    if lookup(&key).is_some() {
+        return;
+    }
+    // SAFETY: as above.
+    unsafe { put_back(&key, forward, &forward_key.daddr, forward_key.dport) };
+}
+
+/// Inserts under `key` the other direction of the flow whose entry `other` is, pointing at
+/// `nat_addr:nat_port`: `other`'s value itself, corrected in place once inserted (a copy would
+/// not fit on the stack).
+///
+/// # Safety
+/// `other` must come from [`lookup`] in this program run.
+#[inline(always)]
+#[allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "by reference: a by-value entry is a copy on the stack"
+)]
+unsafe fn put_back(key: &CtKeyV6, other: *const CtEntryV6, nat_addr: &[u8; 16], nat_port: [u8; 2]) {
+    // SAFETY: per the contract above.
+    if CONNTRACK_V6.insert(key, unsafe { &*other }, 0).is_err() {
+        return;
+    }
+    if let Some(entry) = lookup(key) {
+        // SAFETY: a map value valid for this program run.
+        unsafe {
+            (*entry).packets = 0;
+            (*entry).bytes = 0;
+            (*entry).nat_addr = *nat_addr;
+            (*entry).nat_port = nat_port;
+            (*entry).tcp_flags_seen = 0;
+        }
+    }
+}
+
+/// Records one more packet of the flow (and, forward, advances its state).
+///
+/// # Safety
+/// `entry` must come from [`lookup`] in this program run.
+#[inline(always)]
+pub unsafe fn touch(entry: *mut CtEntryV6, flow: &Flow6, direction: u8, now: u64) {
+    // SAFETY: per the contract above; concurrent writers only race on counters and timestamps.
+    let entry = unsafe { &mut *entry };
+    record_packet(entry.packet_fields(), flow.proto, flow.tcp_flags, flow.ip_len(), direction, now);
+}
+
+/// A reply moves the flow's TCP state, which lives on the forward entry (the reply entry mirrors
+/// it); the forward entry is looked up on every reply, which keeps it from being evicted first,
+/// and put back from the reply entry if it was. `client` and `frontend` are the forward tuple's ends.
+///
+/// # Safety
+/// `entry` must come from [`lookup`] in this program run.
+#[inline(always)]
+pub unsafe fn track_reply(
+    entry: *mut CtEntryV6,
+    flow: &Flow6,
+    client: &([u8; 16], [u8; 2]),
+    frontend: &([u8; 16], [u8; 2]),
+) {
+    let forward = CtKeyV6 {
+        saddr: client.0,
+        daddr: frontend.0,
+        sport: client.1,
+        dport: frontend.1,
+        proto: flow.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    };
+    let Some(fwd) = lookup(&forward) else {
+        // Evicted all the same: put back from what the reply entry knows, so that the client's
+        // next packet is not taken for a flow mid-stream.
+        // SAFETY: per the contract above.
+        unsafe { put_back(&forward, entry, &flow.saddr, flow.sport) };
+        return;
+    };
+    // SAFETY: both are map values valid for this program run.
+    unsafe {
+        if !reply_moves_state(flow.proto, flow.tcp_flags, (*entry).state) {
+            return;
+        }
+        let state = CtState::from_u8((*fwd).state).unwrap_or(CtState::Open);
+        let next = state.next(flow.proto, flow.tcp_flags, CT_DIR_REPLY) as u8;
+        (*fwd).state = next;
+        (*entry).state = next;
+    }
+}
+
+/// Creates the reply entry, then the forward entry, so that no reply can arrive for a flow whose
+/// un-NAT is not yet known. One entry on the stack, the reply's, then turned into the forward one.
+#[inline(always)]
+#[allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "by reference: a by-value entry is a copy on the stack"
+)]
+pub fn create(
+    flow: &Flow6,
+    forward_key: &CtKeyV6,
+    backend: &proxy_common::maps_v6::BackendV6,
+    backend_id: u32,
+    rev_nat_id: u16,
+    now: u64,
+) -> Result<(), Verdict> {
+    let mut entry = CtEntryV6 {
+        created_ns: now,
+        last_seen_ns: now,
+        backend_id,
+        nat_addr: flow.daddr,
+        nat_port: flow.dport,
+        rev_nat_id,
+        state: CtState::initial(flow.proto, flow.tcp_flags) as u8,
+        ..Default::default()
+    };
+    let reply_key = forward_key.reply_of(backend.addr, backend.port);
+    CONNTRACK_V6.insert(reply_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
+    entry.packets = 1;
+    entry.bytes = u64::from(flow.ip_len());
+    entry.nat_addr = backend.addr;
+    entry.nat_port = backend.port;
+    entry.tcp_flags_seen = flow.tcp_flags;
+    CONNTRACK_V6.insert(forward_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
+    Ok(())
+}

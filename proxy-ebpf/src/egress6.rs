@@ -1,0 +1,52 @@
+//! The IPv6 path of `kproxy_egress` (packets entering a pod): a reply of a translated flow comes
+//! from the Service again, found by its reply entry; anything else (a reply of a flow kproxy never
+//! translated, ICMPv6 and neighbour discovery) is left untouched. A chain of its own, as
+//! `ingress6`.
+use aya_ebpf::programs::TcContext;
+use proxy_common::{maps::CT_DIR_REPLY, stats::Stat};
+
+use crate::{
+    conntrack, conntrack6, fib,
+    maps::FLOW6_SCRATCH,
+    nat6,
+    parse6::{self, Flow6},
+    stats,
+    verdict::{Verdict, finish},
+};
+
+#[inline(never)]
+pub fn run(ctx: &TcContext) -> i32 {
+    finish(ctx, egress(ctx), &fib::Route::NONE)
+}
+
+#[inline(always)]
+fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
+    let flow = FLOW6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
+    // SAFETY: a per-CPU value, used by this program run alone.
+    let flow = unsafe { &mut *flow };
+    parse6::flow(ctx, flow).map_err(Verdict::pass)?;
+    unnat(ctx, flow)
+}
+
+/// A reply of a translated flow: its source back to the Service. Not inlined: a stage of its own
+/// beside `parse6::flow`, as both would not fit on the stack together.
+#[inline(never)]
+fn unnat(ctx: &TcContext, flow: &Flow6) -> Result<Verdict, Verdict> {
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
+    let now = conntrack::now();
+    // SAFETY: a map value valid for this program run, read in place (see `conntrack6::expired`).
+    let (vip, vip_port) = unsafe {
+        conntrack6::touch(entry, flow, CT_DIR_REPLY, now);
+        conntrack6::track_reply(
+            entry,
+            flow,
+            &(flow.daddr, flow.dport),
+            &((*entry).nat_addr, (*entry).nat_port),
+        );
+        (&(*entry).nat_addr, (*entry).nat_port)
+    };
+    nat6::rewrite_source(ctx, flow, vip, vip_port)?;
+    stats::count(Stat::ReverseNat);
+    Ok(Verdict::NEXT)
+}

@@ -1,0 +1,150 @@
+//! The IPv6 path of `kproxy_ingress` (packets leaving a pod): ClusterIP DNAT with the semantics of
+//! the IPv4 stages in `ingress.rs` — a known flow first (expired → a new flow; a UDP flow whose
+//! backend is gone → rebalanced), then the frontend; refusal for a VIP without endpoints or on a
+//! port it lacks; a TCP segment that is no SYN, with no flow, to a Service dropped. A chain of
+//! its own (`run` is not inlined): its stages never share a call chain with IPv4's, so each family
+//! has the 512-byte stack to itself beside the entry point's frame.
+use aya_ebpf::programs::TcContext;
+use proxy_common::{
+    conntrack::starts_tcp_flow,
+    maps::{
+        CT_DIR_FORWARD, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
+    },
+    maps_v6::CtEntryV6,
+    stats::Stat,
+};
+
+use crate::{
+    config, conntrack, conntrack6, fib, lb6,
+    maps::FLOW6_SCRATCH,
+    nat6, parse6, reject6, stats,
+    verdict::{Verdict, finish},
+};
+
+/// What [`classify`] decided; each case is a stage of its own, called from [`run`] (see
+/// `ingress::Step` for why, and for the alignment).
+#[repr(align(8))]
+enum Step {
+    Pass(Stat),
+    Drop(Stat),
+    Refuse,
+    Established,
+    NewFlow,
+}
+
+/// What [`classify`] looked up, for the stage that follows: raw pointers, null when absent.
+struct Found {
+    frontend: *const ServiceValueV4,
+    entry: *mut CtEntryV6,
+    now: u64,
+}
+
+/// An IPv6 packet leaving a pod, carried out to the end: the kernel's action.
+#[inline(never)]
+pub fn run(ctx: &TcContext) -> i32 {
+    finish(ctx, ingress(ctx), &fib::Route::NONE)
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
+    let flow = FLOW6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
+    // SAFETY: a per-CPU value, used by this program run alone.
+    let flow = unsafe { &mut *flow };
+    parse6::flow(ctx, flow).map_err(Verdict::pass)?;
+    let mut found = Found { frontend: core::ptr::null(), entry: core::ptr::null_mut(), now: 0 };
+    match classify(flow, &mut found) {
+        Step::Pass(stat) => Err(Verdict::pass(stat)),
+        Step::Drop(stat) => Err(Verdict::drop(stat)),
+        Step::Refuse => refuse(ctx, flow),
+        Step::Established => established(ctx, flow, &found),
+        Step::NewFlow => new_flow(ctx, flow, &found),
+    }
+}
+
+#[inline(never)]
+fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    // A known flow before its frontend: as with netfilter's conntrack, it continues after its
+    // Service (or the port) is deleted.
+    if let Some(entry) = conntrack6::lookup(&key) {
+        let now = conntrack::now();
+        found.now = now;
+        // SAFETY: map values stay valid for the program's run; concurrent writers only race on
+        // counters and timestamps.
+        if unsafe { conntrack6::expired(&key, entry, &config::get().timeouts, now) } {
+            // SAFETY: as above.
+            unsafe { conntrack6::remove_pair(&key, entry) };
+            stats::count(Stat::ConntrackExpired);
+        } else if lb6::keeps_backend(unsafe { &*entry }, flow.proto) {
+            found.entry = entry;
+            return Step::Established;
+        } else {
+            // SAFETY: as above.
+            unsafe { conntrack6::remove_pair(&key, entry) };
+            stats::count(Stat::Rebalanced);
+        }
+    }
+
+    let Some(frontend) = lb6::lookup_frontend(flow) else {
+        if lb6::is_vip(&flow.daddr) {
+            // A port the Service does not have.
+            return Step::Refuse;
+        }
+        return Step::Pass(Stat::PassNoService);
+    };
+    found.now = conntrack::now();
+    // No IPv6 source ranges yet: a source-ranged LB IP is left to the load balancer, which
+    // enforces its ranges (what the socket hooks do for the node's own connections).
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+        return Step::Pass(Stat::PassNoService);
+    }
+    if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {
+        // No connection is known for this segment: translating it would start a flow
+        // mid-stream, and passing it would leak it to the VIP.
+        return Step::Drop(Stat::DropInvalidTcp);
+    }
+    if frontend.count == 0 {
+        if frontend.flags & SVC_FLAG_NO_LOCAL_ENDPOINTS != 0 {
+            return Step::Drop(Stat::DropNoLocalEndpoint);
+        }
+        return Step::Refuse;
+    }
+    found.frontend = frontend;
+    Step::NewFlow
+}
+
+/// A packet of a known flow: to the backend its forward entry records.
+#[inline(never)]
+fn established(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<Verdict, Verdict> {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let entry = found.entry;
+    // SAFETY: `classify` set it to a map value before choosing this step. The flow's translation
+    // lives or dies as one: a busy forward entry keeps its reply entry from being evicted first.
+    let (backend, backend_port) = unsafe {
+        conntrack6::touch(entry, flow, CT_DIR_FORWARD, found.now);
+        conntrack6::keep_reply(&key, entry);
+        (&(*entry).nat_addr, (*entry).nat_port)
+    };
+    nat6::rewrite_destination(ctx, flow, backend, backend_port)?;
+    stats::count(Stat::DnatEstablished);
+    Ok(Verdict::NEXT)
+}
+
+/// The first packet of a flow: a backend picked, the flow recorded (reply entry first), DNAT.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<Verdict, Verdict> {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    // SAFETY: `classify` set it to a map value before choosing this step.
+    let frontend = unsafe { &*found.frontend };
+    let (backend_id, backend) = lb6::select_backend(flow, frontend)?;
+    conntrack6::create(flow, &key, &backend, backend_id, frontend.rev_nat_id, found.now)?;
+    nat6::rewrite_destination(ctx, flow, &backend.addr, backend.port)?;
+    stats::count(Stat::DnatNew);
+    Ok(Verdict::NEXT)
+}
+
+/// Not inlined, so that the packet buffers of a refusal are not part of [`run`]'s frame.
+#[inline(never)]
+fn refuse(ctx: &TcContext, flow: &parse6::Flow6) -> Result<Verdict, Verdict> {
+    reject6::refuse(ctx, flow)
+}

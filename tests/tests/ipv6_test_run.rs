@@ -1,0 +1,551 @@
+//! Byte-exact tests of the IPv6 ClusterIP path of the tc programs (issue 19) through
+//! BPF_PROG_TEST_RUN: the real object, loaded into this kernel (needs root), fed real IPv6 frames.
+//! Every expected frame is built from scratch here, its L4 checksum recomputed over the IPv6
+//! pseudo-header by proxy_common's reference math, and every output's checksum is verified the same
+//! way.
+//!
+//! The agent's Syncer does not program IPv6 yet, so [`V6`] writes SERVICES_V6, BACKENDS_V6 and
+//! VIPS_V6 directly through aya, with the slot layout the Syncer gives IPv4 (slot 0: count and
+//! rev-NAT id; slots 1..=count: backend ids). Once the Syncer writes IPv6, these tests should
+//! program the maps through it, as `datapath_test_run` does for IPv4.
+
+mod common;
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData, PerCpuArray},
+    programs::SchedClassifier,
+};
+use common::{
+    CLIENT_MAC, NODE_MAC, Packet, checksums_valid,
+    harness::{BOUNCE, CLIENT, DROP, Harness, PASS, WEB_BACKENDS, WEB_VIP, test_run},
+};
+use kproxy::bpf;
+use proxy_common::{
+    checksum,
+    conntrack::CtState,
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceValueV4, VipV4},
+    maps_v6::{BackendV6, CtEntryV6, CtKeyV6, ServiceKeyV6},
+    packet::{TCP_ACK, TCP_RST, TCP_SYN},
+    packet6::{IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMPV6},
+    stats::Stat,
+};
+
+const fn addr6(last: u16, net: u16) -> [u8; 16] {
+    let n = net.to_be_bytes();
+    let l = last.to_be_bytes();
+    [0xfd, 0x00, 0x10, 0x00, n[0], n[1], 0, 0, 0, 0, 0, 0, 0, 0, l[0], l[1]]
+}
+
+/// Pods in fd00:1000:244::/64, Services in fd00:1000:96::/64.
+const CLIENT6: [u8; 16] = addr6(0x02, 0x0244);
+const WEB6: [u8; 16] = addr6(0x64, 0x0096);
+const DNS6: [u8; 16] = addr6(0x0a, 0x0096);
+const EMPTY6: [u8; 16] = addr6(0xc8, 0x0096);
+const WEB6_BACKENDS: [[u8; 16]; 2] = [addr6(0x11, 0x0244), addr6(0x12, 0x0244)];
+const DNS6_BACKEND: [u8; 16] = addr6(0x21, 0x0244);
+const OTHER_POD: [u8; 16] = addr6(0x30, 0x0244);
+
+/// The real object with its IPv6 maps in hand.
+struct V6 {
+    ebpf: Ebpf,
+    services: HashMap<MapData, ServiceKeyV6, ServiceValueV4>,
+    backends: HashMap<MapData, u32, BackendV6>,
+    vips: HashMap<MapData, [u8; 16], VipV4>,
+    conntrack: HashMap<MapData, CtKeyV6, CtEntryV6>,
+    stats: PerCpuArray<MapData, u64>,
+    next_backend_id: u32,
+    next_rev_nat_id: u16,
+}
+
+impl V6 {
+    /// web (TCP 80 → 8080 on two backends), dns (UDP 53 on one), empty (TCP 80 and UDP 53, no
+    /// endpoints).
+    fn new() -> Self {
+        let mut ebpf =
+            bpf::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
+        let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
+        let mut v6 = Self {
+            ebpf,
+            services: maps.services_v6,
+            backends: maps.backends_v6,
+            vips: maps.vips_v6,
+            conntrack: maps.conntrack_v6,
+            stats: maps.stats,
+            next_backend_id: 1,
+            next_rev_nat_id: 1,
+        };
+        let web: Vec<_> = WEB6_BACKENDS.iter().map(|a| (*a, 8080)).collect();
+        v6.frontend(WEB6, 80, IPPROTO_TCP, &web);
+        v6.frontend(DNS6, 53, IPPROTO_UDP, &[(DNS6_BACKEND, 53)]);
+        v6.frontend(EMPTY6, 80, IPPROTO_TCP, &[]);
+        v6.frontend(EMPTY6, 53, IPPROTO_UDP, &[]);
+        v6
+    }
+
+    /// One frontend as the Syncer lays IPv4 out: backends, slots, slot 0, then the VIP's count.
+    fn frontend(&mut self, vip: [u8; 16], port: u16, proto: u8, backends: &[([u8; 16], u16)]) {
+        let rev_nat_id = self.next_rev_nat_id;
+        self.next_rev_nat_id += 1;
+        let key = ServiceKeyV6::new(vip, port.to_be_bytes(), proto, SCOPE_INTERNAL, 0);
+        for (slot, (addr, port)) in backends.iter().enumerate() {
+            let id = self.next_backend_id;
+            self.next_backend_id += 1;
+            let backend = BackendV6 { addr: *addr, port: port.to_be_bytes(), proto, flags: 0 };
+            self.backends.insert(id, backend, 0).unwrap();
+            let value = ServiceValueV4 { backend_id: id, rev_nat_id, ..Default::default() };
+            self.services.insert(key.with_slot(slot as u16 + 1), value, 0).unwrap();
+        }
+        let slot0 = ServiceValueV4 { count: backends.len() as u16, rev_nat_id, ..Default::default() };
+        self.services.insert(key, slot0, 0).unwrap();
+        let frontends = self.vips.get(&vip, 0).map_or(0, |v| v.frontends);
+        self.vips.insert(vip, VipV4 { frontends: frontends + 1 }, 0).unwrap();
+    }
+
+    fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
+        test_run(prog, frame, None)
+    }
+
+    fn ingress(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        self.run("kproxy_ingress", frame)
+    }
+
+    fn egress(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        self.run("kproxy_egress", frame)
+    }
+
+    fn stat(&self, stat: Stat) -> u64 {
+        self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
+    }
+
+    fn ct(&self, key: &CtKeyV6) -> Option<CtEntryV6> {
+        self.conntrack.get(key, 0).ok()
+    }
+}
+
+fn ct_key6(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, proto: u8, direction: u8) -> CtKeyV6 {
+    CtKeyV6 {
+        saddr: src,
+        daddr: dst,
+        sport: sport.to_be_bytes(),
+        dport: dport.to_be_bytes(),
+        proto,
+        direction,
+        _pad: [0; 2],
+    }
+}
+
+/// An IPv6 TCP or UDP packet, its checksum computed from scratch.
+#[derive(Clone, Debug)]
+struct Packet6 {
+    src: [u8; 16],
+    dst: [u8; 16],
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    tcp_flags: u8,
+    payload: Vec<u8>,
+    /// Extension headers before the L4 header: (type, bytes after the next-header byte).
+    ext: Vec<(u8, Vec<u8>)>,
+}
+
+impl Packet6 {
+    fn tcp(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, flags: u8) -> Self {
+        Self { src, dst, sport, dport, proto: IPPROTO_TCP, tcp_flags: flags, payload: vec![], ext: vec![] }
+    }
+
+    fn udp(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, payload: &[u8]) -> Self {
+        Self { proto: IPPROTO_UDP, payload: payload.to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }
+    }
+
+    /// With an options header (hop-by-hop or destination options) of 8 bytes holding a PadN.
+    fn with_options_header(mut self, kind: u8) -> Self {
+        self.ext.push((kind, vec![0, 1, 4, 0, 0, 0, 0]));
+        self
+    }
+
+    /// The L4 segment, its checksum computed over the IPv6 pseudo-header.
+    fn segment(&self) -> Vec<u8> {
+        let mut seg = Vec::new();
+        seg.extend_from_slice(&self.sport.to_be_bytes());
+        seg.extend_from_slice(&self.dport.to_be_bytes());
+        let check_at = if self.proto == IPPROTO_TCP {
+            seg.extend_from_slice(&0x0102_0304u32.to_be_bytes());
+            seg.extend_from_slice(&0u32.to_be_bytes());
+            seg.extend_from_slice(&[5 << 4, self.tcp_flags]);
+            seg.extend_from_slice(&64800u16.to_be_bytes());
+            seg.extend_from_slice(&[0, 0, 0, 0]);
+            16
+        } else {
+            seg.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+            seg.extend_from_slice(&[0, 0]);
+            6
+        };
+        seg.extend_from_slice(&self.payload);
+        let check = checksum::l4_checksum_v6(&self.src, &self.dst, self.proto, &seg);
+        seg[check_at..check_at + 2].copy_from_slice(&check.to_be_bytes());
+        seg
+    }
+
+    /// The extension headers, each pointing at the next, the last at `last_next`.
+    fn ext_bytes(&self, last_next: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, (_, body)) in self.ext.iter().enumerate() {
+            out.push(self.ext.get(i + 1).map_or(last_next, |(kind, _)| *kind));
+            out.extend_from_slice(body);
+        }
+        out
+    }
+
+    fn frame(&self) -> Vec<u8> {
+        let mut payload = self.ext_bytes(self.proto);
+        payload.extend_from_slice(&self.segment());
+        let first_next = self.ext.first().map_or(self.proto, |(kind, _)| *kind);
+        frame6(&self.src, &self.dst, first_next, &payload)
+    }
+
+    /// The packet as the first and a later fragment: the fragment header after the other
+    /// extension headers, `first_len` bytes (a multiple of 8) of the segment in the first.
+    fn fragments(&self, first_len: usize, id: u32) -> (Vec<u8>, Vec<u8>) {
+        let segment = self.segment();
+        let fragment = |offset: usize, more: bool, data: &[u8]| {
+            let mut payload = self.ext_bytes(IPPROTO_FRAGMENT);
+            let field = ((offset / 8) as u16) << 3 | u16::from(more);
+            payload.extend_from_slice(&[self.proto, 0]);
+            payload.extend_from_slice(&field.to_be_bytes());
+            payload.extend_from_slice(&id.to_be_bytes());
+            payload.extend_from_slice(data);
+            let first_next = self.ext.first().map_or(IPPROTO_FRAGMENT, |(kind, _)| *kind);
+            frame6(&self.src, &self.dst, first_next, &payload)
+        };
+        (fragment(0, true, &segment[..first_len]), fragment(first_len, false, &segment[first_len..]))
+    }
+}
+
+/// An Ethernet frame holding an IPv6 header (with a flow label and traffic class the datapath
+/// must keep) and `payload`.
+fn frame6(src: &[u8; 16], dst: &[u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&NODE_MAC);
+    frame.extend_from_slice(&CLIENT_MAC);
+    frame.extend_from_slice(&0x86ddu16.to_be_bytes());
+    let len = (payload.len() as u16).to_be_bytes();
+    frame.extend_from_slice(&[0x60, 0x0a, 0xbc, 0xde, len[0], len[1], next, 64]);
+    frame.extend_from_slice(src);
+    frame.extend_from_slice(dst);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// An ICMPv6 message of `kind`/`code` with `body` after its first 4 bytes, checksummed.
+fn icmp6(src: &[u8; 16], dst: &[u8; 16], kind: u8, code: u8, body: &[u8]) -> Vec<u8> {
+    let mut message = vec![kind, code, 0, 0];
+    message.extend_from_slice(body);
+    let check = checksum::l4_checksum_v6(src, dst, IPPROTO_ICMPV6, &message);
+    message[2..4].copy_from_slice(&check.to_be_bytes());
+    frame6(src, dst, IPPROTO_ICMPV6, &message)
+}
+
+/// Where the L4 header of a frame built here starts, its protocol, and the source and destination.
+fn parts(frame: &[u8]) -> (usize, u8, [u8; 16], [u8; 16]) {
+    assert_eq!(&frame[12..14], &[0x86, 0xdd], "an IPv6 frame");
+    let mut next = frame[14 + 6];
+    let mut at = 14 + 40;
+    while matches!(next, IPPROTO_HOPOPTS | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT) {
+        let len = if next == IPPROTO_FRAGMENT { 8 } else { (usize::from(frame[at + 1]) + 1) * 8 };
+        next = frame[at];
+        at += len;
+    }
+    (at, next, frame[22..38].try_into().unwrap(), frame[38..54].try_into().unwrap())
+}
+
+/// Whether the L4 checksum of an unfragmented frame is right, recomputed over the pseudo-header.
+fn l4_checksum_valid(frame: &[u8]) -> bool {
+    let (at, proto, src, dst) = parts(frame);
+    let end = 14 + 40 + usize::from(u16::from_be_bytes([frame[18], frame[19]]));
+    let segment = &frame[at..end];
+    let pseudo = checksum::pseudo_header_sum_v6(&src, &dst, proto, segment.len() as u32);
+    checksum::is_valid(checksum::add_words(pseudo, segment))
+}
+
+/// The destination address and port of a frame built here.
+fn destination(frame: &[u8]) -> ([u8; 16], u16) {
+    let (at, _, _, dst) = parts(frame);
+    (dst, u16::from_be_bytes([frame[at + 2], frame[at + 3]]))
+}
+
+#[test]
+fn a_tcp_syn_to_the_v6_cluster_ip_is_dnated_byte_exact_and_tracked() {
+    let v6 = V6::new();
+    let syn = Packet6::tcp(CLIENT6, 40000, WEB6, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&syn.frame());
+    assert_eq!(ret, PASS);
+    let (backend, port) = destination(&out);
+    assert!(WEB6_BACKENDS.contains(&backend), "DNATed to {backend:02x?}");
+    assert_eq!(port, 8080);
+    // Only the destination and the checksum differ from the input: flow label, hop limit and the
+    // rest are kept.
+    assert_eq!(out, Packet6 { dst: backend, dport: 8080, ..syn }.frame());
+    assert!(l4_checksum_valid(&out));
+
+    let fwd = v6.ct(&ct_key6(CLIENT6, 40000, WEB6, 80, IPPROTO_TCP, CT_DIR_FORWARD)).expect("forward entry");
+    assert_eq!((fwd.nat_addr, u16::from_be_bytes(fwd.nat_port)), (backend, 8080));
+    assert_eq!(fwd.state, CtState::SynSent as u8);
+    assert_eq!((fwd.packets, fwd.bytes), (1, 60));
+    let reply =
+        v6.ct(&ct_key6(backend, 8080, CLIENT6, 40000, IPPROTO_TCP, CT_DIR_REPLY)).expect("reply entry");
+    assert_eq!((reply.nat_addr, u16::from_be_bytes(reply.nat_port)), (WEB6, 80));
+    assert_eq!((reply.rev_nat_id, reply.backend_id), (fwd.rev_nat_id, fwd.backend_id));
+    assert_eq!(v6.stat(Stat::DnatNew), 1);
+}
+
+#[test]
+fn a_tcp_handshake_follows_its_backend_and_replies_come_from_the_cluster_ip() {
+    let v6 = V6::new();
+    let (_, first) = v6.ingress(&Packet6::tcp(CLIENT6, 40001, WEB6, 80, TCP_SYN).frame());
+    let (backend, _) = destination(&first);
+
+    let syn_ack = Packet6::tcp(backend, 8080, CLIENT6, 40001, TCP_SYN | TCP_ACK);
+    let (ret, out) = v6.egress(&syn_ack.frame());
+    assert_eq!(ret, PASS);
+    assert_eq!(out, Packet6 { src: WEB6, sport: 80, ..syn_ack }.frame(), "un-NATed to the cluster IP");
+    assert!(l4_checksum_valid(&out));
+    let fwd_key = ct_key6(CLIENT6, 40001, WEB6, 80, IPPROTO_TCP, CT_DIR_FORWARD);
+    assert_eq!(v6.ct(&fwd_key).unwrap().state, CtState::SynReceived as u8);
+
+    for i in 0..10u8 {
+        let ack = Packet6 { payload: vec![i; 100], ..Packet6::tcp(CLIENT6, 40001, WEB6, 80, TCP_ACK) };
+        let (ret, out) = v6.ingress(&ack.frame());
+        assert_eq!(ret, PASS);
+        assert_eq!(out, Packet6 { dst: backend, dport: 8080, ..ack }.frame(), "segment {i}");
+    }
+    let fwd = v6.ct(&fwd_key).unwrap();
+    assert_eq!((fwd.state, fwd.packets), (CtState::Established as u8, 11));
+    assert_eq!(v6.stat(Stat::DnatEstablished), 10);
+    assert_eq!(v6.stat(Stat::ReverseNat), 1);
+}
+
+#[test]
+fn a_udp_datagram_to_the_v6_cluster_ip_is_dnated_and_its_answer_un_nated() {
+    let v6 = V6::new();
+    let query = Packet6::udp(CLIENT6, 56340, DNS6, 53, b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00");
+    let (ret, out) = v6.ingress(&query.frame());
+    assert_eq!(ret, PASS);
+    assert_eq!(out, Packet6 { dst: DNS6_BACKEND, ..query }.frame());
+    assert!(l4_checksum_valid(&out));
+
+    let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, 56340, b"\x12\x34\x81\x80answer");
+    let (ret, out) = v6.egress(&answer.frame());
+    assert_eq!(ret, PASS);
+    assert_eq!(out, Packet6 { src: DNS6, ..answer }.frame());
+    assert!(l4_checksum_valid(&out));
+    let fwd = v6.ct(&ct_key6(CLIENT6, 56340, DNS6, 53, IPPROTO_UDP, CT_DIR_FORWARD)).unwrap();
+    assert_eq!((fwd.state, fwd.packets), (CtState::Open as u8, 1));
+}
+
+/// RFC 8200: a UDP checksum that computes to zero is sent as 0xffff (zero means none, which IPv6
+/// does not allow). The payload is chosen so that the DNATed datagram's checksum is exactly that.
+#[test]
+fn a_udp_checksum_that_comes_out_zero_is_sent_as_ffff() {
+    let v6 = V6::new();
+    let mut query = Packet6::udp(CLIENT6, 56342, DNS6, 53, &[0, 0, 0x12, 0x34]);
+    let mut after = Packet6 { dst: DNS6_BACKEND, ..query.clone() };
+    let mut segment = after.segment();
+    segment[6..8].fill(0);
+    let sum = checksum::add_words(
+        checksum::pseudo_header_sum_v6(&after.src, &after.dst, IPPROTO_UDP, segment.len() as u32),
+        &segment,
+    );
+    // A first payload word that brings the one's-complement sum to all ones: a checksum of zero.
+    let word = 0xffff - checksum::fold(sum);
+    query.payload[..2].copy_from_slice(&word.to_be_bytes());
+    after.payload = query.payload.clone();
+    assert_eq!(after.segment()[6..8], [0xff, 0xff], "the reference computes zero, sent as 0xffff");
+
+    let (ret, out) = v6.ingress(&query.frame());
+    assert_eq!(ret, PASS);
+    let (at, ..) = parts(&out);
+    assert_eq!(out[at + 6..at + 8], [0xff, 0xff]);
+    assert_eq!(out, after.frame());
+    assert!(l4_checksum_valid(&out));
+}
+
+#[test]
+fn a_reply_of_a_flow_never_translated_is_untouched() {
+    let v6 = V6::new();
+    let passed = v6.stat(Stat::PassNoService);
+    // A pod answering a client that reached it directly (no Service), and one whose source port
+    // matches a translated flow's backend but not its client.
+    let (_, _) = v6.ingress(&Packet6::udp(CLIENT6, 56343, DNS6, 53, b"q").frame());
+    for reply in [
+        Packet6::udp(OTHER_POD, 53, CLIENT6, 56343, b"direct"),
+        Packet6::udp(DNS6_BACKEND, 53, CLIENT6, 56399, b"another port"),
+        Packet6::tcp(DNS6_BACKEND, 53, CLIENT6, 56343, TCP_SYN | TCP_ACK),
+    ] {
+        let frame = reply.frame();
+        assert_eq!(v6.egress(&frame), (PASS, frame), "{reply:?}");
+    }
+    assert_eq!(v6.stat(Stat::PassNoService), passed + 3);
+    assert_eq!(v6.stat(Stat::ReverseNat), 0);
+}
+
+#[test]
+fn datagrams_with_destination_options_or_hop_by_hop_headers_are_translated() {
+    let v6 = V6::new();
+    for (kind, sport) in [(IPPROTO_DSTOPTS, 56350), (IPPROTO_HOPOPTS, 56351)] {
+        let query =
+            Packet6::udp(CLIENT6, sport, DNS6, 53, b"\x12\x34 with options").with_options_header(kind);
+        let (ret, out) = v6.ingress(&query.frame());
+        assert_eq!(ret, PASS);
+        assert_eq!(out, Packet6 { dst: DNS6_BACKEND, ..query.clone() }.frame(), "header {kind}");
+        assert!(l4_checksum_valid(&out));
+        // And the answer, with the same header, back from the cluster IP.
+        let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, sport, b"answer").with_options_header(kind);
+        let (_, out) = v6.egress(&answer.frame());
+        assert_eq!(out, Packet6 { src: DNS6, ..answer }.frame(), "answer with header {kind}");
+    }
+    // Two headers in a row: hop-by-hop, then destination options.
+    let syn = Packet6::tcp(CLIENT6, 40010, WEB6, 80, TCP_SYN)
+        .with_options_header(IPPROTO_HOPOPTS)
+        .with_options_header(IPPROTO_DSTOPTS);
+    let (_, out) = v6.ingress(&syn.frame());
+    let (backend, port) = destination(&out);
+    assert_eq!(out, Packet6 { dst: backend, dport: port, ..syn }.frame());
+    assert!(WEB6_BACKENDS.contains(&backend) && port == 8080);
+    assert_eq!(v6.stat(Stat::DnatNew), 3);
+}
+
+/// The first fragment carries the UDP header: it is translated, its checksum (which covers the
+/// whole datagram) updated for the new destination. Later fragments carry no ports: IPv6 keeps no
+/// first fragments' ports yet, so they pass untouched (counted).
+#[test]
+fn a_first_fragment_is_translated_and_a_later_one_passes() {
+    let v6 = V6::new();
+    let query = Packet6::udp(CLIENT6, 56360, DNS6, 53, &[0x5a; 100]);
+    let (first, later) = query.fragments(48, 0x0bad_cafe);
+    let (want_first, _) = Packet6 { dst: DNS6_BACKEND, ..query.clone() }.fragments(48, 0x0bad_cafe);
+    let (ret, out) = v6.ingress(&first);
+    assert_eq!((ret, &out), (PASS, &want_first));
+    // The reassembled datagram's checksum is right: the first fragment's L4 bytes plus the later's.
+    let (at, ..) = parts(&out);
+    let mut segment = out[at..].to_vec();
+    segment.extend_from_slice(&later[14 + 40 + 8..]);
+    let pseudo = checksum::pseudo_header_sum_v6(&CLIENT6, &DNS6_BACKEND, IPPROTO_UDP, segment.len() as u32);
+    assert!(checksum::is_valid(checksum::add_words(pseudo, &segment)), "reassembled checksum");
+    let fwd = v6.ct(&ct_key6(CLIENT6, 56360, DNS6, 53, IPPROTO_UDP, CT_DIR_FORWARD)).expect("flow recorded");
+    assert_eq!(fwd.nat_addr, DNS6_BACKEND);
+
+    let passed = v6.stat(Stat::PassFragment);
+    assert_eq!(v6.ingress(&later), (PASS, later.clone()));
+    assert_eq!(v6.stat(Stat::PassFragment), passed + 1);
+}
+
+#[test]
+fn neighbour_discovery_and_echo_are_never_touched() {
+    let v6 = V6::new();
+    let mut solicited_node = [0u8; 16];
+    solicited_node[..2].copy_from_slice(&[0xff, 0x02]);
+    solicited_node[11..].copy_from_slice(&[1, 0xff, 0, 0, 0x64]);
+    // Neighbour solicitation for the cluster IP, with the source link-layer option.
+    let mut ns = vec![0, 0, 0, 0];
+    ns.extend_from_slice(&WEB6);
+    ns.extend_from_slice(&[1, 1]);
+    ns.extend_from_slice(&CLIENT_MAC);
+    let solicitation = icmp6(&CLIENT6, &solicited_node, 135, 0, &ns);
+    let echo = icmp6(&CLIENT6, &WEB6, 128, 0, &[0x12, 0x34, 0, 1, b'p', b'i', b'n', b'g']);
+    let mut na = vec![0x60, 0, 0, 0];
+    na.extend_from_slice(&WEB6);
+    let advertisement = icmp6(&DNS6_BACKEND, &CLIENT6, 136, 0, &na);
+    let passed = v6.stat(Stat::PassNotTcpUdp);
+    for frame in [&solicitation, &echo, &advertisement] {
+        assert_eq!(v6.ingress(frame), (PASS, frame.clone()));
+        assert_eq!(v6.egress(frame), (PASS, frame.clone()));
+    }
+    assert_eq!(v6.stat(Stat::PassNotTcpUdp), passed + 6);
+}
+
+#[test]
+fn no_endpoints_refuses_tcp_with_a_reset_and_udp_with_port_unreachable() {
+    let v6 = V6::new();
+    // TCP: a RST from the cluster IP, acknowledging the SYN.
+    let syn = Packet6::tcp(CLIENT6, 40020, EMPTY6, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&syn.frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(&out[..12], &[CLIENT_MAC, NODE_MAC].concat()[..], "back to the client's MAC");
+    assert_eq!(&out[14..22], &[0x60, 0, 0, 0, 0, 20, IPPROTO_TCP, 64]);
+    let (at, proto, src, dst) = parts(&out);
+    assert_eq!((proto, src, dst), (IPPROTO_TCP, EMPTY6, CLIENT6));
+    assert_eq!(&out[at..at + 4], &[0, 80, 0x9c, 0x54], "ports swapped");
+    assert_eq!(u32::from_be_bytes(out[at + 8..at + 12].try_into().unwrap()), 0x0102_0305, "ack = seq + 1");
+    assert_eq!(out[at + 13], TCP_RST | TCP_ACK);
+    assert_eq!(out.len(), 14 + 40 + 20);
+    assert!(l4_checksum_valid(&out), "RST checksum over the pseudo-header");
+
+    // UDP: ICMPv6 destination unreachable, port unreachable, quoting the IPv6 and UDP headers.
+    let query = Packet6::udp(CLIENT6, 56370, EMPTY6, 53, b"\x12\x34 no one here");
+    let sent = query.frame();
+    let (ret, out) = v6.ingress(&sent);
+    assert_eq!(ret, BOUNCE);
+    let mut body = vec![0, 0, 0, 0];
+    body.extend_from_slice(&sent[14..14 + 48]);
+    let want = icmp6(&EMPTY6, &CLIENT6, 1, 4, &body);
+    assert_eq!(&out[..12], &[CLIENT_MAC, NODE_MAC].concat()[..]);
+    assert_eq!(
+        &out[12..22],
+        &[0x86, 0xdd, 0x60, 0, 0, 0, 0, 56, IPPROTO_ICMPV6, 64],
+        "no flow label, 56 bytes"
+    );
+    assert_eq!(out[22..], want[22..], "port unreachable from the cluster IP");
+    let message = &out[14 + 40..];
+    let pseudo = checksum::pseudo_header_sum_v6(&EMPTY6, &CLIENT6, IPPROTO_ICMPV6, message.len() as u32);
+    assert!(checksum::is_valid(checksum::add_words(pseudo, message)), "ICMPv6 checksum");
+
+    // A port the Service does not have is refused the same way.
+    let (ret, out) = v6.ingress(&Packet6::tcp(CLIENT6, 40021, WEB6, 443, TCP_SYN).frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(parts(&out).2, WEB6);
+    assert_eq!((v6.stat(Stat::RejectTcp), v6.stat(Stat::RejectUdp)), (2, 1));
+    // Nothing was recorded for the refused flows.
+    assert!(v6.ct(&ct_key6(CLIENT6, 40020, EMPTY6, 80, IPPROTO_TCP, CT_DIR_FORWARD)).is_none());
+}
+
+#[test]
+fn a_tcp_segment_that_is_no_syn_without_a_flow_to_a_cluster_ip_is_dropped() {
+    let v6 = V6::new();
+    for flags in [TCP_ACK, TCP_SYN | TCP_ACK] {
+        let (ret, _) = v6.ingress(&Packet6::tcp(CLIENT6, 40030, WEB6, 80, flags).frame());
+        assert_eq!(ret, DROP, "flags {flags:#x}");
+    }
+    assert_eq!(v6.stat(Stat::DropInvalidTcp), 2);
+    assert!(v6.ct(&ct_key6(CLIENT6, 40030, WEB6, 80, IPPROTO_TCP, CT_DIR_FORWARD)).is_none());
+}
+
+#[test]
+fn a_packet_to_no_service_is_untouched() {
+    let v6 = V6::new();
+    for packet in [
+        Packet6::tcp(CLIENT6, 40040, OTHER_POD, 80, TCP_SYN),
+        Packet6::udp(CLIENT6, 40041, OTHER_POD, 53, b"direct"),
+        Packet6::udp(CLIENT6, 40042, addr6(0x99, 0x0096), 53, b"no such service"),
+    ] {
+        let frame = packet.frame();
+        assert_eq!(v6.ingress(&frame), (PASS, frame.clone()), "{packet:?}");
+    }
+    assert_eq!(v6.stat(Stat::PassNoService), 3);
+    assert_eq!(v6.stat(Stat::DnatNew), 0);
+}
+
+/// The IPv4 path is unchanged by the IPv6 one beside it (programmed through the agent's Syncer).
+#[test]
+fn an_ipv4_packet_is_still_translated_as_before() {
+    let h = Harness::new();
+    let syn = Packet::tcp(CLIENT, 40050, WEB_VIP, 80, TCP_SYN);
+    let (ret, out) = h.ingress(&syn.frame());
+    assert_eq!(ret, PASS);
+    let backend: [u8; 4] = out[30..34].try_into().unwrap();
+    assert!(WEB_BACKENDS.contains(&backend));
+    assert_eq!(out, Packet { dst: backend, dport: 8080, ..syn }.frame());
+    assert!(checksums_valid(&out));
+    assert_eq!(h.stat(Stat::DnatNew), 1);
+}
