@@ -244,7 +244,8 @@ fn other_traffic_passes_untouched() {
     let mut ipv6 = vec![0xff; 12];
     ipv6.extend_from_slice(&[0x86, 0xdd, 0x60]);
     ipv6.extend_from_slice(&[0u8; 60]);
-    cases.push(("IPv6", ipv6, Stat::PassNotIpv4));
+    // IPv6 has a path of its own (ipv6_test_run.rs): a header without payload is malformed there.
+    cases.push(("IPv6 without payload", ipv6, Stat::PassMalformed));
     let mut later_fragment = Packet::udp(CLIENT, 999, DNS_VIP, 53, &[7; 64]).frame();
     later_fragment[14 + 6..14 + 8].copy_from_slice(&0x00b9u16.to_be_bytes());
     cases.push(("a later fragment whose first was not seen", later_fragment, Stat::PassFragment));
