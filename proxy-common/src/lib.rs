@@ -6,6 +6,7 @@
 pub mod checksum;
 pub mod conntrack;
 pub mod icmp;
+pub mod icmp6;
 pub mod inherited;
 pub mod maglev;
 pub mod maps;

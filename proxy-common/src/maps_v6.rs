@@ -12,12 +12,14 @@ pub const MAP_BACKENDS_V6: &str = "BACKENDS_V6";
 pub const MAP_REV_NAT_V6: &str = "REV_NAT_V6";
 pub const MAP_CONNTRACK_V6: &str = "CONNTRACK_V6";
 pub const MAP_VIPS_V6: &str = "VIPS_V6";
+pub const MAP_FRAGMENTS_V6: &str = "FRAGMENTS_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
 pub const REV_NAT_V6_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_V6_CAPACITY: u32 = 262_144;
 pub const VIPS_V6_CAPACITY: u32 = 65_536;
+pub const FRAGMENTS_V6_CAPACITY: u32 = 8_192;
 
 /// `(vip, port, proto, scope, slot)`, as [`crate::maps::ServiceKeyV4`].
 #[repr(C)]
@@ -117,6 +119,20 @@ pub struct CtEntryV6 {
     pub _pad2: u32,
 }
 
+/// A fragmented IPv6 datagram, as [`crate::maps::FragmentKeyV4`]: RFC 8200's reassembly key (source,
+/// destination, the fragment header's identification) and the protocol the fragment header names.
+/// FRAGMENTS_V6 maps it to the datagram's ports ([`crate::maps::FragmentPortsV4`]), from its first
+/// fragment.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragmentKeyV6 {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub id: [u8; 4],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -126,6 +142,7 @@ mod pod {
     unsafe impl aya::Pod for RevNatV6 {}
     unsafe impl aya::Pod for CtKeyV6 {}
     unsafe impl aya::Pod for CtEntryV6 {}
+    unsafe impl aya::Pod for FragmentKeyV6 {}
 }
 
 #[cfg(test)]
@@ -140,6 +157,7 @@ mod tests {
         assert_eq!(size_of::<RevNatV6>(), 16 + 2 + 1 + 1);
         assert_eq!(size_of::<CtKeyV6>(), 16 + 16 + 2 + 2 + 1 + 1 + 2);
         assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 2 + 4 + 4);
+        assert_eq!(size_of::<FragmentKeyV6>(), 16 + 16 + 4 + 1 + 3);
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! The IPv6 path of `kproxy_egress` (packets entering a pod): a reply of a translated flow comes
 //! from the Service again, found by its reply entry; anything else (a reply of a flow kproxy never
-//! translated, ICMPv6 and neighbour discovery) is left untouched. A chain of its own, as
+//! translated, neighbour discovery and other ICMPv6) is left untouched, but for ICMPv6 errors
+//! about translated flows, un-NATed for the client (`icmp6`). A chain of its own, as
 //! `ingress6`.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{maps::CT_DIR_REPLY, stats::Stat};
 
 use crate::{
-    conntrack, conntrack6, fib,
+    conntrack, conntrack6, fib, icmp6,
     maps::FLOW6_SCRATCH,
     nat6,
     parse6::{self, Flow6},
@@ -24,8 +25,11 @@ fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     let flow = FLOW6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
     // SAFETY: a per-CPU value, used by this program run alone.
     let flow = unsafe { &mut *flow };
-    parse6::flow(ctx, flow).map_err(Verdict::pass)?;
-    unnat(ctx, flow)
+    match parse6::flow(ctx, flow) {
+        Ok(()) => unnat(ctx, flow),
+        Err(Stat::PassNotTcpUdp) => icmp6::unnat_error(ctx),
+        Err(stat) => Err(Verdict::pass(stat)),
+    }
 }
 
 /// A reply of a translated flow: its source back to the Service. Not inlined: a stage of its own

@@ -55,6 +55,9 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     match classify(flow, &mut found) {
         Step::Pass(stat) => Err(Verdict::pass(stat)),
         Step::Drop(stat) => Err(Verdict::drop(stat)),
+        // A later fragment follows the translation its first fragment made; it never starts a
+        // flow nor answers for a refused one.
+        Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, flow),
         Step::Established => established(ctx, flow, &found),
         Step::NewFlow => new_flow(ctx, flow, &found),

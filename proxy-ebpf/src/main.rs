@@ -25,6 +25,7 @@ mod egress6;
 mod events;
 mod fib;
 mod icmp;
+mod icmp6;
 mod ingress;
 mod ingress6;
 mod inherited;

@@ -144,3 +144,12 @@ pub static FLOW6_SCRATCH: PerCpuArray<crate::parse6::Flow6> = PerCpuArray::with_
 /// Where an IPv6 refusal is built (`reject6`). Not pinned.
 #[map(name = "REFUSAL6_SCRATCH")]
 pub static REFUSAL6_SCRATCH: PerCpuArray<crate::reject6::Refusal6> = PerCpuArray::with_max_entries(1, 0);
+
+/// An IPv6 first fragment's ports, for the later fragments of its datagram, as FRAGMENTS_V4.
+#[map(name = "FRAGMENTS_V6")]
+pub static FRAGMENTS_V6: LruHashMap<proxy_common::maps_v6::FragmentKeyV6, FragmentPortsV4> =
+    LruHashMap::with_max_entries(proxy_common::maps_v6::FRAGMENTS_V6_CAPACITY, 0);
+
+/// Where an ICMPv6 error about a translated flow is read (`icmp6`). Not pinned.
+#[map(name = "ICMP6_SCRATCH")]
+pub static ICMP6_SCRATCH: PerCpuArray<crate::icmp6::Icmp6Scratch> = PerCpuArray::with_max_entries(1, 0);

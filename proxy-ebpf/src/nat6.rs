@@ -35,6 +35,24 @@ fn rewrite_addr(
     old: &[u8; 16],
     new: &[u8; 16],
 ) -> Result<(), Verdict> {
+    // A later fragment has no L4 checksum: the first fragment's covers the whole datagram and
+    // took the pseudo-header change.
+    let check = if flow.has_l4_header() { Some(flow.l4_check_offset) } else { None };
+    replace_addr(ctx, check, ETH_HLEN + ip_field, old, new, l4_flags(flow) | u64::from(BPF_F_PSEUDO_HDR))
+}
+
+/// Writes the 16-byte address at frame offset `field` (`old` → `new`) and accounts for it in the
+/// checksum at `check` with `flags` (`BPF_F_PSEUDO_HDR` for an address the checksum covers through
+/// the pseudo-header: then `BPF_F_IPV6` too, where the kernel knows it).
+#[inline(always)]
+pub fn replace_addr(
+    ctx: &TcContext,
+    check: Option<usize>,
+    field: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    flags: u64,
+) -> Result<(), Verdict> {
     if old == new {
         return Ok(());
     }
@@ -45,17 +63,19 @@ fn rewrite_addr(
         from[i] = u32::from_ne_bytes([old[4 * i], old[4 * i + 1], old[4 * i + 2], old[4 * i + 3]]);
         to[i] = u32::from_ne_bytes([new[4 * i], new[4 * i + 1], new[4 * i + 2], new[4 * i + 3]]);
     }
-    // SAFETY: both buffers are 16 bytes of this frame.
-    let diff = unsafe { bpf_csum_diff(from.as_mut_ptr(), 16, to.as_mut_ptr(), 16, 0) };
-    if diff < 0 {
-        return Err(Verdict::drop(Stat::RewriteFailed));
+    if let Some(check) = check {
+        // SAFETY: both buffers are 16 bytes of this frame.
+        let diff = unsafe { bpf_csum_diff(from.as_mut_ptr(), 16, to.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(Verdict::drop(Stat::RewriteFailed));
+        }
+        let diff = u64::from(diff as u32);
+        let ipv6 = if flags & u64::from(BPF_F_PSEUDO_HDR) != 0 { BPF_F_IPV6 } else { 0 };
+        if ctx.l4_csum_replace(check, 0, diff, flags | ipv6).is_err() {
+            ctx.l4_csum_replace(check, 0, diff, flags).map_err(failed)?;
+        }
     }
-    let flags = l4_flags(flow) | u64::from(BPF_F_PSEUDO_HDR);
-    let diff = u64::from(diff as u32);
-    if ctx.l4_csum_replace(flow.l4_check_offset, 0, diff, flags | BPF_F_IPV6).is_err() {
-        ctx.l4_csum_replace(flow.l4_check_offset, 0, diff, flags).map_err(failed)?;
-    }
-    ctx.store(ETH_HLEN + ip_field, &to, 0).map_err(failed)
+    ctx.store(field, &to, 0).map_err(failed)
 }
 
 #[inline(always)]
@@ -66,7 +86,7 @@ fn rewrite_port(
     old: [u8; 2],
     new: [u8; 2],
 ) -> Result<(), Verdict> {
-    if old == new {
+    if old == new || !flow.has_l4_header() {
         return Ok(());
     }
     let (old, new) = (u64::from(u16::from_ne_bytes(old)), u64::from(u16::from_ne_bytes(new)));

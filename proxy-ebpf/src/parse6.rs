@@ -2,14 +2,14 @@
 //! `proxy_common::packet6::locate_l4`, the ports and TCP flags.
 use aya_ebpf::{helpers::bpf_skb_load_bytes, programs::TcContext};
 use proxy_common::{
-    maps::IPPROTO_TCP,
-    maps_v6::CtKeyV6,
+    maps::{FragmentPortsV4, IPPROTO_TCP},
+    maps_v6::{CtKeyV6, FragmentKeyV6},
     packet::{ETH_HLEN, Fragment, L4_OFF_SPORT, TCP_OFF_FLAGS},
     packet6::{ETH_P_IPV6, IP6_OFF_DADDR, IP6_OFF_SADDR, IPV6_HLEN, locate_l4},
     stats::Stat,
 };
 
-use crate::parse::skip_stat;
+use crate::{maps::FRAGMENTS_V6, parse::skip_stat, stats};
 
 /// The parts of an IPv6 TCP/UDP packet the datapath reads and rewrites, as `parse::Flow` for
 /// IPv4. Every byte is a field, padding included (copied between frames, see `parse::Flow`).
@@ -35,6 +35,13 @@ pub struct Flow6 {
 }
 
 impl Flow6 {
+    /// Later fragments have no L4 header: their ports come from the first fragment, and only
+    /// their addresses are rewritten.
+    #[inline(always)]
+    pub fn has_l4_header(&self) -> bool {
+        !matches!(self.fragment, Fragment::Later)
+    }
+
     #[inline(always)]
     pub fn ct_key(&self, direction: u8) -> CtKeyV6 {
         CtKeyV6 {
@@ -80,8 +87,9 @@ pub fn load_into<const N: usize>(ctx: &TcContext, offset: usize, dst: &mut [u8; 
 
 /// Reads the packet into `flow`, which lives in a per-CPU map (`maps::FLOW6_SCRATCH`): on the
 /// stack it would take a quarter of the 512 bytes the IPv6 chain shares with the entry point's
-/// frame. Not inlined: the walk's temporaries stay out of the stages' frames. Later fragments carry
-/// no ports: they pass untouched (`PassFragment`), IPv6 keeps no first fragments' ports yet.
+/// frame. Not inlined: the walk's temporaries stay out of the stages' frames. A first fragment's
+/// ports are kept in FRAGMENTS_V6 for the later fragments of its datagram, which take them from
+/// there (and pass untouched, `PassFragment`, when it was not seen), as IPv4's do.
 #[inline(never)]
 pub fn flow(ctx: &TcContext, flow: &mut Flow6) -> Result<(), Stat> {
     let fixed: [u8; 8] = ctx.load(ETH_HLEN).map_err(|_| Stat::PassTruncated)?;
@@ -89,19 +97,34 @@ pub fn flow(ctx: &TcContext, flow: &mut Flow6) -> Result<(), Stat> {
     let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
     let read = |offset: usize| ctx.load::<[u8; 8]>(ETH_HLEN + offset).ok();
     let loc = locate_l4(fixed[0], fixed[6], payload_len, available, read).map_err(skip_stat)?;
-    if let Fragment::Later = loc.fragment {
-        return Err(Stat::PassFragment);
-    }
-    // Bounded for the verifier: eight extension headers of at most 2 KiB each.
-    let l4_offset = ETH_HLEN + (loc.l4_offset & 0x7fff);
-    let ports: [u8; 4] = ctx.load(l4_offset + L4_OFF_SPORT).map_err(|_| Stat::PassTruncated)?;
-    flow.tcp_flags = if loc.proto == IPPROTO_TCP {
-        ctx.load::<u8>(l4_offset + TCP_OFF_FLAGS).map_err(|_| Stat::PassTruncated)?
-    } else {
-        0
-    };
     load_into(ctx, ETH_HLEN + IP6_OFF_SADDR, &mut flow.saddr)?;
     load_into(ctx, ETH_HLEN + IP6_OFF_DADDR, &mut flow.daddr)?;
+    let id = u32::from_ne_bytes(loc.fragment_id);
+    // Bounded for the verifier: eight extension headers of at most 2 KiB each.
+    let l4_offset = ETH_HLEN + (loc.l4_offset & 0x7fff);
+    let (ports, tcp_flags) = match loc.fragment {
+        Fragment::Later => {
+            let recalled = recall_ports(&flow.saddr, &flow.daddr, id, loc.proto);
+            if recalled == 0 {
+                return Err(Stat::PassFragment);
+            }
+            stats::count(Stat::FragmentFollowed);
+            ((recalled as u32).to_ne_bytes(), 0)
+        }
+        Fragment::First | Fragment::Whole => {
+            let ports: [u8; 4] = ctx.load(l4_offset + L4_OFF_SPORT).map_err(|_| Stat::PassTruncated)?;
+            let tcp_flags = if loc.proto == IPPROTO_TCP {
+                ctx.load::<u8>(l4_offset + TCP_OFF_FLAGS).map_err(|_| Stat::PassTruncated)?
+            } else {
+                0
+            };
+            if let Fragment::First = loc.fragment {
+                remember_ports(&flow.saddr, &flow.daddr, id, loc.proto, u32::from_ne_bytes(ports));
+            }
+            (ports, tcp_flags)
+        }
+    };
+    flow.tcp_flags = tcp_flags;
     flow.l4_offset = l4_offset;
     flow.l4_check_offset = ETH_HLEN + (loc.checksum_offset() & 0x7fff);
     flow.sport = [ports[0], ports[1]];
@@ -111,4 +134,33 @@ pub fn flow(ctx: &TcContext, flow: &mut Flow6) -> Result<(), Stat> {
     flow.fragment = loc.fragment;
     flow.extension_headers = u8::from(loc.has_extension_headers());
     Ok(())
+}
+
+/// The key of the datagram a fragment belongs to. `id` as its bytes in a native u32.
+#[inline(always)]
+fn datagram(saddr: &[u8; 16], daddr: &[u8; 16], id: u32, proto: u8) -> FragmentKeyV6 {
+    FragmentKeyV6 { saddr: *saddr, daddr: *daddr, id: id.to_ne_bytes(), proto, _pad: [0; 3] }
+}
+
+/// Keeps a first fragment's ports for the rest of its datagram. Not inlined: the 40-byte key
+/// gets a frame of its own. Scalars in rather than arrays: they stay in registers.
+#[inline(never)]
+fn remember_ports(saddr: &[u8; 16], daddr: &[u8; 16], id: u32, proto: u8, ports: u32) {
+    let ports = ports.to_ne_bytes();
+    let value = FragmentPortsV4 { sport: [ports[0], ports[1]], dport: [ports[2], ports[3]] };
+    // A full LRU forgets the oldest datagram; this one's later fragments then pass untranslated.
+    let _ = FRAGMENTS_V6.insert(datagram(saddr, daddr, id, proto), value, 0);
+}
+
+/// The ports of a later fragment's datagram (the bytes of sport and dport as a native u32, bit 32
+/// set), or 0 when its first fragment was not seen.
+#[inline(never)]
+fn recall_ports(saddr: &[u8; 16], daddr: &[u8; 16], id: u32, proto: u8) -> u64 {
+    // SAFETY: the value is copied out at once.
+    match unsafe { FRAGMENTS_V6.get(datagram(saddr, daddr, id, proto)) } {
+        Some(p) => {
+            (1 << 32) | u64::from(u32::from_ne_bytes([p.sport[0], p.sport[1], p.dport[0], p.dport[1]]))
+        }
+        None => 0,
+    }
 }

@@ -416,29 +416,91 @@ fn datagrams_with_destination_options_or_hop_by_hop_headers_are_translated() {
     assert_eq!(v6.stat(Stat::DnatNew), 3);
 }
 
-/// The first fragment carries the UDP header: it is translated, its checksum (which covers the
-/// whole datagram) updated for the new destination. Later fragments carry no ports: IPv6 keeps no
-/// first fragments' ports yet, so they pass untouched (counted).
+/// A datagram larger than the MTU arrives in fragments; only the first has the UDP header. The
+/// first is translated (its checksum, which covers the whole datagram, updated for the new
+/// destination), and its ports kept in FRAGMENTS_V6: the later one gets the same destination
+/// (IPv6 has no header checksum, and it has no L4 checksum of its own). Replies the same way back.
 #[test]
-fn a_first_fragment_is_translated_and_a_later_one_passes() {
+fn a_fragmented_datagram_is_translated_fragment_by_fragment() {
     let v6 = V6::new();
     let query = Packet6::udp(CLIENT6, 56360, DNS6, 53, &[0x5a; 100]);
     let (first, later) = query.fragments(48, 0x0bad_cafe);
-    let (want_first, _) = Packet6 { dst: DNS6_BACKEND, ..query.clone() }.fragments(48, 0x0bad_cafe);
+    let (want_first, want_later) = Packet6 { dst: DNS6_BACKEND, ..query.clone() }.fragments(48, 0x0bad_cafe);
+    let followed = v6.stat(Stat::FragmentFollowed);
     let (ret, out) = v6.ingress(&first);
-    assert_eq!((ret, &out), (PASS, &want_first));
-    // The reassembled datagram's checksum is right: the first fragment's L4 bytes plus the later's.
+    assert_eq!((ret, &out), (PASS, &want_first), "first fragment");
+    let (ret, out_later) = v6.ingress(&later);
+    assert_eq!((ret, &out_later), (PASS, &want_later), "later fragment");
+    assert_eq!(v6.stat(Stat::FragmentFollowed), followed + 1);
+    // The reassembled datagram's checksum is right: the first fragment's L4 bytes, then the later's.
     let (at, ..) = parts(&out);
     let mut segment = out[at..].to_vec();
-    segment.extend_from_slice(&later[14 + 40 + 8..]);
+    segment.extend_from_slice(&out_later[14 + 40 + 8..]);
     let pseudo = checksum::pseudo_header_sum_v6(&CLIENT6, &DNS6_BACKEND, IPPROTO_UDP, segment.len() as u32);
     assert!(checksum::is_valid(checksum::add_words(pseudo, &segment)), "reassembled checksum");
     let fwd = v6.ct(&ct_key6(CLIENT6, 56360, DNS6, 53, IPPROTO_UDP, CT_DIR_FORWARD)).expect("flow recorded");
     assert_eq!(fwd.nat_addr, DNS6_BACKEND);
 
+    let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, 56360, &[0xa5; 200]);
+    let (first, later) = answer.fragments(104, 0x7001);
+    let (want_first, want_later) = Packet6 { src: DNS6, ..answer }.fragments(104, 0x7001);
+    assert_eq!(v6.egress(&first), (PASS, want_first), "first fragment of the answer");
+    assert_eq!(v6.egress(&later), (PASS, want_later), "later fragment of the answer");
+
+    // Another datagram's later fragment, its first never seen: left alone.
+    let stray = query.fragments(48, 0x0bad_cafe + 1).1;
     let passed = v6.stat(Stat::PassFragment);
-    assert_eq!(v6.ingress(&later), (PASS, later.clone()));
+    assert_eq!(v6.ingress(&stray), (PASS, stray.clone()));
     assert_eq!(v6.stat(Stat::PassFragment), passed + 1);
+}
+
+/// An ICMPv6 error about a translated flow reaches the client as if the Service had sent it: the
+/// quoted packet's destination goes back to the Service (address and port, the ICMPv6 checksum
+/// kept right), and the outer source too when the backend sent the error. Packet too big above
+/// all: IPv6 routers never fragment, so TCP learns the path MTU only from it.
+#[test]
+fn icmpv6_errors_about_a_translated_flow_are_un_nated_for_the_client() {
+    let v6 = V6::new();
+    let mtu = [0, 0, 0x05, 0x00];
+
+    // The DNS backend has nothing on port 53 any more: port unreachable, from the backend.
+    let query = Packet6::udp(CLIENT6, 40000, DNS6, 53, b"\x12\x34\x01\x00");
+    let (_, dnat) = v6.ingress(&query.frame());
+    let sent = &dnat[14..];
+    let error = icmp6(&DNS6_BACKEND, &CLIENT6, 1, 4, &[&[0; 4], sent].concat());
+    // The quote as the client sent it; its own UDP checksum stays the DNATed one.
+    let quote = [&query.frame()[14..14 + 40], &sent[40..]].concat();
+    let (ret, out) = v6.egress(&error);
+    assert_eq!(
+        (ret, out),
+        (PASS, icmp6(&DNS6, &CLIENT6, 1, 4, &[&[0; 4], &quote[..]].concat())),
+        "port unreachable"
+    );
+
+    // A router between node and web backend has a smaller MTU: packet too big, from the router;
+    // the quoted port goes back from 8080 to 80.
+    let syn = Packet6 { payload: vec![0x42; 64], ..Packet6::tcp(CLIENT6, 40001, WEB6, 80, TCP_SYN) };
+    let (_, dnat) = v6.ingress(&syn.frame());
+    let sent = &dnat[14..];
+    let router = addr6(1, 0x0900);
+    let error = icmp6(&router, &CLIENT6, 2, 0, &[&mtu, sent].concat());
+    let quote = [&syn.frame()[14..14 + 40], &sent[40..42], &80u16.to_be_bytes(), &sent[44..]].concat();
+    let (ret, out) = v6.egress(&error);
+    assert_eq!(
+        (ret, out),
+        (PASS, icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &quote[..]].concat())),
+        "packet too big"
+    );
+    assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
+
+    // An error about a flow kproxy never translated, and one addressed to someone else than the
+    // quoted packet's source, are left alone.
+    let stranger = Packet6::udp(CLIENT6, 40002, OTHER_POD, 53, b"x").frame()[14..].to_vec();
+    let unknown = icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &stranger[..]].concat());
+    assert_eq!(v6.egress(&unknown), (PASS, unknown.clone()));
+    let elsewhere = icmp6(&router, &OTHER_POD, 2, 0, &[&mtu, sent].concat());
+    assert_eq!(v6.egress(&elsewhere), (PASS, elsewhere.clone()));
+    assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
 }
 
 #[test]

@@ -98,6 +98,7 @@ map_table! {
         MAP_EVENTS;
         MAP_TRACE => (u32, TraceConfig);
         MAP_FRAGMENTS_V4 => (FragmentKeyV4, FragmentPortsV4);
+        MAP_FRAGMENTS_V6 => (FragmentKeyV6, FragmentPortsV4);
     }
 }
 
