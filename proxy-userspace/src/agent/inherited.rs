@@ -17,7 +17,11 @@
 //! source-NATed (a pod's masqueraded connection to the internet) can neither
 //! be a Service's nor clash with one of kproxy's translations.
 
-use std::{collections::HashMap as StdHashMap, time::Duration};
+use std::{
+    collections::HashMap as StdHashMap,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result};
 use proxy_common::{
@@ -26,7 +30,8 @@ use proxy_common::{
 };
 
 use crate::{
-    bpf::{self, PinDir},
+    agent::http::{health::Health, metrics::Metrics},
+    bpf,
     net::Protocol,
     nf_conntrack::{self, Entry},
 };
@@ -104,9 +109,58 @@ pub fn scan(inherited: &mut bpf::InheritedMap) -> Result<ScanReport> {
     Ok(report)
 }
 
-/// [`scan`] with the pinned map (only it: the scan runs every few seconds).
-pub fn scan_pinned(pins: &PinDir) -> Result<ScanReport> {
-    scan(&mut bpf::open_inherited(pins)?)
+/// The first scan of nf_conntrack for flows to leave to netfilter, on a handle of its own on
+/// `maps.inherited` (returned for [`scan_loop`]); `None` when there is nothing to inherit from (no
+/// conntrack table here) or it cannot be read, which is logged.
+pub fn first_scan(maps: &bpf::Maps) -> Option<(bpf::InheritedMap, ScanReport)> {
+    if !available() {
+        tracing::info!("nf_conntrack is not loaded here: no connection to inherit from netfilter");
+        return None;
+    }
+    match bpf::second_handle(&maps.inherited).and_then(|mut map| Ok((scan(&mut map)?, map))) {
+        Ok((report, map)) => {
+            log(&report, None);
+            Some((map, report))
+        }
+        Err(e) => {
+            tracing::warn!(
+                error = %format!("{e:#}"),
+                "cannot read nf_conntrack: connections opened through kube-proxy stall when kproxy serves \
+                 their Service"
+            );
+            None
+        }
+    }
+}
+
+/// Scans again once the first sync is programmed (flows opened before it),
+/// then while inherited flows remain, and seldom after.
+pub async fn scan_loop(map: bpf::InheritedMap, health: Health, metrics: Metrics, first: ScanReport) {
+    let map = Arc::new(Mutex::new(map));
+    metrics.set_inherited_open(first.open as u64);
+    while health.check(std::time::SystemTime::now()).not_synced_yet.is_some() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut previous = first;
+    loop {
+        let map = Arc::clone(&map);
+        let scanned = tokio::task::spawn_blocking(move || {
+            scan(&mut map.lock().unwrap_or_else(PoisonError::into_inner))
+        });
+        match scanned.await {
+            Ok(Ok(report)) => {
+                log(&report, Some(&previous));
+                metrics.set_inherited_open(report.open as u64);
+                previous = report;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %format!("{e:#}"), "reading nf_conntrack failed; will retry")
+            }
+            Err(e) => tracing::warn!(error = %e, "nf_conntrack scan task failed"),
+        }
+        let idle = previous.open == 0 && previous.over == 0;
+        tokio::time::sleep(if idle { IDLE_SCAN_PERIOD } else { SCAN_PERIOD }).await;
+    }
 }
 
 /// Logs a scan's outcome when it says something new.

@@ -6,14 +6,15 @@ use std::{
     time::{Instant, SystemTime},
 };
 
+use anyhow::Result;
 use proxy_common::maps::SockRevNatKeyV4;
 
-use super::{SocketLbMode, nodeport, purge_removed_udp_backends};
+use super::{SocketLbMode, gc, nodeport};
 use crate::{
     agent::http::health::Health,
     agent::http::metrics::Metrics,
     agent::nodeport::{NodeAddresses, NorthSouthOptions},
-    bpf::{InterfaceSelector, Maps, PinDir, open_sock_revnat},
+    bpf::{self, InterfaceSelector, Maps},
     k8s::api_watch::{Changes, Objects, Pending},
     k8s::manifest::ManifestError,
     model::{self, Desired, ModelOptions, service_cidrs::ServiceCidrs},
@@ -32,7 +33,9 @@ pub(super) struct SyncLoop<'a> {
     pub(super) full_sync_due: bool,
     /// Errors already logged: a bad object is reported once per version.
     pub(super) logged: BTreeSet<String>,
-    pub(super) pins: PinDir,
+    /// The agent's handles on the maps besides the syncer's: north-south addresses, service CIDRs,
+    /// socket rev-NAT, conntrack purges.
+    pub(super) maps: Maps,
     /// Per-Service model results, for the API-server source (where
     /// namespace/name is unique); manifests are always modelled whole, which
     /// also reports a Service defined twice.
@@ -65,9 +68,7 @@ impl SyncLoop<'_> {
             }
         };
         if self.node_addresses.as_ref() != Some(&addresses) {
-            match Maps::from_pins(&self.pins)
-                .and_then(|mut maps| nodeport::write_maps(&mut maps, &self.north_south, &addresses))
-            {
+            match nodeport::write_maps(&mut self.maps, &self.north_south, &addresses) {
                 Ok(_) => {
                     tracing::info!(
                         nodeport_addresses = ?addresses.nodeport,
@@ -136,11 +137,9 @@ impl SyncLoop<'_> {
                 );
             }
         }
-        let written = crate::bpf::open_service_cidrs(&self.pins).and_then(|mut map| {
-            if crate::bpf::service_cidrs::read(&map)? != cidrs.ipv4 {
-                crate::bpf::service_cidrs::write(&mut map, &cidrs.ipv4)?;
-            }
-            Ok(())
+        let map = &mut self.maps.service_cidrs;
+        let written = bpf::service_cidrs::read(map).and_then(|held| {
+            if held == cidrs.ipv4 { Ok(()) } else { bpf::service_cidrs::write(map, &cidrs.ipv4) }
         });
         match written {
             Ok(()) => self.service_cidrs = Some(cidrs),
@@ -159,18 +158,17 @@ impl SyncLoop<'_> {
             .map(|(b, _)| crate::agent::sockdiag::Peer { addr: b.addr, port: b.port })
             .collect();
         if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
-            let destroyed = open_sock_revnat(&self.pins).and_then(|sock_revnat| {
-                let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| {
-                    let key = SockRevNatKeyV4 {
-                        cookie,
-                        addr: peer.addr.octets(),
-                        port: peer.port.to_be_bytes(),
-                        _pad: [0; 2],
-                    };
-                    sock_revnat.get(&key, 0).is_ok()
+            let sock_revnat = &self.maps.sock_revnat;
+            let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| {
+                let key = SockRevNatKeyV4 {
+                    cookie,
+                    addr: peer.addr.octets(),
+                    port: peer.port.to_be_bytes(),
+                    _pad: [0; 2],
                 };
-                crate::agent::sockdiag::destroy_everywhere(&peers, &translated)
-            });
+                sock_revnat.get(&key, 0).is_ok()
+            };
+            let destroyed = crate::agent::sockdiag::destroy_everywhere(&peers, &translated);
             match destroyed {
                 Ok(0) => {}
                 Ok(n) => {
@@ -184,14 +182,12 @@ impl SyncLoop<'_> {
     }
 
     /// Purges the conntrack entries of removed UDP backends.
-    fn purge_udp_conntrack(&self, report: &SyncReport) {
+    fn purge_udp_conntrack(&mut self, report: &SyncReport) {
         if report.removed_backends.iter().any(|(_, proto)| *proto == Protocol::Udp) {
             // At once, so a UDP client that keeps its source port reaches a live
             // backend with its next packet (the CoreDNS problem).
             let reconcile_started = Instant::now();
-            match Maps::from_pins(&self.pins)
-                .and_then(|mut maps| purge_removed_udp_backends(&mut maps, report))
-            {
+            match purge_removed_udp_backends(&mut self.maps, report) {
                 Ok(purged) => {
                     self.metrics.add_conntrack_purged(purged);
                     if purged > 0 {
@@ -260,4 +256,16 @@ impl SyncLoop<'_> {
             "synced"
         );
     }
+}
+
+/// Deletes at once the conntrack entries of the UDP backends a sync removed
+/// (TCP flows keep their backend, as kube-proxy's; see [`gc::purge_backends`]).
+fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Result<u64> {
+    let udp: Vec<u32> = report
+        .removed_backends
+        .iter()
+        .filter(|(_, proto)| *proto == Protocol::Udp)
+        .map(|(id, _)| *id)
+        .collect();
+    gc::purge_backends(maps, &udp)
 }

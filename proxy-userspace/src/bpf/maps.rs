@@ -3,10 +3,12 @@
 //! key and value sizes a reused pin must have ([`expected_layout`]) and the fill level of the maps with
 //! a fixed capacity ([`map_usage`]). A new map is one row here.
 
+use std::os::fd::AsFd as _;
+
 use anyhow::{Context as _, Result, anyhow};
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, lpm_trie},
+    maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray, lpm_trie},
 };
 use proxy_common::maps::*;
 use proxy_common::maps_v6::*;
@@ -52,6 +54,11 @@ macro_rules! map_table {
                 let mut take = |name: &str| ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} missing"));
                 Ok(Self { $( $field: <$ty>::try_from(take($name)?)?, )* })
             }
+
+            /// Second handles on the same maps ([`second_handle`]), for a part of the agent that keeps its own.
+            pub fn try_clone(&self) -> Result<Self> {
+                Ok(Self { $( $field: second_handle(&self.$field)?, )* })
+            }
         }
 
         /// `(map, entries, capacity)` for every map with a fixed capacity that the metrics and `kproxy
@@ -85,7 +92,7 @@ map_table! {
         maglev: Array<MapData, u32> = MAP_MAGLEV_V4, Array, (u32, u32);
         /// Flows netfilter translated before kproxy attached (`agent::inherited` keeps it).
         inherited: HashMap<MapData, CtKeyV4, InheritedFlowV4> = MAP_INHERITED_V4, HashMap, (CtKeyV4, InheritedFlowV4), usage "inherited_v4";
-        /// The service CIDRs (`sync::service_cidrs` writes them).
+        /// The service CIDRs (`bpf::service_cidrs` reads and writes them).
         service_cidrs: Array<MapData, ServiceCidrsV4> = MAP_SERVICE_CIDRS_V4, Array, (u32, ServiceCidrsV4);
         /// IPv6 (issue 19): the maps parallel to the IPv4 ones, ids shared with them.
         services_v6: HashMap<MapData, ServiceKeyV6, ServiceValueV6> = MAP_SERVICES_V6, HashMap, (ServiceKeyV6, ServiceValueV6), usage "services_v6";
@@ -125,19 +132,14 @@ pub(super) fn open_pinned(pins: &PinDir, name: &str) -> Result<MapData> {
 /// A handle on `INHERITED_V4`.
 pub type InheritedMap = HashMap<MapData, CtKeyV4, InheritedFlowV4>;
 
-/// The pinned `INHERITED_V4` alone (the agent rewrites it every few seconds from nf_conntrack).
-pub fn open_inherited(pins: &PinDir) -> Result<InheritedMap> {
-    Ok(HashMap::try_from(Map::HashMap(open_pinned(pins, MAP_INHERITED_V4)?))?)
-}
-
-/// The pinned `SOCK_REVNAT_V4` alone (the agent consults it when destroying sockets).
-pub fn open_sock_revnat(pins: &PinDir) -> Result<HashMap<MapData, SockRevNatKeyV4, SockRevNatV4>> {
-    Ok(HashMap::try_from(Map::LruHashMap(open_pinned(pins, MAP_SOCK_REVNAT_V4)?))?)
-}
-
-/// The pinned `SERVICE_CIDRS_V4` alone (the agent checks it at every sync).
-pub fn open_service_cidrs(pins: &PinDir) -> Result<Array<MapData, ServiceCidrsV4>> {
-    Ok(Array::try_from(Map::Array(open_pinned(pins, MAP_SERVICE_CIDRS_V4)?))?)
+/// A second handle on the kernel map behind `map`: its descriptor duplicated, the pin not read again (a
+/// handle opened once at start stays on the map it opened).
+pub fn second_handle<K: aya::Pod, V, M>(map: &M) -> Result<M>
+where
+    M: IterableMap<K, V> + TryFrom<Map, Error = MapError>,
+{
+    let fd = map.map().fd().as_fd().try_clone_to_owned().context("duplicating a map descriptor")?;
+    Ok(M::try_from(Map::from_map_data(MapData::from_fd(fd)?)?)?)
 }
 
 #[cfg(test)]
