@@ -37,61 +37,83 @@ pub fn attach_checks(
 ) -> Vec<Check> {
     let wanted: Vec<&bpf::Interface> = interfaces.iter().filter(|i| selector.matches(&i.name)).collect();
     if wanted.is_empty() {
-        const SHOWN: usize = 30;
-        let mut seen: Vec<&str> = interfaces.iter().take(SHOWN).map(|i| i.name.as_str()).collect();
-        let more = format!("and {} more", interfaces.len().saturating_sub(SHOWN));
-        if interfaces.len() > SHOWN {
-            seen.push(&more);
-        }
-        let seen = if seen.is_empty() { "none".to_owned() } else { seen.join(", ") };
-        return vec![Check::fail(
-            "attach",
-            format!(
-                "no interface matches {} in this network namespace, so no pod's traffic reaches the programs; \
-                 its interfaces: {seen}",
-                globs.join(" ")
-            ),
-            "pass the pod-facing interfaces' names to the agent and to doctor with --interfaces (veth* for bridge \
-             CNIs such as flannel and kindnet, cali* for Calico, lxc* for Cilium); a node that runs no pod yet has \
-             none",
-        )];
+        return vec![no_interface_matches(interfaces, globs)];
     }
     let mut out = Vec::new();
     let (mut attached, mut bare_covered) = (Vec::new(), Vec::new());
     for iface in &wanted {
-        let missing: Vec<&str> = Hook::POD
-            .iter()
-            .filter(|h| !links.contains(&link_pin_name(&iface.name, iface.index, **h)))
-            .map(|h| match h {
-                Hook::Ingress => "ingress (DNAT of what the pod sends)",
-                Hook::Egress => "egress (un-NAT of the replies it receives)",
-                Hook::ExternalIngress => "external ingress (NodePort, ExternalIP and LB traffic)",
-            })
-            .collect();
+        let missing = missing_hooks(iface, links);
         if missing.is_empty() {
             attached.push(iface.name.as_str());
         } else if missing.len() == Hook::POD.len() && covered.contains(&iface.name) {
             bare_covered.push(iface.name.as_str());
         } else {
-            out.push(Check::warn(
-                format!("attach {}", iface.name),
-                format!(
-                    "{} (index {}) has no {} program: no link pin under {}/links",
-                    iface.name,
-                    iface.index,
-                    missing.join(" and no "),
-                    pin_dir.display()
-                ),
-                format!(
-                    "the agent attaches new interfaces within --poll-ms; check its log, or run `kproxy --pin-dir {} load --interfaces {}`",
-                    pin_dir.display(),
-                    globs.join(" ")
-                ),
-            ));
+            out.push(hooks_missing(iface, &missing, globs, pin_dir));
         }
     }
+    let all_attached = out.is_empty();
+    out.extend(attached_summary(&attached, &bare_covered, all_attached));
+    out
+}
+
+/// FAIL: no interface of this namespace matches `globs` (the first few are named).
+fn no_interface_matches(interfaces: &[bpf::Interface], globs: &[String]) -> Check {
+    const SHOWN: usize = 30;
+    let mut seen: Vec<&str> = interfaces.iter().take(SHOWN).map(|i| i.name.as_str()).collect();
+    let more = format!("and {} more", interfaces.len().saturating_sub(SHOWN));
+    if interfaces.len() > SHOWN {
+        seen.push(&more);
+    }
+    let seen = if seen.is_empty() { "none".to_owned() } else { seen.join(", ") };
+    Check::fail(
+        "attach",
+        format!(
+            "no interface matches {} in this network namespace, so no pod's traffic reaches the programs; \
+             its interfaces: {seen}",
+            globs.join(" ")
+        ),
+        "pass the pod-facing interfaces' names to the agent and to doctor with --interfaces (veth* for bridge \
+         CNIs such as flannel and kindnet, cali* for Calico, lxc* for Cilium); a node that runs no pod yet has \
+         none",
+    )
+}
+
+/// The pod hooks `iface` has no link pin for, each described by what it does.
+fn missing_hooks(iface: &bpf::Interface, links: &BTreeSet<String>) -> Vec<&'static str> {
+    Hook::POD
+        .iter()
+        .filter(|h| !links.contains(&link_pin_name(&iface.name, iface.index, **h)))
+        .map(|h| match h {
+            Hook::Ingress => "ingress (DNAT of what the pod sends)",
+            Hook::Egress => "egress (un-NAT of the replies it receives)",
+            Hook::ExternalIngress => "external ingress (NodePort, ExternalIP and LB traffic)",
+        })
+        .collect()
+}
+
+/// WARN: `iface` lacks the `missing` hooks.
+fn hooks_missing(iface: &bpf::Interface, missing: &[&str], globs: &[String], pin_dir: &Path) -> Check {
+    Check::warn(
+        format!("attach {}", iface.name),
+        format!(
+            "{} (index {}) has no {} program: no link pin under {}/links",
+            iface.name,
+            iface.index,
+            missing.join(" and no "),
+            pin_dir.display()
+        ),
+        format!(
+            "the agent attaches new interfaces within --poll-ms; check its log, or run `kproxy --pin-dir {} load --interfaces {}`",
+            pin_dir.display(),
+            globs.join(" ")
+        ),
+    )
+}
+
+/// OK: the interfaces with every hook (named when none lacks one), and those the socket hooks cover.
+fn attached_summary(attached: &[&str], bare_covered: &[&str], all_attached: bool) -> Option<Check> {
     let mut parts = Vec::new();
-    if out.is_empty() && !attached.is_empty() {
+    if all_attached && !attached.is_empty() {
         parts.push(format!(
             "ingress and egress programs attached on {} interfaces: {}",
             attached.len(),
@@ -104,10 +126,7 @@ pub fn attach_checks(
             bare_covered.join(", ")
         ));
     }
-    if !parts.is_empty() {
-        out.push(Check::ok("attach", parts.join("; ")));
-    }
-    out
+    (!parts.is_empty()).then(|| Check::ok("attach", parts.join("; ")))
 }
 
 /// Fill of one map: hash maps refuse inserts when full; LRU maps evict.
