@@ -194,7 +194,7 @@ fn a_tcp_flow_whose_backend_is_gone_keeps_its_backend() {
     assert!(WEB_BACKENDS.contains(&old));
     let mut d = desired();
     let web = d.frontends.iter_mut().find(|f| f.service.name == "web").unwrap();
-    web.backends.retain(|b| b.addr.octets() != old);
+    web.backends.retain(|b| b.addr != std::net::IpAddr::from(old));
     h.apply(&d);
     let (ret, out) = h.ingress(&Packet::tcp(CLIENT, 40800, WEB_VIP, 80, TCP_ACK).frame());
     assert_eq!(ret, PASS);

@@ -78,7 +78,7 @@ impl External {
             Ipv4Addr::from(NODE),
             30080,
             Protocol::Tcp,
-            vec![BackendAddr { addr: Ipv4Addr::from(REMOTE_BACKEND), port: 80 }],
+            vec![BackendAddr { addr: Ipv4Addr::from(REMOTE_BACKEND).into(), port: 80 }],
         );
         web.kind = FrontendKind::NodePort;
         let stats = maps.stats;

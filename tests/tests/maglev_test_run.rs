@@ -36,7 +36,7 @@ struct Node {
 }
 
 fn backends(n: u8) -> Vec<BackendAddr> {
-    (1..=n).map(|i| BackendAddr { addr: Ipv4Addr::new(10, 244, 1, i), port: 8080 }).collect()
+    (1..=n).map(|i| BackendAddr { addr: Ipv4Addr::new(10, 244, 1, i).into(), port: 8080 }).collect()
 }
 
 fn desired(backends: Vec<BackendAddr>) -> Desired {
@@ -111,9 +111,10 @@ fn two_nodes_with_the_same_seed_pick_the_same_backend_for_every_flow() {
 fn removing_one_of_ten_backends_moves_only_its_own_flows_and_a_few_more() {
     let mut node = Node::new(7, backends(10));
     let before = node.picks();
-    let removed = backends(10)[3].addr.octets();
-    let remaining: Vec<BackendAddr> =
-        backends(10).into_iter().filter(|b| b.addr.octets() != removed).collect();
+    let removed_backend = backends(10)[3];
+    let std::net::IpAddr::V4(removed) = removed_backend.addr else { unreachable!("IPv4 backends") };
+    let removed = removed.octets();
+    let remaining: Vec<BackendAddr> = backends(10).into_iter().filter(|b| *b != removed_backend).collect();
     let report = node.syncer.apply(&desired(remaining));
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     let after = node.picks();

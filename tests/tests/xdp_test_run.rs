@@ -46,7 +46,7 @@ fn web(kind: FrontendKind, vip: [u8; 4], port: u16, backends: &[[u8; 4]]) -> Fro
         Ipv4Addr::from(vip),
         port,
         Protocol::Tcp,
-        backends.iter().map(|a| BackendAddr { addr: Ipv4Addr::from(*a), port: 80 }).collect(),
+        backends.iter().map(|a| BackendAddr { addr: Ipv4Addr::from(*a).into(), port: 80 }).collect(),
     );
     fe.kind = kind;
     fe

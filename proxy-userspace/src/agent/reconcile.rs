@@ -155,7 +155,11 @@ impl SyncLoop<'_> {
             .removed_backend_addrs
             .iter()
             .filter(|(_, proto)| *proto == Protocol::Udp)
-            .map(|(b, _)| crate::agent::sockdiag::Peer { addr: b.addr, port: b.port })
+            // Socket LB is IPv4 only so far: no IPv6 socket is translated.
+            .filter_map(|(b, _)| match b.addr {
+                std::net::IpAddr::V4(addr) => Some(crate::agent::sockdiag::Peer { addr, port: b.port }),
+                std::net::IpAddr::V6(_) => None,
+            })
             .collect();
         if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
             let sock_revnat = &self.maps.sock_revnat;

@@ -7,6 +7,7 @@ use std::net::Ipv4Addr;
 use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, IterableMap as _, LpmTrie, MapData, MapError, lpm_trie};
 use proxy_common::maps::*;
+use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
 use super::Maps;
 use crate::net::Cidr4;
@@ -45,6 +46,53 @@ pub trait Store {
     fn put_maglev(&mut self, _index: u32, _backend_id: u32) -> Result<()> {
         Ok(())
     }
+    /// The IPv6 maps (SERVICES_V6, BACKENDS_V6, REV_NAT_V6, VIPS_V6), keyed by the same ids as IPv4's. A
+    /// store without them reads nothing and refuses every write, so an IPv6 frontend is reported, not lost.
+    fn read_services6(&self) -> Result<Vec<(ServiceKeyV6, ServiceValueV4)>> {
+        Ok(Vec::new())
+    }
+    fn read_backends6(&self) -> Result<Vec<(u32, BackendV6)>> {
+        Ok(Vec::new())
+    }
+    fn read_vips6(&self) -> Result<Vec<([u8; 16], VipV4)>> {
+        Ok(Vec::new())
+    }
+    fn put_service6(&mut self, _key: ServiceKeyV6, _value: ServiceValueV4) -> Result<()> {
+        Err(no_ipv6_maps())
+    }
+    fn del_service6(&mut self, _key: &ServiceKeyV6) -> Result<()> {
+        Ok(())
+    }
+    fn put_backend6(&mut self, _id: u32, _value: BackendV6) -> Result<()> {
+        Err(no_ipv6_maps())
+    }
+    fn del_backend6(&mut self, _id: u32) -> Result<()> {
+        Ok(())
+    }
+    fn put_rev_nat6(&mut self, _id: u16, _value: RevNatV6) -> Result<()> {
+        Err(no_ipv6_maps())
+    }
+    fn del_rev_nat6(&mut self, _id: u16) -> Result<()> {
+        Ok(())
+    }
+    fn put_vip6(&mut self, _vip: [u8; 16], _value: VipV4) -> Result<()> {
+        Err(no_ipv6_maps())
+    }
+    fn del_vip6(&mut self, _vip: [u8; 16]) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn no_ipv6_maps() -> anyhow::Error {
+    anyhow::anyhow!("this store has no IPv6 maps")
+}
+
+/// SERVICES_V6, BACKENDS_V6, REV_NAT_V6 and VIPS_V6.
+pub struct V6Maps {
+    services: HashMap<MapData, ServiceKeyV6, ServiceValueV4>,
+    backends: HashMap<MapData, u32, BackendV6>,
+    rev_nat: HashMap<MapData, u16, RevNatV6>,
+    vips: HashMap<MapData, [u8; 16], VipV4>,
 }
 
 /// The pinned (or freshly loaded) service maps. VIPS_V4, SOURCE_RANGES_V4 and MAGLEV_V4 are kept only when
@@ -57,6 +105,7 @@ pub struct BpfStore {
     vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
     source_ranges: Option<LpmTrie<MapData, SourceRangeV4, u8>>,
     maglev: Option<Array<MapData, u32>>,
+    v6: Option<V6Maps>,
 }
 
 impl BpfStore {
@@ -67,14 +116,22 @@ impl BpfStore {
         rev_nat: HashMap<MapData, u16, RevNatV4>,
         names: HashMap<MapData, u16, FrontendNameV4>,
     ) -> Self {
-        Self { services, backends, rev_nat, names, vips: None, source_ranges: None, maglev: None }
+        Self { services, backends, rev_nat, names, vips: None, source_ranges: None, maglev: None, v6: None }
     }
 
-    /// The service maps of `maps` with VIPS_V4 and SOURCE_RANGES_V4, and MAGLEV_V4 when `maglev`.
+    /// The service maps of `maps` with VIPS_V4, SOURCE_RANGES_V4 and the IPv6 maps, and MAGLEV_V4 when
+    /// `maglev`.
     pub fn from_maps(maps: Maps, maglev: bool) -> Self {
-        let store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)
+        let v6 = V6Maps {
+            services: maps.services_v6,
+            backends: maps.backends_v6,
+            rev_nat: maps.rev_nat_v6,
+            vips: maps.vips_v6,
+        };
+        let mut store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)
             .with_vips(maps.vips)
             .with_source_ranges(maps.source_ranges);
+        store.v6 = Some(v6);
         if maglev { store.with_maglev(maps.maglev) } else { store }
     }
 
@@ -178,6 +235,48 @@ impl Store for BpfStore {
             Some(array) => array.set(index, backend_id, 0).context("MAGLEV_V4"),
             None => Ok(()),
         }
+    }
+    fn read_services6(&self) -> Result<Vec<(ServiceKeyV6, ServiceValueV4)>> {
+        let Some(v6) = &self.v6 else { return Ok(Vec::new()) };
+        v6.services.iter().map(|e| e.context("reading the IPv6 services map")).collect()
+    }
+    fn read_backends6(&self) -> Result<Vec<(u32, BackendV6)>> {
+        let Some(v6) = &self.v6 else { return Ok(Vec::new()) };
+        v6.backends.iter().map(|e| e.context("reading the IPv6 backends map")).collect()
+    }
+    fn read_vips6(&self) -> Result<Vec<([u8; 16], VipV4)>> {
+        let Some(v6) = &self.v6 else { return Ok(Vec::new()) };
+        v6.vips.iter().map(|e| e.context("reading the IPv6 VIPs map")).collect()
+    }
+    fn put_service6(&mut self, key: ServiceKeyV6, value: ServiceValueV4) -> Result<()> {
+        self.v6_mut()?.services.insert(key, value, 0).map_err(map_full)
+    }
+    fn del_service6(&mut self, key: &ServiceKeyV6) -> Result<()> {
+        ignore_missing(self.v6_mut()?.services.remove(key))
+    }
+    fn put_backend6(&mut self, id: u32, value: BackendV6) -> Result<()> {
+        self.v6_mut()?.backends.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_backend6(&mut self, id: u32) -> Result<()> {
+        ignore_missing(self.v6_mut()?.backends.remove(&id))
+    }
+    fn put_rev_nat6(&mut self, id: u16, value: RevNatV6) -> Result<()> {
+        self.v6_mut()?.rev_nat.insert(id, value, 0).map_err(map_full)
+    }
+    fn del_rev_nat6(&mut self, id: u16) -> Result<()> {
+        ignore_missing(self.v6_mut()?.rev_nat.remove(&id))
+    }
+    fn put_vip6(&mut self, vip: [u8; 16], value: VipV4) -> Result<()> {
+        self.v6_mut()?.vips.insert(vip, value, 0).map_err(map_full)
+    }
+    fn del_vip6(&mut self, vip: [u8; 16]) -> Result<()> {
+        ignore_missing(self.v6_mut()?.vips.remove(&vip))
+    }
+}
+
+impl BpfStore {
+    fn v6_mut(&mut self) -> Result<&mut V6Maps> {
+        self.v6.as_mut().ok_or_else(no_ipv6_maps)
     }
 }
 

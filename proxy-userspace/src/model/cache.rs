@@ -248,7 +248,7 @@ spec:
             assert_eq!(desired, full);
             assert_eq!(sorted(&errors), sorted(&full_errors));
         }
-        let node_ports = |desired: &Desired| -> Vec<Ipv4Addr> {
+        let node_ports = |desired: &Desired| -> Vec<std::net::IpAddr> {
             let mut vips: Vec<_> = desired
                 .frontends
                 .iter()
@@ -260,7 +260,7 @@ spec:
         };
         assert_eq!(
             node_ports(&cache.build(&services, &slices2, &on_node(&["192.168.1.12"])).0),
-            [Ipv4Addr::new(192, 168, 1, 12)]
+            [std::net::IpAddr::from(Ipv4Addr::new(192, 168, 1, 12))]
         );
     }
 }

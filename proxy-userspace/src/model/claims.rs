@@ -3,7 +3,7 @@
 
 use std::borrow::{Borrow, Cow};
 use std::collections::{HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::ops::Range;
 
 use k8s_openapi::api::core::v1::Service;
@@ -110,7 +110,7 @@ pub(crate) struct Merge {
     /// Problems found by the merge; reported after the others.
     pub(super) conflicts: Vec<ManifestError>,
     /// Who holds an address:port/protocol: the position of its first entry in `frontends`.
-    pub(super) taken: FastMap<(Ipv4Addr, u16, Protocol), usize>,
+    pub(super) taken: FastMap<(IpAddr, u16, Protocol), usize>,
     /// Who holds a health check port: the position of its check in `health_checks`.
     pub(super) health_ports: FastMap<u16, usize>,
 }
@@ -303,9 +303,12 @@ pub(super) fn add_claims(
 ) {
     let source_ranges = load_balancer_sources(plan, node_addresses);
     for port in &plan.ports {
-        let endpoints = endpoints_for(plan, port, slices);
+        // Each family is a proxy of its own, as kube-proxy's dual-stack proxiers are: a frontend's
+        // backends, topology and fallbacks come from the endpoints of its family only.
+        let (endpoints_v4, endpoints_v6): (Vec<_>, Vec<_>) =
+            endpoints_for(plan, port, slices).into_iter().partition(|(backend, _)| backend.addr.is_ipv4());
         let entry =
-            |vip: Ipv4Addr, number: u16, kind: FrontendKind, scope: Scope, selected: &Selection| Frontend {
+            |vip: IpAddr, number: u16, kind: FrontendKind, scope: Scope, selected: &Selection| Frontend {
                 service: plan.name.clone(),
                 port_name: port.name.clone(),
                 vip,
@@ -328,11 +331,17 @@ pub(super) fn add_claims(
                 topology: selected.topology,
             };
 
-        let internal = select(&endpoints, plan.local_only);
+        let internal_v4 = select(&endpoints_v4, plan.local_only);
+        let internal_v6 =
+            plan.vips.iter().any(IpAddr::is_ipv6).then(|| select(&endpoints_v6, plan.local_only));
         for &vip in &plan.vips {
+            let internal = match &internal_v6 {
+                Some(internal_v6) if vip.is_ipv6() => internal_v6,
+                _ => &internal_v4,
+            };
             claims.push(Claim {
                 field: ClaimField::ClusterIp { port: port.index },
-                internal: entry(vip, port.port, FrontendKind::ClusterIp, Scope::Internal, &internal),
+                internal: entry(vip, port.port, FrontendKind::ClusterIp, Scope::Internal, internal),
                 external: None,
             });
         }
@@ -354,9 +363,11 @@ pub(super) fn add_claims(
         if north_south.peek().is_none() {
             continue;
         }
-        let cluster_wide = select(&endpoints, false);
-        let node_local = plan.external_local.then(|| select(&endpoints, true));
+        // North–south is IPv4 only so far (node addresses, external and load-balancer IPs).
+        let cluster_wide = select(&endpoints_v4, false);
+        let node_local = plan.external_local.then(|| select(&endpoints_v4, true));
         for (vip, number, kind, field) in north_south {
+            let vip = IpAddr::V4(vip);
             claims.push(Claim {
                 field,
                 internal: entry(vip, number, kind, Scope::Internal, &cluster_wide),

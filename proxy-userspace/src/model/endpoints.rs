@@ -3,7 +3,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::jiff::Timestamp;
@@ -85,8 +85,8 @@ pub(super) fn merge<K: Ord>(map: &mut BTreeMap<K, EndpointState>, key: K, state:
 pub(super) struct SliceUse {
     /// (port name, target port, protocol) of the slice's valid ports.
     pub(super) ports: Vec<(String, u16, Protocol)>,
-    /// Valid addresses of its endpoints, with their conditions.
-    pub(super) endpoints: Vec<(Ipv4Addr, EndpointState)>,
+    /// Valid addresses of its endpoints (all of the slice's `addressType`), with their conditions.
+    pub(super) endpoints: Vec<(IpAddr, EndpointState)>,
     /// The last-change-trigger-time annotation, parsed and as written.
     pub(super) trigger_time: Option<(Timestamp, String)>,
 }
@@ -116,7 +116,7 @@ pub(super) fn use_slice<'a>(
     Some((service, SliceUse { ports, endpoints, trigger_time }))
 }
 
-/// The Service the slice belongs to, when kproxy programs that Service and the slice is IPv4.
+/// The Service the slice belongs to, when kproxy programs that Service and the slice is IPv4 or IPv6.
 fn programmed_service(
     slice: &Sourced<EndpointSlice>,
     namespace: &str,
@@ -144,8 +144,9 @@ fn programmed_service(
         debug!(slice = %object, "ignoring an EndpointSlice of a Service kproxy does not program");
         return None;
     }
-    if slice.object.address_type != "IPv4" {
-        debug!(slice = %object, address_type = slice.object.address_type, "ignoring a non-IPv4 EndpointSlice");
+    // kube-proxy's proxiers read slices of their own family only; FQDN slices are for no proxy.
+    if !matches!(slice.object.address_type.as_str(), "IPv4" | "IPv6") {
+        debug!(slice = %object, address_type = slice.object.address_type, "ignoring an EndpointSlice that is neither IPv4 nor IPv6");
         return None;
     }
     Some(service)
@@ -213,7 +214,8 @@ fn slice_endpoints(
     object: &str,
     errors: &mut Vec<ManifestError>,
     error: &impl Fn(String, String) -> ManifestError,
-) -> Vec<(Ipv4Addr, EndpointState)> {
+) -> Vec<(IpAddr, EndpointState)> {
+    let ipv6 = slice.object.address_type == "IPv6";
     let mut endpoints = Vec::new();
     for (i, endpoint) in slice.object.endpoints.iter().enumerate() {
         let state = endpoint_state(endpoint, filter);
@@ -223,7 +225,12 @@ fn slice_endpoints(
         if let Some(text) = endpoint.addresses.first() {
             let j = 0;
             let field = || format!("endpoints[{i}].addresses[{j}]");
-            match text.parse::<Ipv4Addr>() {
+            let parsed = if ipv6 {
+                text.parse::<Ipv6Addr>().map(IpAddr::V6)
+            } else {
+                text.parse::<Ipv4Addr>().map(IpAddr::V4)
+            };
+            match parsed {
                 Ok(addr) => match unusable(addr) {
                     Some(what) => {
                         let message =
@@ -233,7 +240,8 @@ fn slice_endpoints(
                     None => endpoints.push((addr, state)),
                 },
                 Err(_) => {
-                    let message = format!("{text:?} is not an IPv4 address; the address is skipped");
+                    let family = if ipv6 { "IPv6" } else { "IPv4" };
+                    let message = format!("{text:?} is not an {family} address; the address is skipped");
                     errors.push(error(field(), message));
                 }
             }
@@ -390,7 +398,9 @@ pub(super) fn local_endpoint_counts(slices: &[SliceUse]) -> (usize, usize) {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
-        if !state.local {
+        // The health check answers for the IPv4 north–south frontends (the only ones kproxy serves): a
+        // dual-stack pod is one endpoint, not two.
+        if !state.local || !addr.is_ipv4() {
             continue;
         }
         if state.ready {

@@ -2,7 +2,7 @@
 //! protocol × scope with the backends new connections may use).
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use crate::net::{Cidr4, Protocol};
 
@@ -22,13 +22,17 @@ impl fmt::Display for ServiceName {
 /// One backend: an endpoint address and the target port on it. Displayed as `addr:port`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendAddr {
-    pub addr: Ipv4Addr,
+    /// Of the frontend's address family (a frontend's backends come from slices of its family).
+    pub addr: IpAddr,
     pub port: u16,
 }
 
 impl fmt::Display for BackendAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.addr, self.port)
+        match self.addr {
+            IpAddr::V4(addr) => write!(f, "{addr}:{}", self.port),
+            IpAddr::V6(addr) => write!(f, "[{addr}]:{}", self.port),
+        }
     }
 }
 
@@ -87,7 +91,8 @@ pub struct Frontend {
     pub service: ServiceName,
     /// The Service port's name; empty for an unnamed port.
     pub port_name: String,
-    pub vip: Ipv4Addr,
+    /// IPv4 or IPv6; every backend is of the same family.
+    pub vip: IpAddr,
     pub port: u16,
     pub proto: Protocol,
     /// The endpoints new connections may use, sorted and deduplicated: the ready ones (on this node only,
@@ -149,7 +154,7 @@ impl Frontend {
     pub fn new(
         service: ServiceName,
         port_name: impl Into<String>,
-        vip: Ipv4Addr,
+        vip: impl Into<IpAddr>,
         port: u16,
         proto: Protocol,
         backends: Vec<BackendAddr>,
@@ -157,7 +162,7 @@ impl Frontend {
         Frontend {
             service,
             port_name: port_name.into(),
-            vip,
+            vip: vip.into(),
             port,
             proto,
             backends,

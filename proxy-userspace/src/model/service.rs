@@ -44,8 +44,8 @@ impl Filter<'_> {
 pub(super) struct ServicePlan<'a> {
     pub(super) origin: &'a str,
     pub(super) name: ServiceName,
-    /// Its IPv4 cluster IPs.
-    pub(super) vips: Vec<Ipv4Addr>,
+    /// Its cluster IPs, of either family (`spec.clusterIPs` in order).
+    pub(super) vips: Vec<IpAddr>,
     pub(super) ports: Vec<PortPlan>,
     /// Usable IPv4 `spec.externalIPs`, each with its index there.
     pub(super) external_ips: Vec<(Ipv4Addr, usize)>,
@@ -120,7 +120,30 @@ pub(super) fn port_number(port: i32) -> Option<u16> {
 }
 
 /// Addresses the API server itself refuses for cluster IPs and endpoints, and that the datapath cannot use.
-pub(super) fn unusable(addr: Ipv4Addr) -> Option<&'static str> {
+pub(super) fn unusable(addr: IpAddr) -> Option<&'static str> {
+    match addr {
+        IpAddr::V4(addr) => unusable_v4(addr),
+        IpAddr::V6(addr) => unusable_v6(addr),
+    }
+}
+
+fn unusable_v6(addr: Ipv6Addr) -> Option<&'static str> {
+    if addr.is_unspecified() {
+        Some("the unspecified address")
+    } else if addr.is_loopback() {
+        Some("a loopback address")
+    } else if addr.is_unicast_link_local() {
+        Some("a link-local address")
+    } else if addr.is_multicast() {
+        Some("a multicast address")
+    } else if addr.to_ipv4_mapped().is_some() {
+        Some("an IPv4-mapped address")
+    } else {
+        None
+    }
+}
+
+fn unusable_v4(addr: Ipv4Addr) -> Option<&'static str> {
     if addr.is_unspecified() {
         Some("the unspecified address")
     } else if addr.is_loopback() {
@@ -246,8 +269,8 @@ fn identify<'a>(
     Some((name, spec))
 }
 
-/// The IPv4 cluster IPs (`spec.clusterIP` and `spec.clusterIPs`, each once); `None` skips the Service
-/// (headless, an unusable or unparsable address, or no IPv4 one).
+/// The cluster IPs of both families (`spec.clusterIP` and `spec.clusterIPs`, each once); `None` skips the
+/// Service (headless, an unusable or unparsable address, or none at all).
 fn cluster_ips(
     spec: &ServiceSpec,
     origin: &str,
@@ -255,7 +278,7 @@ fn cluster_ips(
     errors: &mut Vec<ManifestError>,
     stats: &mut ModelStats,
     not_ours: &mut HashSet<ServiceName>,
-) -> Option<Vec<Ipv4Addr>> {
+) -> Option<Vec<IpAddr>> {
     let mut candidates: Vec<(String, &str)> = Vec::new();
     if let Some(ip) = spec.cluster_ip.as_deref().filter(|ip| !ip.is_empty()) {
         candidates.push(("spec.clusterIP".to_string(), ip));
@@ -274,7 +297,7 @@ fn cluster_ips(
     let mut vips = Vec::new();
     for (field, text) in candidates {
         match text.parse::<IpAddr>() {
-            Ok(IpAddr::V4(vip)) => {
+            Ok(vip) => {
                 if let Some(what) = unusable(vip) {
                     let message = format!("{vip} is {what}, not a usable cluster IP; the Service is skipped");
                     errors.push(service_error(origin, &name, field, message));
@@ -284,7 +307,6 @@ fn cluster_ips(
                     vips.push(vip);
                 }
             }
-            Ok(IpAddr::V6(vip)) => debug!(service = %name, %vip, "IPv6 cluster IPs are not programmed yet"),
             Err(_) => {
                 let message = format!("{text:?} is not an IP address; the Service is skipped");
                 errors.push(service_error(origin, &name, field, message));
@@ -293,7 +315,7 @@ fn cluster_ips(
         }
     }
     if vips.is_empty() {
-        debug!(service = %name, "skipping a Service without an IPv4 cluster IP");
+        debug!(service = %name, "skipping a Service without a cluster IP");
         return None;
     }
     Some(vips)
@@ -490,7 +512,7 @@ fn health_check_port(
 /// is not an address or an address the datapath cannot use.
 pub(super) fn north_south_address(text: &str, what: &str) -> Result<Option<Ipv4Addr>, String> {
     match text.parse::<IpAddr>() {
-        Ok(IpAddr::V4(ip)) => match unusable(ip) {
+        Ok(IpAddr::V4(ip)) => match unusable_v4(ip) {
             Some(problem) => Err(format!("{ip} is {problem}, not a usable {what}; it is skipped")),
             None => Ok(Some(ip)),
         },

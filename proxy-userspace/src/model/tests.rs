@@ -156,7 +156,7 @@ fn build_ok(docs: &[&str]) -> Desired {
 }
 
 fn frontend<'a>(desired: &'a Desired, vip: &str, port: u16, proto: Protocol) -> &'a Frontend {
-    let vip: Ipv4Addr = vip.parse().unwrap();
+    let vip: std::net::IpAddr = vip.parse().unwrap();
     desired
         .frontends
         .iter()
@@ -259,12 +259,14 @@ fn no_ready_endpoints_still_gives_a_frontend() {
 }
 
 #[test]
-fn dual_stack_uses_ipv4_cluster_ips_deduplicated() {
+fn dual_stack_uses_the_cluster_ips_of_both_families_deduplicated() {
     let svc = web(
         "  clusterIP: fd00:10:96::4a1\n  clusterIPs:\n  - fd00:10:96::4a1\n  - 10.96.12.7\n  ipFamilies: [IPv6, IPv4]\n  ipFamilyPolicy: PreferDualStack\n  ports:\n  - name: http\n    port: 80\n",
     );
     let desired = build_ok(&[&svc]);
-    assert_eq!(keys(&desired), ["10.96.12.7:80/TCP"]);
+    let mut found = keys(&desired);
+    found.sort();
+    assert_eq!(found, ["10.96.12.7:80/TCP", "fd00:10:96::4a1:80/TCP"]);
 
     let svc =
         web("  clusterIP: 10.96.12.7\n  clusterIPs: [10.96.12.7, 10.96.12.8]\n  ports:\n  - port: 80\n");
@@ -275,9 +277,40 @@ fn dual_stack_uses_ipv4_cluster_ips_deduplicated() {
     let svc = web("  clusterIP: \"\"\n  clusterIPs: [10.96.12.9]\n  ports:\n  - port: 80\n");
     assert_eq!(keys(&build_ok(&[&svc])), ["10.96.12.9:80/TCP"]);
 
-    // IPv6-only: skipped quietly.
+    // IPv6-only.
     let svc = web("  clusterIP: fd00:10:96::4a1\n  clusterIPs: [fd00:10:96::4a1]\n  ports:\n  - port: 80\n");
-    assert!(build_ok(&[&svc]).frontends.is_empty());
+    assert_eq!(keys(&build_ok(&[&svc])), ["fd00:10:96::4a1:80/TCP"]);
+
+    // An unusable IPv6 address is reported with its field, as an IPv4 one is.
+    let svc = web("  clusterIP: 10.96.12.7\n  clusterIPs: [10.96.12.7, \"::1\"]\n  ports:\n  - port: 80\n");
+    let (desired, errors) = build_from(&[&svc]);
+    assert!(desired.frontends.is_empty());
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.to_string().contains("spec.clusterIPs[1]") && e.to_string().contains("loopback")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn each_family_takes_its_backends_from_the_slices_of_its_address_type() {
+    let svc = web(
+        "  clusterIP: 10.96.12.7\n  clusterIPs: [10.96.12.7, \"fd00:10:96::4a1\"]\n  ipFamilies: [IPv4, IPv6]\n  ports:\n  - port: 80\n    targetPort: 8080\n",
+    );
+    let v4 = web_slice("web-v4", "endpoints:\n- addresses: [10.244.1.5]\nports:\n- port: 8080\n");
+    let v6 = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-v6\n  namespace: shop\n  labels:\n    kubernetes.io/service-name: web\naddressType: IPv6\nendpoints:\n- addresses: [\"fd00:10:244::5\"]\n- addresses: [\"10.244.9.9\"]\nports:\n- port: 8080\n";
+    let (desired, errors) = build_from(&[&svc, &v4, v6]);
+    let v4_frontend = frontend(&desired, "10.96.12.7", 80, Protocol::Tcp);
+    assert_eq!(v4_frontend.backends, backends(&[("10.244.1.5", 8080)]));
+    let v6_frontend = frontend(&desired, "fd00:10:96::4a1", 80, Protocol::Tcp);
+    assert_eq!(v6_frontend.backends, backends(&[("fd00:10:244::5", 8080)]));
+    // An IPv4 address in an IPv6 slice is the slice's error, named by its field.
+    assert!(
+        errors.iter().any(|e| e.to_string().contains("endpoints[1].addresses[0]")
+            && e.to_string().contains("not an IPv6 address")),
+        "{errors:?}"
+    );
 }
 
 #[test]
@@ -446,7 +479,7 @@ fn slices_link_by_label_within_the_namespace() {
 }
 
 #[test]
-fn ipv6_and_fqdn_slices_are_skipped_quietly() {
+fn ipv6_slices_of_an_ipv4_only_service_and_fqdn_slices_give_it_no_backends() {
     let svc = web("  clusterIP: 10.96.12.7\n  ports:\n  - port: 80\n");
     let v6 = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-v6\n  namespace: shop\n  labels:\n    kubernetes.io/service-name: web\naddressType: IPv6\nendpoints:\n- addresses: [\"fd00:10:244::5\"]\nports:\n- port: 8080\n";
     let fqdn = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-fqdn\n  namespace: shop\n  labels:\n    kubernetes.io/service-name: web\naddressType: FQDN\nendpoints:\n- addresses: [web.example.com]\nports:\n- port: 0\n";
@@ -687,7 +720,7 @@ fn never_panics_on_empty_or_default_objects() {
 fn display_forms() {
     assert_eq!(Protocol::Tcp.to_string(), "TCP");
     assert_eq!(Protocol::Udp.to_string(), "UDP");
-    let backend = BackendAddr { addr: Ipv4Addr::new(10, 244, 0, 12), port: 53 };
+    let backend = BackendAddr { addr: Ipv4Addr::new(10, 244, 0, 12).into(), port: 53 };
     assert_eq!(backend.to_string(), "10.244.0.12:53");
     assert!(Protocol::Tcp < Protocol::Udp);
 }
@@ -1517,7 +1550,7 @@ fn constructors_for_callers() {
         Frontend {
             service,
             port_name: "http".into(),
-            vip: Ipv4Addr::new(10, 96, 0, 20),
+            vip: Ipv4Addr::new(10, 96, 0, 20).into(),
             port: 80,
             proto: Protocol::Tcp,
             backends,
@@ -1534,7 +1567,7 @@ fn constructors_for_callers() {
         }
     );
     let mut other = fe.clone();
-    other.vip = Ipv4Addr::new(10, 96, 0, 10);
+    other.vip = Ipv4Addr::new(10, 96, 0, 10).into();
     let desired = Desired::new(vec![fe.clone(), other.clone()]);
     assert_eq!(desired.frontends, [other, fe]);
     assert_eq!(desired.stats, ModelStats::default());

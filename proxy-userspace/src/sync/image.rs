@@ -2,7 +2,7 @@
 //! (its source-range keys are `bpf::source_range_key`). The one description of the maps' contents: the
 //! [`Syncer`](super::Syncer) writes it and `kproxy dump diff` compares the maps with it.
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use anyhow::Result;
 use proxy_common::maps::*;
@@ -13,7 +13,7 @@ use crate::net::Protocol;
 /// A frontend as the maps key it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FrontendKey {
-    pub vip: Ipv4Addr,
+    pub vip: IpAddr,
     pub port: u16,
     pub proto: Protocol,
     /// [`SCOPE_INTERNAL`] or [`SCOPE_EXTERNAL`].
@@ -28,10 +28,6 @@ impl FrontendKey {
         };
         Self { vip: frontend.vip, port: frontend.port, proto: frontend.proto, scope }
     }
-
-    pub(super) fn slot(&self, slot: u16) -> ServiceKeyV4 {
-        ServiceKeyV4::new(self.vip.octets(), self.port.to_be_bytes(), self.proto.number(), self.scope, slot)
-    }
 }
 
 /// `--lb-algorithm=maglev`.
@@ -44,13 +40,19 @@ pub struct MaglevSettings {
 }
 
 /// The Maglev table of `backends` (ids aligned with their addresses): the
-/// backend id of each of its [`MAGLEV_TABLE_SIZE`] entries.
+/// backend id of each of its [`MAGLEV_TABLE_SIZE`] entries. IPv4 only, as the external frontends that
+/// use Maglev are.
 pub fn build_maglev_table(backends: &[(BackendAddr, u32)], proto: Protocol, seed: u32) -> Result<Vec<u32>> {
     use proxy_common::maglev::{BackendIdentityV4, MAGLEV_TABLE_SIZE, populate, scratch_len};
     let identities: Vec<BackendIdentityV4> = backends
         .iter()
-        .map(|(b, _)| BackendIdentityV4::new(b.addr.octets(), b.port.to_be_bytes(), proto.number()))
-        .collect();
+        .map(|(b, _)| match b.addr {
+            IpAddr::V4(addr) => {
+                Ok(BackendIdentityV4::new(addr.octets(), b.port.to_be_bytes(), proto.number()))
+            }
+            IpAddr::V6(_) => Err(anyhow::anyhow!("Maglev table: {b} is not an IPv4 backend")),
+        })
+        .collect::<Result<_>>()?;
     let mut table = vec![0u32; MAGLEV_TABLE_SIZE as usize];
     let mut scratch = vec![0u32; scratch_len(identities.len())];
     populate(&identities, seed, MAGLEV_TABLE_SIZE, &mut table, &mut scratch)

@@ -8,6 +8,7 @@ use std::{
 
 use anyhow::Result;
 use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
+use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
 use crate::{bpf::Store, net::Cidr4};
 
@@ -28,6 +29,11 @@ pub struct MemStore {
     pub source_ranges: BTreeSet<(u16, Cidr4)>,
     /// MAGLEV_V4 entries written (index → backend id).
     pub maglev: BTreeMap<u32, u32>,
+    /// The IPv6 maps: SERVICES_V6 by (vip, port, proto, scope, slot), BACKENDS_V6, REV_NAT_V6, VIPS_V6.
+    pub services6: BTreeMap<([u8; 16], u16, u8, u8, u16), ServiceValueV4>,
+    pub backends6: BTreeMap<u32, BackendV6>,
+    pub rev_nat6: BTreeMap<u16, RevNatV6>,
+    pub vips6: BTreeMap<[u8; 16], VipV4>,
     pub log: Vec<String>,
     /// Refuse inserting new backends once this many exist.
     pub backend_capacity: Option<usize>,
@@ -125,6 +131,64 @@ impl Store for MemStore {
     }
     fn put_maglev(&mut self, index: u32, backend_id: u32) -> Result<()> {
         self.maglev.insert(index, backend_id);
+        Ok(())
+    }
+    fn read_services6(&self) -> Result<Vec<(ServiceKeyV6, ServiceValueV4)>> {
+        Ok(self
+            .services6
+            .iter()
+            .map(|((vip, port, proto, scope, slot), v)| {
+                (ServiceKeyV6::new(*vip, port.to_be_bytes(), *proto, *scope, *slot), *v)
+            })
+            .collect())
+    }
+    fn read_backends6(&self) -> Result<Vec<(u32, BackendV6)>> {
+        Ok(self.backends6.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn read_vips6(&self) -> Result<Vec<([u8; 16], VipV4)>> {
+        Ok(self.vips6.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_service6(&mut self, key: ServiceKeyV6, value: ServiceValueV4) -> Result<()> {
+        let port = u16::from_be_bytes(key.port);
+        self.log.push(format!("put slot [{}]:{port}#{}", std::net::Ipv6Addr::from(key.vip), key.slot));
+        self.services6.insert((key.vip, port, key.proto, key.scope, key.slot), value);
+        Ok(())
+    }
+    fn del_service6(&mut self, key: &ServiceKeyV6) -> Result<()> {
+        let port = u16::from_be_bytes(key.port);
+        if self.services6.remove(&(key.vip, port, key.proto, key.scope, key.slot)).is_some() {
+            self.log.push(format!("del slot [{}]:{port}#{}", std::net::Ipv6Addr::from(key.vip), key.slot));
+        }
+        Ok(())
+    }
+    fn put_backend6(&mut self, id: u32, value: BackendV6) -> Result<()> {
+        self.log.push(format!("put backend6 {id} flags {}", value.flags));
+        self.backends6.insert(id, value);
+        Ok(())
+    }
+    fn del_backend6(&mut self, id: u32) -> Result<()> {
+        self.log.push(format!("del backend6 {id}"));
+        self.backends6.remove(&id);
+        Ok(())
+    }
+    fn put_rev_nat6(&mut self, id: u16, value: RevNatV6) -> Result<()> {
+        self.log.push(format!("put revnat6 {id}"));
+        self.rev_nat6.insert(id, value);
+        Ok(())
+    }
+    fn del_rev_nat6(&mut self, id: u16) -> Result<()> {
+        self.log.push(format!("del revnat6 {id}"));
+        self.rev_nat6.remove(&id);
+        Ok(())
+    }
+    fn put_vip6(&mut self, vip: [u8; 16], value: VipV4) -> Result<()> {
+        self.log.push(format!("put vip [{}] {}", std::net::Ipv6Addr::from(vip), value.frontends));
+        self.vips6.insert(vip, value);
+        Ok(())
+    }
+    fn del_vip6(&mut self, vip: [u8; 16]) -> Result<()> {
+        self.log.push(format!("del vip [{}]", std::net::Ipv6Addr::from(vip)));
+        self.vips6.remove(&vip);
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use anyhow::Result;
@@ -22,8 +22,9 @@ impl<S: Store> Syncer<S> {
     pub fn reload(&mut self) -> Result<()> {
         let backends = self.read_backends()?;
         let frontends = self.read_frontends()?;
-        self.vips =
-            self.store.read_vips()?.into_iter().map(|(vip, v)| (Ipv4Addr::from(vip), v.frontends)).collect();
+        let vips4 = self.store.read_vips()?.into_iter().map(|(vip, v)| (IpAddr::from(vip), v.frontends));
+        let vips6 = self.store.read_vips6()?.into_iter().map(|(vip, v)| (IpAddr::from(vip), v.frontends));
+        self.vips = vips4.chain(vips6).collect();
         let max_backend_id = backends.values().map(|b: &BackendEntry| b.id).max();
         let max_rev_nat_id = frontends.values().map(|f: &Programmed| f.rev_nat_id).max();
         self.next_backend_id = max_backend_id.map_or(1, |m| m.wrapping_add(1).max(1));
@@ -38,10 +39,20 @@ impl<S: Store> Syncer<S> {
     /// The backends map's entries of a protocol kproxy knows.
     fn read_backends(&self) -> Result<BTreeMap<(BackendAddr, Protocol), BackendEntry>> {
         let mut backends = BTreeMap::new();
-        for (id, b) in self.store.read_backends()? {
-            if let Some(proto) = Protocol::from_number(b.proto) {
-                let addr = BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) };
-                backends.insert((addr, proto), BackendEntry { id, flags: b.flags });
+        let v4 = self
+            .store
+            .read_backends()?
+            .into_iter()
+            .map(|(id, b)| (id, IpAddr::V4(Ipv4Addr::from(b.addr)), b.port, b.proto, b.flags));
+        let v6 = self
+            .store
+            .read_backends6()?
+            .into_iter()
+            .map(|(id, b)| (id, IpAddr::V6(Ipv6Addr::from(b.addr)), b.port, b.proto, b.flags));
+        for (id, addr, port, proto, flags) in v4.chain(v6) {
+            if let Some(proto) = Protocol::from_number(proto) {
+                let addr = BackendAddr { addr, port: u16::from_be_bytes(port) };
+                backends.insert((addr, proto), BackendEntry { id, flags });
             }
         }
         Ok(backends)
@@ -50,15 +61,16 @@ impl<S: Store> Syncer<S> {
     /// The frontends the services map holds (those with a slot 0), with their names and source ranges.
     fn read_frontends(&self) -> Result<BTreeMap<FrontendKey, Programmed>> {
         let mut slots: BTreeMap<FrontendKey, Slots> = BTreeMap::new();
-        for (key, value) in self.store.read_services()? {
-            let Some(proto) = Protocol::from_number(key.proto) else { continue };
-            let fk = FrontendKey {
-                vip: Ipv4Addr::from(key.vip),
-                port: u16::from_be_bytes(key.port),
-                proto,
-                scope: key.scope,
-            };
-            slots.entry(fk).or_default().insert(key.slot, value);
+        let v4 = self.store.read_services()?.into_iter().map(|(key, value)| {
+            (IpAddr::V4(Ipv4Addr::from(key.vip)), key.port, key.proto, key.scope, key.slot, value)
+        });
+        let v6 = self.store.read_services6()?.into_iter().map(|(key, value)| {
+            (IpAddr::V6(Ipv6Addr::from(key.vip)), key.port, key.proto, key.scope, key.slot, value)
+        });
+        for (vip, port, proto, scope, slot, value) in v4.chain(v6) {
+            let Some(proto) = Protocol::from_number(proto) else { continue };
+            let fk = FrontendKey { vip, port: u16::from_be_bytes(port), proto, scope };
+            slots.entry(fk).or_default().insert(slot, value);
         }
         let mut ranges: BTreeMap<u16, Vec<Cidr4>> = BTreeMap::new();
         for (id, range) in self.store.read_source_ranges()? {

@@ -14,7 +14,7 @@
 //! This file holds the [`Syncer`], what it reports and the order of one [`Syncer::apply`]; `mirror` reads the
 //! maps into what it knows of them (and hands out ids), `write` holds each step's writes.
 
-use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr};
 
 use anyhow::Result;
 use proxy_common::maps::*;
@@ -23,6 +23,7 @@ use crate::bpf::{BpfStore, Store};
 use crate::model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName};
 use crate::net::{Cidr4, Protocol};
 
+mod family;
 pub mod image;
 #[cfg(test)]
 pub(crate) mod mem_store;
@@ -80,7 +81,7 @@ pub struct Syncer<S: Store = BpfStore> {
     frontends: BTreeMap<FrontendKey, Programmed>,
     backends: BTreeMap<(BackendAddr, Protocol), BackendEntry>,
     /// VIP → frontends on it, as written to VIPS_V4.
-    vips: BTreeMap<Ipv4Addr, u32>,
+    vips: BTreeMap<IpAddr, u32>,
     next_backend_id: u32,
     next_rev_nat_id: u16,
     /// Whether the id counters wrapped around: until then every id at or
@@ -119,24 +120,24 @@ pub enum SyncError {
         service: ServiceName,
         port: u16,
         proto: Protocol,
-        vip: Ipv4Addr,
+        vip: IpAddr,
         vip_port: u16,
         cause: String,
     },
     #[error("removing {vip}:{port}/{}: {cause}", proto.name())]
-    FrontendNotRemoved { vip: Ipv4Addr, port: u16, proto: Protocol, cause: String },
+    FrontendNotRemoved { vip: IpAddr, port: u16, proto: Protocol, cause: String },
     #[error(
         "Service {service} ({vip}:{port}): all {tables} Maglev tables are in use (--maglev-tables): random selection"
     )]
-    MaglevTablesExhausted { service: ServiceName, vip: Ipv4Addr, port: u16, tables: u32 },
+    MaglevTablesExhausted { service: ServiceName, vip: IpAddr, port: u16, tables: u32 },
     #[error("updating backend {backend}/{}: {cause}", proto.name())]
     BackendNotUpdated { backend: BackendAddr, proto: Protocol, cause: String },
     #[error("removing backend {}:{}: {cause}", backend.addr, backend.port)]
     BackendNotRemoved { backend: BackendAddr, cause: String },
     #[error("VIP {vip}: {cause}")]
-    VipNotWritten { vip: Ipv4Addr, cause: String },
+    VipNotWritten { vip: IpAddr, cause: String },
     #[error("removing VIP {vip}: {cause}")]
-    VipNotRemoved { vip: Ipv4Addr, cause: String },
+    VipNotRemoved { vip: IpAddr, cause: String },
 }
 
 impl SyncReport {
@@ -218,7 +219,7 @@ impl<S: Store> Syncer<S> {
 
         // Only cluster IPs refuse unknown ports: node addresses, external
         // and LB IPs carry other traffic too.
-        let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+        let mut per_vip: BTreeMap<IpAddr, u32> = BTreeMap::new();
         for (fk, frontend) in &wanted {
             if frontend.kind == FrontendKind::ClusterIp {
                 *per_vip.entry(fk.vip).or_default() += 1;

@@ -10,7 +10,7 @@ type FakeStore = crate::sync::mem_store::MemStore;
 const VIP: [u8; 4] = [10, 96, 0, 100];
 
 fn be(addr: [u8; 4], port: u16) -> BackendAddr {
-    BackendAddr { addr: Ipv4Addr::from(addr), port }
+    BackendAddr { addr: Ipv4Addr::from(addr).into(), port }
 }
 
 fn web(port: u16, proto: Protocol, active: &[u8], terminating: &[u8]) -> Frontend {
@@ -212,7 +212,7 @@ fn a_service_ports_frontends_share_the_cluster_ips_affinity_id() {
     let external = [192, 168, 100, 50];
     let frontend = |vip: [u8; 4], kind: FrontendKind, affinity: Option<u32>| {
         let mut fe = web(80, Protocol::Tcp, &[1, 2], &[]);
-        fe.vip = Ipv4Addr::from(vip);
+        fe.vip = Ipv4Addr::from(vip).into();
         fe.kind = kind;
         fe.session_affinity_timeout = affinity;
         fe
@@ -253,4 +253,50 @@ fn a_service_ports_frontends_share_the_cluster_ips_affinity_id() {
     restarted.apply(&plain);
     let master = restarted.store().services[&(external, 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
     assert_eq!((master.named_affinity_id(), master.backend_id), (0, 0));
+}
+
+#[test]
+fn a_dual_stack_service_programs_each_family_in_its_own_maps_under_shared_ids() {
+    let v6_vip: std::net::Ipv6Addr = "fd00:10:96::64".parse().unwrap();
+    let v6_backend = BackendAddr { addr: "fd00:10:244::1".parse().unwrap(), port: 8080 };
+    let mut v6 = web(80, Protocol::Tcp, &[], &[]);
+    v6.vip = v6_vip.into();
+    v6.backends = vec![v6_backend];
+    let desired = Desired::new(vec![web(80, Protocol::Tcp, &[1], &[]), v6.clone()]);
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let report = syncer.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let store = syncer.store();
+    let slot0_v6 = store.services6[&(v6_vip.octets(), 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
+    let slot1_v6 = store.services6[&(v6_vip.octets(), 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 1)];
+    assert_eq!(slot0_v6.count, 1);
+    assert_eq!(
+        store.backends6[&slot1_v6.backend_id].addr,
+        "fd00:10:244::1".parse::<std::net::Ipv6Addr>().unwrap().octets()
+    );
+    assert_eq!(store.rev_nat6[&slot0_v6.rev_nat_id].vip, v6_vip.octets());
+    assert_eq!(store.vips6[&v6_vip.octets()].frontends, 1);
+    // One id space: the IPv4 frontend and backend have ids of their own, not the IPv6 ones.
+    let slot0_v4 = slot0(store, 80, Protocol::Tcp);
+    assert_ne!(slot0_v4.rev_nat_id, slot0_v6.rev_nat_id);
+    assert!(!store.backends.contains_key(&slot1_v6.backend_id));
+    assert!(!store.services.keys().any(|k| k.0 != VIP), "an IPv6 entry in the IPv4 map");
+
+    // A restarted agent reads both families back: nothing is rewritten.
+    let store = std::mem::take(&mut syncer.store);
+    let mut syncer = Syncer::with_store(FakeStore { log: vec![], ..store }).unwrap();
+    assert!(!syncer.apply(&desired).changed());
+    assert!(syncer.store().log.is_empty(), "{:?}", syncer.store().log);
+
+    // Removing the IPv6 frontend removes its entries from the IPv6 maps only.
+    let report = syncer.apply(&Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let store = syncer.store();
+    assert!(
+        store.services6.is_empty() && store.backends6.is_empty() && store.vips6.is_empty(),
+        "{:?}",
+        store.log
+    );
+    assert!(store.rev_nat6.is_empty());
+    assert_eq!(slot0(store, 80, Protocol::Tcp).count, 1);
 }

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use anyhow::{Context as _, Result};
@@ -33,8 +33,7 @@ impl<S: Store> Syncer<S> {
             if entry.flags == target {
                 continue;
             }
-            let value = backend_value(key.0, key.1, target);
-            match self.store.put_backend(entry.id, value) {
+            match self.put_backend_entry(entry.id, key.0, key.1, target) {
                 Ok(()) => {
                     self.backends.insert(*key, BackendEntry { id: entry.id, flags: target });
                     report.backends_updated += 1;
@@ -49,11 +48,11 @@ impl<S: Store> Syncer<S> {
     }
 
     /// Writes the VIP entry before the first frontend on it appears.
-    pub(super) fn ensure_vip(&mut self, vip: Ipv4Addr, frontends: u32) -> Result<()> {
+    pub(super) fn ensure_vip(&mut self, vip: IpAddr, frontends: u32) -> Result<()> {
         if self.vips.contains_key(&vip) {
             return Ok(());
         }
-        self.store.put_vip(vip.octets(), VipV4 { frontends }).context("VIPs map")?;
+        self.put_vip_entry(vip, frontends).context("VIPs map")?;
         self.vips.insert(vip, frontends);
         Ok(())
     }
@@ -61,7 +60,7 @@ impl<S: Store> Syncer<S> {
     /// Makes VIPS_V4 count the frontends programmed now; deletes VIPs left
     /// without any (after their frontends' slot 0 are gone).
     pub(super) fn reconcile_vips(&mut self, report: &mut SyncReport) {
-        let mut counts: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+        let mut counts: BTreeMap<IpAddr, u32> = BTreeMap::new();
         for (fk, programmed) in &self.frontends {
             if programmed.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
                 *counts.entry(fk.vip).or_default() += 1;
@@ -71,16 +70,16 @@ impl<S: Store> Syncer<S> {
             if self.vips.get(vip) == Some(count) {
                 continue;
             }
-            match self.store.put_vip(vip.octets(), VipV4 { frontends: *count }) {
+            match self.put_vip_entry(*vip, *count) {
                 Ok(()) => {
                     self.vips.insert(*vip, *count);
                 }
                 Err(e) => report.errors.push(SyncError::VipNotWritten { vip: *vip, cause: format!("{e:#}") }),
             }
         }
-        let gone: Vec<Ipv4Addr> = self.vips.keys().filter(|v| !counts.contains_key(v)).copied().collect();
+        let gone: Vec<IpAddr> = self.vips.keys().filter(|v| !counts.contains_key(v)).copied().collect();
         for vip in gone {
-            match self.store.del_vip(vip.octets()) {
+            match self.del_vip_entry(vip) {
                 Ok(()) => {
                     self.vips.remove(&vip);
                 }
@@ -100,9 +99,7 @@ impl<S: Store> Syncer<S> {
             return Ok(entry.id);
         }
         let id = self.allocate_backend_id();
-        self.store
-            .put_backend(id, backend_value(backend, proto, flag))
-            .with_context(|| format!("backend {}:{}", backend.addr, backend.port))?;
+        self.put_backend_entry(id, backend, proto, flag).with_context(|| format!("backend {backend}"))?;
         self.backends.insert((backend, proto), BackendEntry { id, flags: flag });
         report.backends_added += 1;
         Ok(id)
@@ -262,13 +259,7 @@ impl<S: Store> Syncer<S> {
         source_ranges: &[Cidr4],
     ) -> Result<()> {
         if previous.is_none() {
-            let rev = RevNatV4 {
-                vip: fk.vip.octets(),
-                port: fk.port.to_be_bytes(),
-                proto: fk.proto.number(),
-                _pad: 0,
-            };
-            self.store.put_rev_nat(rev_nat_id, rev).context("rev_nat map")?;
+            self.put_rev_nat_entry(&fk, rev_nat_id).context("rev_nat map")?;
         }
         if previous.is_none_or(|p| p.name != name) {
             self.store.put_name(rev_nat_id, name).context("names map")?;
@@ -284,11 +275,11 @@ impl<S: Store> Syncer<S> {
             if old_ids.get(usize::from(*slot) - 1) == Some(&value.backend_id) {
                 continue;
             }
-            self.store.put_service(fk.slot(*slot), *value).context("services map (slot)")?;
+            self.put_slot(&fk, *slot, *value).context("services map (slot)")?;
         }
-        self.store.put_service(fk.slot(0), slots[0].1).context("services map (slot 0)")?;
+        self.put_slot(&fk, 0, slots[0].1).context("services map (slot 0)")?;
         for slot in slots.len()..=old_ids.len() {
-            self.store.del_service(&fk.slot(slot as u16))?;
+            self.del_slot(&fk, slot as u16)?;
         }
         for range in old_ranges.iter().filter(|r| !source_ranges.contains(r)) {
             self.store.del_source_range(rev_nat_id, *range)?;
@@ -304,13 +295,13 @@ impl<S: Store> Syncer<S> {
 
     pub(super) fn remove_frontend(&mut self, fk: FrontendKey) -> Result<()> {
         let Some(programmed) = self.frontends.get(&fk).cloned() else { return Ok(()) };
-        self.store.del_service(&fk.slot(0))?;
+        self.del_slot(&fk, 0)?;
         for slot in 1..=programmed.slot_count() {
-            self.store.del_service(&fk.slot(slot as u16))?;
+            self.del_slot(&fk, slot as u16)?;
         }
         // Established flows keep their VIP in the conntrack reply entry, so
         // dropping the rev-NAT entry only loses the name in dumps.
-        self.store.del_rev_nat(programmed.rev_nat_id)?;
+        self.del_rev_nat_entry(&fk, programmed.rev_nat_id)?;
         self.store.del_name(programmed.rev_nat_id)?;
         for range in &programmed.source_ranges {
             self.store.del_source_range(programmed.rev_nat_id, *range)?;
@@ -328,7 +319,7 @@ impl<S: Store> Syncer<S> {
             .map(|(k, b)| (*k, b.id))
             .collect();
         for (key, id) in orphans {
-            match self.store.del_backend(id) {
+            match self.del_backend_entry(id, key.0) {
                 Ok(()) => {
                     self.backends.remove(&key);
                     report.backends_removed += 1;
@@ -341,8 +332,4 @@ impl<S: Store> Syncer<S> {
             }
         }
     }
-}
-
-fn backend_value(backend: BackendAddr, proto: Protocol, flags: u8) -> BackendV4 {
-    BackendV4 { addr: backend.addr.octets(), port: backend.port.to_be_bytes(), proto: proto.number(), flags }
 }

@@ -55,7 +55,7 @@ pub fn frontend(
         Ipv4Addr::from(vip),
         port,
         proto,
-        backends.iter().map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a), port: *p }).collect(),
+        backends.iter().map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a).into(), port: *p }).collect(),
     )
 }
 

@@ -160,7 +160,7 @@ impl Config {
                         if s.proto == TCP { Protocol::Tcp } else { Protocol::Udp },
                         s.backends
                             .iter()
-                            .map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a), port: *p })
+                            .map(|(a, p)| BackendAddr { addr: Ipv4Addr::from(*a).into(), port: *p })
                             .collect(),
                     );
                     if s.node_port {

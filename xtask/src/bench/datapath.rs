@@ -164,7 +164,7 @@ fn frontend(svc: &rules::Svc) -> Frontend {
         svc.vip,
         svc.port,
         Protocol::Tcp,
-        svc.endpoints.iter().map(|a| BackendAddr { addr: *a, port: svc.target_port }).collect(),
+        svc.endpoints.iter().map(|a| BackendAddr { addr: (*a).into(), port: svc.target_port }).collect(),
     )
 }
 

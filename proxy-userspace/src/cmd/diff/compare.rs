@@ -29,6 +29,8 @@ type Slots = BTreeMap<u16, ServiceValueV4>;
 
 /// Every difference between `desired` and `state`, frontends in address order, then orphans.
 pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
+    // The IPv4 maps against the IPv4 frontends: the IPv6 maps are not read yet.
+    let frontends: Vec<Frontend> = desired.frontends.iter().filter(|f| f.vip.is_ipv4()).cloned().collect();
     let mut grouped = group_by_frontend(state);
     // Before anything is taken out.
     let per_vip = cluster_ip_frontends_per_vip(&grouped);
@@ -39,18 +41,26 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
         out: Vec::new(),
         referenced: BTreeSet::new(),
         used_rev_nat: BTreeSet::new(),
-        cluster_ips: cluster_ip_frontends(&desired.frontends),
+        cluster_ips: cluster_ip_frontends(&frontends),
         slot0s,
     };
-    for frontend in &desired.frontends {
+    for frontend in &frontends {
         comparison.wanted_frontend(frontend, &mut grouped);
     }
     comparison.extra_frontends(&grouped);
     comparison.orphan_backends();
-    comparison.backend_flags(&desired_backend_flags(&desired.frontends));
+    comparison.backend_flags(&desired_backend_flags(&frontends));
     comparison.orphan_entries();
     comparison.vip_counts(&per_vip);
     comparison.out
+}
+
+/// An address of the IPv4 frontends [`compare`] keeps (an IPv6 one never reaches here).
+fn ipv4(addr: std::net::IpAddr) -> Ipv4Addr {
+    match addr {
+        std::net::IpAddr::V4(addr) => addr,
+        std::net::IpAddr::V6(addr) => addr.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
+    }
 }
 
 /// SERVICE_CIDRS_V4 (`have`) against the IPv4 service CIDRs the agent would program (`want`).
@@ -164,7 +174,7 @@ impl Comparison<'_> {
     /// and its rev-NAT and names entries.
     fn wanted_frontend(&mut self, frontend: &Frontend, grouped: &mut BTreeMap<Key, Slots>) {
         let key: Key =
-            (frontend.vip, frontend.port, frontend.proto.number(), FrontendKey::of(frontend).scope);
+            (ipv4(frontend.vip), frontend.port, frontend.proto.number(), FrontendKey::of(frontend).scope);
         let named = Named { frontend, key, label: frontend_label(&key), service: wanted_name(frontend) };
         let slots = grouped.remove(&key).unwrap_or_default();
         let Some(master) = slots.get(&0).copied() else {
@@ -180,7 +190,7 @@ impl Comparison<'_> {
         self.source_ranges(&named, &master);
         let slot0s = &self.slot0s;
         let affinity_id = affinity_id(frontend, &self.cluster_ips, |ck| {
-            slot0s.get(&(ck.vip, ck.port, ck.proto.number(), ck.scope)).map(|v| v.rev_nat_id)
+            slot0s.get(&(ipv4(ck.vip), ck.port, ck.proto.number(), ck.scope)).map(|v| v.rev_nat_id)
         });
         let slot0 = slot0_problems(frontend, &master, affinity_id);
         if !slot0.is_empty() {
@@ -323,7 +333,7 @@ impl Comparison<'_> {
     fn rev_nat(&mut self, named: &Named, master: &ServiceValueV4) {
         let frontend = named.frontend;
         let id = master.rev_nat_id;
-        let want = (frontend.vip.octets(), frontend.port.to_be_bytes(), frontend.proto.number());
+        let want = (ipv4(frontend.vip).octets(), frontend.port.to_be_bytes(), frontend.proto.number());
         let detail = match self.state.rev_nat.get(&id) {
             None => format!("rev-NAT id {id} is not in the rev_nat map"),
             Some(r) if (r.vip, r.port, r.proto) != want => {
@@ -514,7 +524,7 @@ mod tests {
     const MAGLEV_SEED: u32 = 0x6b70_726f;
 
     fn b(last: u8, port: u16) -> BackendAddr {
-        BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last), port }
+        BackendAddr { addr: Ipv4Addr::new(10, 244, 0, last).into(), port }
     }
 
     fn web(backends: Vec<BackendAddr>) -> Frontend {
@@ -563,7 +573,7 @@ mod tests {
         let mut frontends = Vec::new();
         for vip in [Ipv4Addr::new(192, 168, 1, 10), Ipv4Addr::new(10, 0, 0, 5)] {
             let mut internal = web(vec![b(11, 80), b(12, 80)]);
-            (internal.vip, internal.port, internal.kind) = (vip, 30080, model::FrontendKind::NodePort);
+            (internal.vip, internal.port, internal.kind) = (vip.into(), 30080, model::FrontendKind::NodePort);
             internal.external_local = true;
             let mut external = internal.clone();
             external.scope = model::Scope::External;
@@ -571,7 +581,7 @@ mod tests {
             frontends.extend([internal, external]);
         }
         let mut lb = web(vec![b(11, 80), b(12, 80)]);
-        (lb.vip, lb.kind) = (Ipv4Addr::new(203, 0, 113, 7), model::FrontendKind::LoadBalancer);
+        (lb.vip, lb.kind) = (Ipv4Addr::new(203, 0, 113, 7).into(), model::FrontendKind::LoadBalancer);
         lb.source_ranges = vec!["10.0.0.0/8".parse().unwrap(), "192.168.0.0/16".parse().unwrap()];
         frontends.extend([web(vec![b(11, 80), b(12, 80)]), lb]);
         Desired::new(frontends)
@@ -628,7 +638,7 @@ mod tests {
         // An endpoint went away, the DNS Service is gone and a new Service appeared.
         let mut new = web(vec![]);
         new.service.name = "empty".into();
-        new.vip = Ipv4Addr::new(10, 96, 0, 200);
+        new.vip = Ipv4Addr::new(10, 96, 0, 200).into();
         let after = Desired::new(vec![web(vec![b(11, 80), b(12, 80)]), new]);
         let diff = compare(&after, &state);
         let kinds: Vec<(&str, &str)> = diff.iter().map(|d| (d.kind, d.frontend.as_str())).collect();

@@ -41,7 +41,7 @@ pub(super) fn frontend_label(key: &Key) -> String {
 
 /// A backends map entry's address and port.
 pub(super) fn backend_addr(b: &BackendV4) -> BackendAddr {
-    BackendAddr { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port) }
+    BackendAddr { addr: Ipv4Addr::from(b.addr).into(), port: u16::from_be_bytes(b.port) }
 }
 
 pub(super) fn backend_label(b: &BackendV4) -> String {

@@ -207,8 +207,14 @@ mod tests {
 
     fn frontend(name: &str, port_name: &str, vip: [u8; 4], scope: Scope, no_local: bool) -> Frontend {
         let service = crate::model::ServiceName { namespace: "default".into(), name: name.into() };
-        let mut frontend =
-            Frontend::new(service, port_name, vip.into(), 80, crate::net::Protocol::Tcp, Vec::new());
+        let mut frontend = Frontend::new(
+            service,
+            port_name,
+            std::net::Ipv4Addr::from(vip),
+            80,
+            crate::net::Protocol::Tcp,
+            Vec::new(),
+        );
         frontend.scope = scope;
         frontend.local_only = no_local;
         frontend.no_local_endpoints = no_local;
