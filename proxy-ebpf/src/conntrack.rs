@@ -1,6 +1,6 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    conntrack::{Clash, ClashingFlow, CtState},
+    conntrack::{Clash, ClashingFlow, CtState, record_packet, reply_moves_state},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT,
         CtEntryV4, CtKeyV4, reply_key_in_snat, snat_reply_key,
@@ -189,10 +189,6 @@ pub unsafe fn track_reply(
     client: ([u8; 4], [u8; 2]),
     frontend: ([u8; 4], [u8; 2]),
 ) {
-    use proxy_common::{
-        maps::IPPROTO_TCP,
-        packet::{TCP_FIN, TCP_RST, TCP_SYN},
-    };
     // SAFETY: per the contract above.
     let mirrored = unsafe { (*entry).state };
     let forward = CtKeyV4 {
@@ -222,9 +218,7 @@ pub unsafe fn track_reply(
         let _ = CONNTRACK_V4.insert(forward, recreated, 0);
         return;
     };
-    if flow.proto != IPPROTO_TCP
-        || (flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0 && mirrored == CtState::Established as u8)
-    {
+    if !reply_moves_state(flow.proto, flow.tcp_flags, mirrored) {
         return;
     }
     // SAFETY: both are map values valid for this program run.
@@ -283,33 +277,16 @@ impl ReplyTo {
     }
 }
 
-/// Records one more packet of the flow and advances its state.
+/// Records one more packet of the flow and advances its state
+/// (`proxy_common::conntrack::record_packet`, shared with IPv6).
 ///
 /// # Safety
 /// `entry` must come from [`lookup`] in this program run.
 #[inline(always)]
 pub unsafe fn touch(entry: *mut CtEntryV4, flow: &Flow, direction: u8, now: u64) {
-    unsafe {
-        (*entry).last_seen_ns = now;
-        // Counters are plain adds: the BPF target has no 64-bit atomic RMW in
-        // `core`, and a rare lost increment under contention is acceptable.
-        (*entry).packets += 1;
-        (*entry).bytes += u64::from(flow.ip_total_len);
-        // Flags and state are written only when they change: steady traffic
-        // stores nothing but the counters and the timestamp.
-        let flags_seen = (*entry).tcp_flags_seen;
-        if flags_seen | flow.tcp_flags != flags_seen {
-            (*entry).tcp_flags_seen = flags_seen | flow.tcp_flags;
-        }
-        if direction != CT_DIR_REPLY {
-            let current = (*entry).state;
-            let state = CtState::from_u8(current).unwrap_or(CtState::Open);
-            let next = state.next(flow.proto, flow.tcp_flags, direction) as u8;
-            if next != current {
-                (*entry).state = next;
-            }
-        }
-    }
+    // SAFETY: per the contract above; concurrent writers only race on counters and timestamps.
+    let entry = unsafe { &mut *entry };
+    record_packet(entry.packet_fields(), flow.proto, flow.tcp_flags, flow.ip_total_len, direction, now);
 }
 
 /// Creates the reply entry, then the forward entry, so that no reply can
