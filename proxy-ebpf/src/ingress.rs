@@ -7,9 +7,9 @@ use aya_log_ebpf::debug;
 use proxy_common::{
     conntrack::{Clash, starts_tcp_flow},
     maps::{
-        BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, IPPROTO_TCP,
-        SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES,
-        reply_key_in_snat,
+        BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, CtKeyV4,
+        IPPROTO_TCP, SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_NO_LOCAL_ENDPOINTS,
+        SVC_FLAG_SOURCE_RANGES, ServiceValueV4, reply_key_in_snat,
     },
     stats::Stat,
     trace::{EV_DROP_INVALID, EV_REJECT},
@@ -141,55 +141,11 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     // A known flow before its frontend: as with netfilter's conntrack, it
     // continues after its Service (or the port) is deleted, and so does a
     // direct flow whose source port was remapped.
-    if let Some(entry) = conntrack::lookup(&key) {
-        // The clock is read only for a packet that needs it: a packet to no
-        // Service never does.
-        let now = conntrack::now();
-        found.now = now;
-        // SAFETY: map values stay valid for the program's run; concurrent
-        // writers only race on counters and timestamps.
-        let entry_copy = unsafe { *entry };
-        if conntrack::expired(&key, &entry_copy, &config, now) {
-            conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
-            stats::count(Stat::ConntrackExpired);
-        } else if lb::keeps_backend(&entry_copy, flow.proto) {
-            found.entry = entry;
-            return Step::Established;
-        } else {
-            conntrack::remove_pair(&key, &entry_copy, &config.hairpin_addr);
-            stats::count(Stat::Rebalanced);
-            debug!(ctx, "backend {} of a UDP flow is gone: rebalancing", entry_copy.backend_id);
-        }
+    if known_flow(ctx, flow, &key, &config, found) {
+        return Step::Established;
     }
-
     let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
-    let Some(frontend) = frontend else {
-        if lb::is_vip(&flow.daddr) {
-            // The port may have been removed from the Service while
-            // netfilter's connection through it goes on.
-            if inherited::is_open(&key) {
-                return Step::Pass(Stat::PassInheritedFlow);
-            }
-            // A port the Service does not have.
-            events::untranslated(flow, EV_REJECT, 0, conntrack::now());
-            return Step::Refuse;
-        }
-        // kube-proxy's cluster-ips-check: an unallocated address of the service
-        // range never leaves the node, pods' and external clients' alike
-        // (netfilter's forward hook sees both). A flow netfilter still
-        // translates to a since-deleted Service carries on, as conntrack
-        // exempts it there.
-        if lb::in_service_cidr(&flow.daddr) {
-            if inherited::is_open(&key) {
-                return Step::Pass(Stat::PassInheritedFlow);
-            }
-            return Step::Drop(Stat::DropUnallocatedServiceIp);
-        }
-        if flow.has_l4_header() {
-            return Step::Direct;
-        }
-        return Step::Pass(Stat::PassNoService);
-    };
+    let Some(frontend) = frontend else { return no_frontend(flow, &key) };
     // A connection opened through kube-proxy's rules before kproxy attached:
     // netfilter translates it until it ends (and un-NATs its replies).
     if inherited::is_open(&key) {
@@ -205,7 +161,76 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
     }
     found.frontend = value;
     found.scope = frontend.scope;
+    new_flow_step(ctx, flow, value, now)
+}
 
+/// Whether `key` is a live flow that keeps its backend ([`Found::entry`] then points at its entry). An
+/// expired entry, or a UDP flow whose backend is gone, is deleted: the packet is looked up as a new flow.
+#[inline(always)]
+fn known_flow(
+    ctx: &TcContext,
+    flow: &parse::Flow,
+    key: &CtKeyV4,
+    config: &config::Config,
+    found: &mut Found,
+) -> bool {
+    let Some(entry) = conntrack::lookup(key) else { return false };
+    // The clock is read only for a packet that needs it: a packet to no
+    // Service never does.
+    let now = conntrack::now();
+    found.now = now;
+    // SAFETY: map values stay valid for the program's run; concurrent
+    // writers only race on counters and timestamps.
+    let entry_copy = unsafe { *entry };
+    if conntrack::expired(key, &entry_copy, config, now) {
+        conntrack::remove_pair(key, &entry_copy, &config.hairpin_addr);
+        stats::count(Stat::ConntrackExpired);
+    } else if lb::keeps_backend(&entry_copy, flow.proto) {
+        found.entry = entry;
+        return true;
+    } else {
+        conntrack::remove_pair(key, &entry_copy, &config.hairpin_addr);
+        stats::count(Stat::Rebalanced);
+        debug!(ctx, "backend {} of a UDP flow is gone: rebalancing", entry_copy.backend_id);
+    }
+    false
+}
+
+/// A packet of no known flow to no frontend: a missing port of a Service, an unallocated service address,
+/// or traffic to a pod.
+#[inline(always)]
+fn no_frontend(flow: &parse::Flow, key: &CtKeyV4) -> Step {
+    if lb::is_vip(&flow.daddr) {
+        // The port may have been removed from the Service while
+        // netfilter's connection through it goes on.
+        if inherited::is_open(key) {
+            return Step::Pass(Stat::PassInheritedFlow);
+        }
+        // A port the Service does not have.
+        events::untranslated(flow, EV_REJECT, 0, conntrack::now());
+        return Step::Refuse;
+    }
+    // kube-proxy's cluster-ips-check: an unallocated address of the service
+    // range never leaves the node, pods' and external clients' alike
+    // (netfilter's forward hook sees both). A flow netfilter still
+    // translates to a since-deleted Service carries on, as conntrack
+    // exempts it there.
+    if lb::in_service_cidr(&flow.daddr) {
+        if inherited::is_open(key) {
+            return Step::Pass(Stat::PassInheritedFlow);
+        }
+        return Step::Drop(Stat::DropUnallocatedServiceIp);
+    }
+    if flow.has_l4_header() {
+        return Step::Direct;
+    }
+    Step::Pass(Stat::PassNoService)
+}
+
+/// The first packet of a flow to a frontend (`value`, allowed from this source): a new flow, unless it is
+/// a TCP segment that opens none or the frontend has no endpoints.
+#[inline(always)]
+fn new_flow_step(ctx: &TcContext, flow: &parse::Flow, value: &ServiceValueV4, now: u64) -> Step {
     if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {
         // No connection is known for this segment: translating it would start
         // a flow mid-stream, and passing it would leak it to the VIP.

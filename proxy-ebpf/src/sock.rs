@@ -19,7 +19,7 @@ use aya_ebpf::{
 use proxy_common::{
     maglev::flow_hash,
     maps::{
-        CT_DIR_FORWARD, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY,
+        BackendV4, CT_DIR_FORWARD, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY,
         SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
     },
     packet::Fragment,
@@ -115,7 +115,43 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return PROCEED;
     }
-    let mut flow = Flow {
+    let mut flow = destination(proto, ip, port);
+    let Some(found) = lb::lookup_frontend(&flow) else { return no_frontend(ctx, &flow, ip, port) };
+    if proto == IPPROTO_UDP && sends_inherited_flow(ctx, &flow) {
+        // Untranslated, so that netfilter's entry for this port goes on
+        // carrying it; tc tells this sender's flow from others by address.
+        stats::count(Stat::PassInheritedFlow);
+        return PROCEED;
+    }
+    let frontend = found.value;
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+        return PROCEED;
+    }
+    if frontend.count == 0 {
+        return refuse();
+    }
+    // Only now, for connections to a Service: every connect() on the node runs
+    // this hook.
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    stand_in_client(&mut flow, owner, frontend.flags & SVC_FLAG_AFFINITY != 0, cookie);
+    let Ok(choice) = lb::select_backend_by(&flow, &found, conntrack::now(), backend_pick(&flow)) else {
+        return PROCEED;
+    };
+    // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
+    unsafe {
+        (*sa).user_ip4 = u32::from_ne_bytes(choice.backend.addr);
+        (*sa).user_port = u32::from(u16::from_ne_bytes(choice.backend.port));
+    }
+    remember_service(cookie, &choice.backend, &flow, frontend.rev_nat_id);
+    stats::count(Stat::SockTranslated);
+    PROCEED
+}
+
+/// The call's destination as a flow, for the frontend lookup (its client filled in later).
+#[inline(always)]
+fn destination(proto: u8, ip: u32, port: u32) -> Flow {
+    Flow {
         saddr: [0; 4],
         daddr: ip.to_ne_bytes(),
         sport: [0; 2],
@@ -129,69 +165,64 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         _pad1: 0,
         _pad2: 0,
         _pad4: 0,
-    };
-    let Some(found) = lb::lookup_frontend(&flow) else {
-        if lb::is_vip(&flow.daddr) {
-            // A port the Service does not have: refused, as on the tc path.
-            return refuse();
-        }
-        // The node's own packets cross no tc program of kproxy's, nor do a
-        // covered pod's (`--pod-veth-tc auto`): an unallocated service address
-        // is refused here, so that nothing leaves the node. A socket call can
-        // only fail: EPERM, what netfilter's drop in OUTPUT gives a UDP sendmsg
-        // (a TCP connect() through kube-proxy retries its SYN until it times
-        // out instead).
-        if lb::in_service_cidr(&flow.daddr) {
-            stats::count(Stat::DropUnallocatedServiceIp);
-            // SAFETY: as in `refuse`.
-            unsafe { bpf_set_retval(-EPERM) };
-            return REFUSE;
-        }
-        if proto == IPPROTO_UDP {
-            forget_service_of(ctx, ip, port);
-        }
-        return PROCEED;
-    };
-    if proto == IPPROTO_UDP && sends_inherited_flow(ctx, &flow) {
-        // Untranslated, so that netfilter's entry for this port goes on
-        // carrying it; tc tells this sender's flow from others by address.
-        stats::count(Stat::PassInheritedFlow);
-        return PROCEED;
     }
-    let frontend = found.value;
-    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
-        return PROCEED;
-    }
-    let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
-    if frontend.count == 0 {
+}
+
+/// A call to no frontend: refused for a port a Service does not have or an unallocated service address,
+/// untranslated otherwise.
+#[inline(always)]
+fn no_frontend(ctx: &SockAddrContext, flow: &Flow, ip: u32, port: u32) -> i32 {
+    if lb::is_vip(&flow.daddr) {
+        // A port the Service does not have: refused, as on the tc path.
         return refuse();
     }
-    // Only now, for connections to a Service: every connect() on the node runs
-    // this hook. The socket stands in for the client address and port, which
-    // do not exist yet: Maglev spreads sockets, not one constant "0.0.0.0:0".
-    // SAFETY: a helper reading the context's socket.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // With session affinity the client is the node or the pod (all its sockets
-    // stick together, as its address would through kube-proxy).
+    // The node's own packets cross no tc program of kproxy's, nor do a
+    // covered pod's (`--pod-veth-tc auto`): an unallocated service address
+    // is refused here, so that nothing leaves the node. A socket call can
+    // only fail: EPERM, what netfilter's drop in OUTPUT gives a UDP sendmsg
+    // (a TCP connect() through kube-proxy retries its SYN until it times
+    // out instead).
+    if lb::in_service_cidr(&flow.daddr) {
+        stats::count(Stat::DropUnallocatedServiceIp);
+        // SAFETY: as in `refuse`.
+        unsafe { bpf_set_retval(-EPERM) };
+        return REFUSE;
+    }
+    if flow.proto == IPPROTO_UDP {
+        forget_service_of(ctx, ip, port);
+    }
+    PROCEED
+}
+
+/// The socket stands in for the client address and port, which do not exist
+/// yet: Maglev spreads sockets, not one constant "0.0.0.0:0". With session
+/// affinity the client is the node or the pod (all its sockets stick
+/// together, as its address would through kube-proxy).
+#[inline(always)]
+fn stand_in_client(flow: &mut Flow, owner: Owner, affinity: bool, cookie: u64) {
     flow.saddr = if affinity { affinity_client(owner) } else { (cookie as u32).to_ne_bytes() };
     flow.sport = ((cookie >> 32) as u16).to_ne_bytes();
-    // A UDP socket keeps its backend from one sendmsg to the next (as long as the
-    // backends stay), like a conntrack entry would keep its flow's; TCP
-    // connects once and picks at random.
-    let pick = if proto == IPPROTO_UDP {
-        flow_hash(flow.saddr, flow.daddr, flow.sport, flow.dport, proto, 0)
+}
+
+/// A UDP socket keeps its backend from one sendmsg to the next (as long as the
+/// backends stay), like a conntrack entry would keep its flow's; TCP
+/// connects once and picks at random.
+#[inline(always)]
+fn backend_pick(flow: &Flow) -> u32 {
+    if flow.proto == IPPROTO_UDP {
+        flow_hash(flow.saddr, flow.daddr, flow.sport, flow.dport, flow.proto, 0)
     } else {
         // SAFETY: a helper without side effects.
         unsafe { bpf_get_prandom_u32() }
-    };
-    let Ok(choice) = lb::select_backend_by(&flow, &found, conntrack::now(), pick) else { return PROCEED };
-    // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
-    unsafe {
-        (*sa).user_ip4 = u32::from_ne_bytes(choice.backend.addr);
-        (*sa).user_port = u32::from(u16::from_ne_bytes(choice.backend.port));
     }
-    let key = SockRevNatKeyV4 { cookie, addr: choice.backend.addr, port: choice.backend.port, _pad: [0; 2] };
-    let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id: frontend.rev_nat_id };
+}
+
+/// Records the Service this socket's backend stands for, so that recvmsg()
+/// and getpeername() show the Service again.
+#[inline(always)]
+fn remember_service(cookie: u64, backend: &BackendV4, flow: &Flow, rev_nat_id: u16) {
+    let key = SockRevNatKeyV4 { cookie, addr: backend.addr, port: backend.port, _pad: [0; 2] };
+    let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id };
     // A full LRU evicts an old socket's entry; the call still goes on.
     // Unconnected UDP sends many datagrams to the same backend: a lookup is
     // cheaper than rewriting the LRU entry each time.
@@ -199,8 +230,6 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     if unsafe { SOCK_REVNAT_V4.get(key) } != Some(&value) {
         let _ = SOCK_REVNAT_V4.insert(key, value, 0);
     }
-    stats::count(Stat::SockTranslated);
-    PROCEED
 }
 
 /// Whether a flow netfilter translated before kproxy attached still uses the
