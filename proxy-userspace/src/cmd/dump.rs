@@ -1,6 +1,10 @@
 //! `kproxy dump`: the maps as people (tables) and machines (`--json`) read them.
 
-use std::{collections::BTreeMap, fmt::Write as _, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use anyhow::{Context as _, Result};
 use proxy_common::{
@@ -111,6 +115,21 @@ fn endpoint(addr: [u8; 4], port: [u8; 2]) -> String {
     format!("{}:{}", Ipv4Addr::from(addr), u16::from_be_bytes(port))
 }
 
+fn endpoint6(addr: [u8; 16], port: [u8; 2]) -> String {
+    format!("[{}]:{}", Ipv6Addr::from(addr), u16::from_be_bytes(port))
+}
+
+/// A backend's `addr:port`, marked when terminating; `(missing)` when the id names none.
+fn backend_label(found: Option<(String, u8)>) -> String {
+    match found {
+        Some((addr, flags)) if flags & proxy_common::maps::BACKEND_FLAG_TERMINATING != 0 => {
+            format!("{addr} (terminating)")
+        }
+        Some((addr, _)) => addr,
+        None => "(missing)".to_owned(),
+    }
+}
+
 fn names(maps: &Maps) -> BTreeMap<u16, String> {
     maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect()
 }
@@ -118,31 +137,36 @@ fn names(maps: &Maps) -> BTreeMap<u16, String> {
 pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
     let names = names(maps);
     let mut rows = Vec::new();
-    for entry in maps.services.iter() {
-        let (key, value) = entry.context("reading the services map")?;
-        let backend = if key.slot == 0 {
-            None
-        } else {
-            Some(match maps.backends.get(&value.backend_id, 0) {
-                Ok(b) if b.flags & proxy_common::maps::BACKEND_FLAG_TERMINATING != 0 => {
-                    format!("{} (terminating)", endpoint(b.addr, b.port))
-                }
-                Ok(b) => endpoint(b.addr, b.port),
-                Err(_) => "(missing)".to_owned(),
-            })
-        };
-        rows.push(ServiceRow {
-            frontend: endpoint(key.vip, key.port),
-            protocol: proto_name(key.proto),
-            scope: if key.scope == proxy_common::maps::SCOPE_EXTERNAL { "external" } else { "internal" },
-            slot: key.slot,
+    let row =
+        |frontend: String, proto: u8, scope: u8, slot: u16, value: ServiceValueV4, backend| ServiceRow {
+            frontend,
+            protocol: proto_name(proto),
+            scope: if scope == proxy_common::maps::SCOPE_EXTERNAL { "external" } else { "internal" },
+            slot,
             service: names.get(&value.rev_nat_id).cloned().unwrap_or_default(),
             rev_nat_id: value.rev_nat_id,
-            count: if key.slot == 0 { value.count } else { 0 },
-            terminating_count: if key.slot == 0 { value.terminating_count } else { 0 },
-            backend_id: (key.slot != 0).then_some(value.backend_id),
+            count: if slot == 0 { value.count } else { 0 },
+            terminating_count: if slot == 0 { value.terminating_count } else { 0 },
+            backend_id: (slot != 0).then_some(value.backend_id),
             backend,
+        };
+    for entry in maps.services.iter() {
+        let (key, value) = entry.context("reading the services map")?;
+        let backend = (key.slot != 0).then(|| {
+            backend_label(
+                maps.backends.get(&value.backend_id, 0).ok().map(|b| (endpoint(b.addr, b.port), b.flags)),
+            )
         });
+        rows.push(row(endpoint(key.vip, key.port), key.proto, key.scope, key.slot, value, backend));
+    }
+    let mut rows6 = Vec::new();
+    for entry in maps.services_v6.iter() {
+        let (key, value) = entry.context("reading the IPv6 services map")?;
+        let backend = (key.slot != 0).then(|| {
+            let found = maps.backends_v6.get(&value.backend_id, 0).ok();
+            backend_label(found.map(|b| (endpoint6(b.addr, b.port), b.flags)))
+        });
+        rows6.push(row(endpoint6(key.vip, key.port), key.proto, key.scope, key.slot, value, backend));
     }
     rows.sort_by(|a, b| {
         (Ipv4Addr::from(parse_ip(&a.frontend)), &a.frontend, a.protocol, a.scope, a.slot).cmp(&(
@@ -153,6 +177,11 @@ pub fn services(maps: &Maps) -> Result<Vec<ServiceRow>> {
             b.slot,
         ))
     });
+    // IPv6 frontends after the IPv4 ones.
+    rows6.sort_by(|a, b| {
+        (&a.frontend, a.protocol, a.scope, a.slot).cmp(&(&b.frontend, b.protocol, b.scope, b.slot))
+    });
+    rows.extend(rows6);
     Ok(rows)
 }
 
@@ -162,17 +191,26 @@ fn parse_ip(endpoint: &str) -> [u8; 4] {
 
 pub fn backends(maps: &Maps) -> Result<Vec<BackendRow>> {
     let mut rows = Vec::new();
+    let state = |flags: u8| {
+        if flags & proxy_common::maps::BACKEND_FLAG_TERMINATING != 0 { "terminating" } else { "active" }
+    };
     for entry in maps.backends.iter() {
         let (id, b) = entry.context("reading the backends map")?;
         rows.push(BackendRow {
             id,
             address: endpoint(b.addr, b.port),
             protocol: proto_name(b.proto),
-            state: if b.flags & proxy_common::maps::BACKEND_FLAG_TERMINATING != 0 {
-                "terminating"
-            } else {
-                "active"
-            },
+            state: state(b.flags),
+        });
+    }
+    // One id space for both families: an id is in one of the two maps.
+    for entry in maps.backends_v6.iter() {
+        let (id, b) = entry.context("reading the IPv6 backends map")?;
+        rows.push(BackendRow {
+            id,
+            address: endpoint6(b.addr, b.port),
+            protocol: proto_name(b.proto),
+            state: state(b.flags),
         });
     }
     rows.sort_by_key(|r| r.id);
