@@ -21,6 +21,12 @@ pub const CONNTRACK_V6_CAPACITY: u32 = 262_144;
 pub const VIPS_V6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS_V6_CAPACITY: u32 = 8_192;
 
+/// The source of a pod's packets to itself through its IPv6 Service (hairpin), as
+/// [`crate::maps::DEFAULT_HAIRPIN_ADDR`] for IPv4: `100::42:1`, in RFC 6666's discard-only prefix
+/// `100::/64`, which no host holds and routers drop, so it names nobody else. The pod's reply to it
+/// takes its default route to the node's veth, where the ingress program turns it back.
+pub const HAIRPIN_ADDR_V6: [u8; 16] = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x42, 0, 1];
+
 /// `(vip, port, proto, scope, slot)`, as [`crate::maps::ServiceKeyV4`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]

@@ -1,11 +1,12 @@
 //! IPv6 conntrack: CONNTRACK_V6 with the states, transitions and timeouts of IPv4's
 //! (`proxy_common::conntrack`: `CtState`, `record_packet`, `reply_moves_state`, `Timeouts`), and
-//! the same pairing of a flow's forward and reply entries. No hairpin, SNAT or remapped flows yet:
-//! every reply entry is keyed by `backend → client`.
+//! the same pairing of a flow's forward and reply entries. Reply entries are keyed by
+//! `backend → client`, or `backend → HAIRPIN_ADDR_V6` for a hairpin flow; no SNAT or remapped flows
+//! yet.
 use proxy_common::{
     conntrack::{CtState, Timeouts, record_packet, reply_moves_state},
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY},
-    maps_v6::{CtEntryV6, CtKeyV6},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN},
+    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
@@ -14,6 +15,22 @@ use crate::{maps::CONNTRACK_V6, parse6::Flow6, verdict::Verdict};
 #[inline(always)]
 pub fn lookup(key: &CtKeyV6) -> Option<*mut CtEntryV6> {
     CONNTRACK_V6.get_ptr_mut(key)
+}
+
+/// The key of a forward entry's reply entry: `backend → client`, or `backend → hairpin address`
+/// for a pod's flow to itself.
+///
+/// # Safety
+/// `forward` must come from [`lookup`] in this program run.
+#[inline(always)]
+unsafe fn reply_key(forward_key: &CtKeyV6, forward: *const CtEntryV6) -> CtKeyV6 {
+    // SAFETY: per the contract above.
+    let mut key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
+    // SAFETY: as above.
+    if unsafe { (*forward).flags } & CT_FLAG_HAIRPIN != 0 {
+        key.daddr = HAIRPIN_ADDR_V6;
+    }
+    key
 }
 
 /// Whether a flow has been idle past its state's timeout: the reply direction is consulted only
@@ -36,7 +53,8 @@ pub unsafe fn expired(
     if !timeouts.expired(forward.state, forward.last_seen_ns, now) {
         return false;
     }
-    match lookup(&forward_key.reply_of(forward.nat_addr, forward.nat_port)) {
+    // SAFETY: as above.
+    match lookup(&unsafe { reply_key(forward_key, forward) }) {
         // SAFETY: a valid map value for this program run.
         Some(reply) => timeouts.expired(forward.state, unsafe { (*reply).last_seen_ns }, now),
         None => true,
@@ -50,7 +68,7 @@ pub unsafe fn expired(
 #[inline(always)]
 pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
     // SAFETY: per the contract above; the key is built before either entry goes.
-    let reply_key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
+    let reply_key = unsafe { reply_key(forward_key, forward) };
     let _ = CONNTRACK_V6.remove(reply_key);
     let _ = CONNTRACK_V6.remove(*forward_key);
 }
@@ -64,7 +82,7 @@ pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
 #[inline(always)]
 pub unsafe fn keep_reply(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
     // SAFETY: per the contract above.
-    let key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
+    let key = unsafe { reply_key(forward_key, forward) };
     if lookup(&key).is_some() {
         return;
     }
@@ -166,6 +184,7 @@ pub fn create(
     backend_id: u32,
     rev_nat_id: u16,
     now: u64,
+    hairpin: bool,
 ) -> Result<(), Verdict> {
     let mut entry = CtEntryV6 {
         created_ns: now,
@@ -175,9 +194,13 @@ pub fn create(
         nat_port: flow.dport,
         rev_nat_id,
         state: CtState::initial(flow.proto, flow.tcp_flags) as u8,
+        flags: if hairpin { CT_FLAG_HAIRPIN } else { 0 },
         ..Default::default()
     };
-    let reply_key = forward_key.reply_of(backend.addr, backend.port);
+    let mut reply_key = forward_key.reply_of(backend.addr, backend.port);
+    if hairpin {
+        reply_key.daddr = HAIRPIN_ADDR_V6;
+    }
     CONNTRACK_V6.insert(reply_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     entry.packets = 1;
     entry.bytes = u64::from(flow.ip_len());

@@ -8,9 +8,10 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     conntrack::starts_tcp_flow,
     maps::{
-        CT_DIR_FORWARD, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS,
+        SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
     },
-    maps_v6::CtEntryV6,
+    maps_v6::{CtEntryV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
@@ -27,6 +28,8 @@ use crate::{
 enum Step {
     Pass(Stat),
     Drop(Stat),
+    /// A pod's reply to its own hairpin connection.
+    HairpinReply,
     Refuse,
     Established,
     NewFlow,
@@ -58,6 +61,7 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         // A later fragment follows the translation its first fragment made; it never starts a
         // flow nor answers for a refused one.
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
+        Step::HairpinReply => hairpin_reply(ctx, flow),
         Step::Refuse => refuse(ctx, flow),
         Step::Established => established(ctx, flow, &found),
         Step::NewFlow => new_flow(ctx, flow, &found),
@@ -66,6 +70,9 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
 
 #[inline(never)]
 fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
+    if flow.daddr == HAIRPIN_ADDR_V6 {
+        return Step::HairpinReply;
+    }
     let key = flow.ct_key(CT_DIR_FORWARD);
     // A known flow before its frontend: as with netfilter's conntrack, it continues after its
     // Service (or the port) is deleted.
@@ -123,13 +130,17 @@ fn established(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<V
     let entry = found.entry;
     // SAFETY: `classify` set it to a map value before choosing this step. The flow's translation
     // lives or dies as one: a busy forward entry keeps its reply entry from being evicted first.
-    let (backend, backend_port) = unsafe {
+    let (backend, backend_port, flags) = unsafe {
         conntrack6::touch(entry, flow, CT_DIR_FORWARD, found.now);
         conntrack6::keep_reply(&key, entry);
-        (&(*entry).nat_addr, (*entry).nat_port)
+        (&(*entry).nat_addr, (*entry).nat_port, (*entry).flags)
     };
     nat6::rewrite_destination(ctx, flow, backend, backend_port)?;
     stats::count(Stat::DnatEstablished);
+    if flags & CT_FLAG_HAIRPIN != 0 {
+        nat6::rewrite_source_addr(ctx, flow, &HAIRPIN_ADDR_V6)?;
+        return Ok(Verdict::BOUNCE);
+    }
     Ok(Verdict::NEXT)
 }
 
@@ -140,10 +151,42 @@ fn new_flow(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<Verd
     // SAFETY: `classify` set it to a map value before choosing this step.
     let frontend = unsafe { &*found.frontend };
     let (backend_id, backend) = lb6::select_backend(flow, frontend)?;
-    conntrack6::create(flow, &key, &backend, backend_id, frontend.rev_nat_id, found.now)?;
+    // The pod reached itself: its source becomes the hairpin address, so that its answer comes
+    // back through this program (as IPv4's hairpin), and the packet goes straight back to it.
+    let hairpin = backend.addr == flow.saddr;
+    conntrack6::create(flow, &key, &backend, backend_id, frontend.rev_nat_id, found.now, hairpin)?;
     nat6::rewrite_destination(ctx, flow, &backend.addr, backend.port)?;
     stats::count(Stat::DnatNew);
+    if hairpin {
+        nat6::rewrite_source_addr(ctx, flow, &HAIRPIN_ADDR_V6)?;
+        stats::count(Stat::Hairpin);
+        return Ok(Verdict::BOUNCE);
+    }
     Ok(Verdict::NEXT)
+}
+
+/// A pod's reply to its own hairpin connection, addressed to the hairpin address: the source goes
+/// back to the Service and the destination back to the pod, and the packet returns to the pod.
+#[inline(never)]
+fn hairpin_reply(ctx: &TcContext, flow: &parse6::Flow6) -> Result<Verdict, Verdict> {
+    let key = flow.ct_key(CT_DIR_REPLY);
+    let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
+    let now = conntrack::now();
+    // SAFETY: a map value valid for this program run, read in place.
+    let (vip, vip_port) = unsafe {
+        conntrack6::touch(entry, flow, CT_DIR_REPLY, now);
+        conntrack6::track_reply(
+            entry,
+            flow,
+            &(flow.saddr, flow.dport),
+            &((*entry).nat_addr, (*entry).nat_port),
+        );
+        (&(*entry).nat_addr, (*entry).nat_port)
+    };
+    nat6::rewrite_source(ctx, flow, vip, vip_port)?;
+    nat6::rewrite_destination_addr(ctx, flow, &flow.saddr)?;
+    stats::count(Stat::ReverseNat);
+    Ok(Verdict::BOUNCE)
 }
 
 /// Not inlined, so that the packet buffers of a refusal are not part of [`run`]'s frame.

@@ -113,3 +113,15 @@ pub fn rewrite_source(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16], port: [u8;
     rewrite_addr(ctx, flow, IP6_OFF_SADDR, &flow.saddr, addr)?;
     rewrite_port(ctx, flow, L4_OFF_SPORT, flow.sport, port)
 }
+
+/// Hairpin SNAT: only the source address changes; the port stays.
+#[inline(always)]
+pub fn rewrite_source_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Result<(), Verdict> {
+    rewrite_addr(ctx, flow, IP6_OFF_SADDR, &flow.saddr, addr)
+}
+
+/// Hairpin reply: the destination address goes back to the pod.
+#[inline(always)]
+pub fn rewrite_destination_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Result<(), Verdict> {
+    rewrite_addr(ctx, flow, IP6_OFF_DADDR, &flow.daddr, addr)
+}

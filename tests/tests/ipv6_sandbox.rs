@@ -24,6 +24,8 @@ const CLIENT6: &str = "fd00:10:244::2";
 const WEB6: &str = "fd00:10:96::64";
 const ECHO6: &str = "fd00:10:96::a";
 const EMPTY6: &str = "fd00:10:96::c8";
+/// A Service whose only backend is web-1, for web-1 to reach itself through (hairpin).
+const SELF6: &str = "fd00:10:96::77";
 const ECHO_PORT: u16 = 5353;
 
 fn v6(text: &str) -> [u8; 16] {
@@ -129,6 +131,7 @@ fn dual_stack_pods_reach_an_ipv6_cluster_ip_over_tcp_and_udp() {
     frontends.add(ECHO6, ECHO_PORT, IPPROTO_UDP, &echo);
     frontends.add(EMPTY6, 80, IPPROTO_TCP, &[]);
     frontends.add(EMPTY6, ECHO_PORT, IPPROTO_UDP, &[]);
+    frontends.add(SELF6, 80, IPPROTO_TCP, &web[..1]);
 
     // TCP: every request answered by a backend, all of them seen, the client's own address kept.
     let mut seen = std::collections::BTreeSet::new();
@@ -167,6 +170,11 @@ fn dual_stack_pods_reach_an_ipv6_cluster_ip_over_tcp_and_udp() {
         assert_eq!((said, from, port), (Some("hello"), Some(ECHO6), Some("5353")), "{answer}");
     }
 
+    // Hairpin: web-1 reaches itself through its Service; it sees the hairpin address as the client.
+    let web1 = &cluster.web[0];
+    assert_eq!(web1.curl(&format!("http://[{SELF6}]/")).unwrap().trim(), web_names[0]);
+    assert_eq!(web1.curl(&format!("http://[{SELF6}]/client")).unwrap().trim(), "100::42:1");
+
     // No endpoints, or a port the Service does not have: refused at once (curl's exit 7,
     // "Couldn't connect"; a UDP socket hears ECONNREFUSED).
     for url in [format!("http://[{EMPTY6}]/"), format!("http://[{WEB6}]:8443/")] {
@@ -175,6 +183,10 @@ fn dual_stack_pods_reach_an_ipv6_cluster_ip_over_tcp_and_udp() {
     }
     let err = udp_ask(&cluster.client, 41010, EMPTY6, "anyone").expect_err("no endpoints").to_string();
     assert!(err.contains("ConnectionRefused") || err.contains("Connection refused"), "{err}");
-    assert!(cluster.stat("dnat_new_flow") >= 30 + 1 + 1 + 4, "dnat_new {}", cluster.stat("dnat_new_flow"));
+    assert!(
+        cluster.stat("dnat_new_flow") >= 30 + 1 + 1 + 4 + 2,
+        "dnat_new {}",
+        cluster.stat("dnat_new_flow")
+    );
     assert!(cluster.stat("reject_tcp_rst") >= 2 && cluster.stat("reject_udp_icmp") >= 1);
 }

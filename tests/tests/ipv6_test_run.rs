@@ -24,8 +24,11 @@ use kproxy::bpf;
 use proxy_common::{
     checksum,
     conntrack::CtState,
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL, ServiceValueV4, VipV4},
-    maps_v6::{BackendV6, CtEntryV6, CtKeyV6, ServiceKeyV6},
+    maps::{
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
+        ServiceValueV4, VipV4,
+    },
+    maps_v6::{BackendV6, CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, ServiceKeyV6},
     packet::{TCP_ACK, TCP_RST, TCP_SYN},
     packet6::{IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMPV6},
     stats::Stat,
@@ -45,6 +48,8 @@ const EMPTY6: [u8; 16] = addr6(0xc8, 0x0096);
 const WEB6_BACKENDS: [[u8; 16]; 2] = [addr6(0x11, 0x0244), addr6(0x12, 0x0244)];
 const DNS6_BACKEND: [u8; 16] = addr6(0x21, 0x0244);
 const OTHER_POD: [u8; 16] = addr6(0x30, 0x0244);
+/// A Service whose only backend is the client itself (hairpin).
+const SELF6: [u8; 16] = addr6(0x77, 0x0096);
 
 /// The real object with its IPv6 maps in hand.
 struct V6 {
@@ -60,7 +65,7 @@ struct V6 {
 
 impl V6 {
     /// web (TCP 80 → 8080 on two backends), dns (UDP 53 on one), empty (TCP 80 and UDP 53, no
-    /// endpoints).
+    /// endpoints), self (TCP 80 → the client's own 8080).
     fn new() -> Self {
         let mut ebpf =
             bpf::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
@@ -80,6 +85,7 @@ impl V6 {
         v6.frontend(DNS6, 53, IPPROTO_UDP, &[(DNS6_BACKEND, 53)]);
         v6.frontend(EMPTY6, 80, IPPROTO_TCP, &[]);
         v6.frontend(EMPTY6, 53, IPPROTO_UDP, &[]);
+        v6.frontend(SELF6, 80, IPPROTO_TCP, &[(CLIENT6, 8080)]);
         v6
     }
 
@@ -501,6 +507,50 @@ fn icmpv6_errors_about_a_translated_flow_are_un_nated_for_the_client() {
     let elsewhere = icmp6(&router, &OTHER_POD, 2, 0, &[&mtu, sent].concat());
     assert_eq!(v6.egress(&elsewhere), (PASS, elsewhere.clone()));
     assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
+}
+
+/// The frame bounced back out of the interface it came in on: the MACs swapped.
+fn bounced(frame: Vec<u8>) -> Vec<u8> {
+    [&frame[6..12], &frame[..6], &frame[12..]].concat()
+}
+
+/// A pod reaching itself through its Service: the source becomes the hairpin address (so the
+/// answer comes back through the node) and the packet goes straight back to the pod; the pod's
+/// answer to the hairpin address comes back from the Service, also bounced.
+#[test]
+fn a_pod_reaching_itself_through_its_v6_service_is_hairpinned() {
+    let v6 = V6::new();
+    let syn = Packet6::tcp(CLIENT6, 40100, SELF6, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&syn.frame());
+    assert_eq!(ret, BOUNCE);
+    let hairpinned = Packet6 { src: HAIRPIN_ADDR_V6, dst: CLIENT6, dport: 8080, ..syn };
+    assert_eq!(out, bounced(hairpinned.frame()));
+    assert!(l4_checksum_valid(&out));
+    let reply = v6
+        .ct(&ct_key6(CLIENT6, 8080, HAIRPIN_ADDR_V6, 40100, IPPROTO_TCP, CT_DIR_REPLY))
+        .expect("reply entry");
+    assert_eq!((reply.nat_addr, reply.flags), (SELF6, CT_FLAG_HAIRPIN));
+
+    let syn_ack = Packet6::tcp(CLIENT6, 8080, HAIRPIN_ADDR_V6, 40100, TCP_SYN | TCP_ACK);
+    let (ret, out) = v6.ingress(&syn_ack.frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(out, bounced(Packet6 { src: SELF6, sport: 80, dst: CLIENT6, ..syn_ack }.frame()));
+    assert!(l4_checksum_valid(&out));
+
+    let ack = Packet6 {
+        payload: b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        ..Packet6::tcp(CLIENT6, 40100, SELF6, 80, TCP_ACK)
+    };
+    let (ret, out) = v6.ingress(&ack.frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(out, bounced(Packet6 { src: HAIRPIN_ADDR_V6, dst: CLIENT6, dport: 8080, ..ack }.frame()));
+    let fwd = v6.ct(&ct_key6(CLIENT6, 40100, SELF6, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+    assert_eq!(fwd.state, CtState::Established as u8);
+    assert_eq!((v6.stat(Stat::Hairpin), v6.stat(Stat::ReverseNat)), (1, 1));
+
+    // To the hairpin address without being a hairpin flow's reply: left alone.
+    let stray = Packet6::tcp(CLIENT6, 8080, HAIRPIN_ADDR_V6, 40199, TCP_ACK).frame();
+    assert_eq!(v6.ingress(&stray), (PASS, stray.clone()));
 }
 
 #[test]
