@@ -13,6 +13,7 @@ pub const MAP_REV_NAT_V6: &str = "REV_NAT_V6";
 pub const MAP_CONNTRACK_V6: &str = "CONNTRACK_V6";
 pub const MAP_VIPS_V6: &str = "VIPS_V6";
 pub const MAP_FRAGMENTS_V6: &str = "FRAGMENTS_V6";
+pub const MAP_AFFINITY_V6: &str = "AFFINITY_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
@@ -20,6 +21,7 @@ pub const REV_NAT_V6_CAPACITY: u32 = 65_536;
 pub const CONNTRACK_V6_CAPACITY: u32 = 262_144;
 pub const VIPS_V6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS_V6_CAPACITY: u32 = 8_192;
+pub const AFFINITY_V6_CAPACITY: u32 = 65_536;
 
 /// The source of a pod's packets to itself through its IPv6 Service (hairpin), as
 /// [`crate::maps::DEFAULT_HAIRPIN_ADDR`] for IPv4: `100::42:1`, in RFC 6666's discard-only prefix
@@ -139,6 +141,16 @@ pub struct FragmentKeyV6 {
     pub _pad: [u8; 3],
 }
 
+/// sessionAffinity: ClientIP for IPv6 clients, as [`crate::maps::AffinityKeyV4`]: `(client, the
+/// affinity id of the Service port)` → the backend it sticks to ([`crate::maps::AffinityValueV4`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct AffinityKeyV6 {
+    pub client: [u8; 16],
+    pub rev_nat_id: u16,
+    pub _pad: [u8; 2],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -149,6 +161,7 @@ mod pod {
     unsafe impl aya::Pod for CtKeyV6 {}
     unsafe impl aya::Pod for CtEntryV6 {}
     unsafe impl aya::Pod for FragmentKeyV6 {}
+    unsafe impl aya::Pod for AffinityKeyV6 {}
 }
 
 #[cfg(test)]
@@ -164,6 +177,7 @@ mod tests {
         assert_eq!(size_of::<CtKeyV6>(), 16 + 16 + 2 + 2 + 1 + 1 + 2);
         assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 2 + 4 + 4);
         assert_eq!(size_of::<FragmentKeyV6>(), 16 + 16 + 4 + 1 + 3);
+        assert_eq!(size_of::<AffinityKeyV6>(), 16 + 2 + 2);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use proxy_common::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS,
         SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
     },
-    maps_v6::{CtEntryV6, HAIRPIN_ADDR_V6},
+    maps_v6::{BackendV6, CtEntryV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
@@ -64,7 +64,12 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Step::HairpinReply => hairpin_reply(ctx, flow),
         Step::Refuse => refuse(ctx, flow),
         Step::Established => established(ctx, flow, &found),
-        Step::NewFlow => new_flow(ctx, flow, &found),
+        Step::NewFlow => {
+            let mut choice = lb6::Choice6 { backend_id: 0, backend: BackendV6::default() };
+            // SAFETY: `classify` set it to a map value before choosing this step.
+            lb6::select_backend(flow, unsafe { &*found.frontend }, found.now, &mut choice)?;
+            new_flow(ctx, flow, &found, &choice)
+        }
     }
 }
 
@@ -144,17 +149,23 @@ fn established(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<V
     Ok(Verdict::NEXT)
 }
 
-/// The first packet of a flow: a backend picked, the flow recorded (reply entry first), DNAT.
+/// The first packet of a flow, its backend picked (`lb6::select_backend`): the flow recorded
+/// (reply entry first), DNAT.
 #[inline(never)]
-fn new_flow(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<Verdict, Verdict> {
+fn new_flow(
+    ctx: &TcContext,
+    flow: &parse6::Flow6,
+    found: &Found,
+    choice: &lb6::Choice6,
+) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_FORWARD);
     // SAFETY: `classify` set it to a map value before choosing this step.
     let frontend = unsafe { &*found.frontend };
-    let (backend_id, backend) = lb6::select_backend(flow, frontend)?;
+    let (backend_id, backend) = (choice.backend_id, &choice.backend);
     // The pod reached itself: its source becomes the hairpin address, so that its answer comes
     // back through this program (as IPv4's hairpin), and the packet goes straight back to it.
     let hairpin = backend.addr == flow.saddr;
-    conntrack6::create(flow, &key, &backend, backend_id, frontend.rev_nat_id, found.now, hairpin)?;
+    conntrack6::create(flow, &key, backend, backend_id, frontend.rev_nat_id, found.now, hairpin)?;
     nat6::rewrite_destination(ctx, flow, &backend.addr, backend.port)?;
     stats::count(Stat::DnatNew);
     if hairpin {

@@ -1,16 +1,21 @@
 //! IPv6 Service lookup and backend choice, as `lb.rs` for IPv4: the same slot scheme
-//! (`proxy_common::slots::select_slot`), in SERVICES_V6 and BACKENDS_V6.
+//! (`proxy_common::slots::select_slot`) and session affinity, in SERVICES_V6, BACKENDS_V6 and
+//! AFFINITY_V6.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    maps::{CT_FLAG_DIRECT, IPPROTO_TCP, SCOPE_INTERNAL, ServiceValueV4},
-    maps_v6::{BackendV6, CtEntryV6, ServiceKeyV6},
+    maps::{
+        AffinityValueV4, BACKEND_FLAG_TERMINATING, CT_FLAG_DIRECT, IPPROTO_TCP, SCOPE_INTERNAL,
+        SVC_FLAG_AFFINITY, ServiceValueV4,
+    },
+    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, ServiceKeyV6},
     slots::select_slot,
     stats::Stat,
 };
 
 use crate::{
-    maps::{BACKENDS_V6, SERVICES_V6, VIPS_V6},
+    maps::{AFFINITY_V6, BACKENDS_V6, SERVICES_V6, VIPS_V6},
     parse6::Flow6,
+    stats,
     verdict::Verdict,
 };
 
@@ -43,11 +48,73 @@ pub fn keeps_backend(entry: &CtEntryV6, proto: u8) -> bool {
     }
 }
 
-/// The backend a new flow is sent to and its id: one of the frontend's `count` active slots with
-/// equal probability (slots past `count` hold terminating backends, which take no new flow).
-/// Session affinity and Maglev are IPv4's only for now: such a frontend gets a random pick.
+/// A new flow's backend and its id. Every byte a field (it crosses frames).
+#[repr(C)]
+pub struct Choice6 {
+    pub backend_id: u32,
+    pub backend: BackendV6,
+}
+
+/// Slots searched for a sticky backend that is no longer in its hint's (as `lb::slot_of`).
+const AFFINITY_SLOT_SCAN: u16 = 64;
+
+/// The active slot of the frontend (1..=count) that holds `backend_id`, `hint` first: a sticky
+/// backend must still be the frontend's own (see `lb::slot_of`).
 #[inline(always)]
-pub fn select_backend(flow: &Flow6, frontend: &ServiceValueV4) -> Result<(u32, BackendV6), Verdict> {
+fn slot_of(flow: &Flow6, count: u16, backend_id: u32, hint: u32) -> Option<u16> {
+    let holds = |slot: u16| {
+        let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, SCOPE_INTERNAL, slot);
+        // SAFETY: as in `lookup_frontend`.
+        unsafe { SERVICES_V6.get(key) }.is_some_and(|v| v.backend_id == backend_id)
+    };
+    if hint >= 1 && hint <= u32::from(count) && holds(hint as u16) {
+        return Some(hint as u16);
+    }
+    for slot in 1..=AFFINITY_SLOT_SCAN {
+        if slot > count {
+            return None;
+        }
+        if holds(slot) {
+            return Some(slot);
+        }
+    }
+    (count > AFFINITY_SLOT_SCAN).then_some(0)
+}
+
+/// The backend for a new flow, into `choice`: the client's sticky one while its AFFINITY_V6 entry
+/// is fresh and its backend still an active one of the frontend's (sessionAffinity: ClientIP, keyed
+/// by the Service port's affinity id as IPv4's), otherwise one of the frontend's `count` active
+/// slots with equal probability (slots past `count` hold terminating backends, which take no new
+/// flow). Maglev is IPv4's only for now: such a frontend gets a random pick. Not inlined: a stage
+/// of its own, called from the program before `new_flow`, which has no room for it.
+#[inline(never)]
+pub fn select_backend(
+    flow: &Flow6,
+    frontend: &ServiceValueV4,
+    now: u64,
+    choice: &mut Choice6,
+) -> Result<(), Verdict> {
+    let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
+    let affinity_key = AffinityKeyV6 { client: flow.saddr, rev_nat_id: frontend.affinity_id(), _pad: [0; 2] };
+    if affinity && let Some(sticky) = AFFINITY_V6.get_ptr_mut(affinity_key) {
+        // SAFETY: as in `lookup_frontend`; the value is ours to update.
+        unsafe {
+            let timeout_ns = u64::from(frontend.affinity_timeout_s) * 1_000_000_000;
+            let backend_id = (*sticky).backend_id;
+            if now.saturating_sub((*sticky).last_used_ns) <= timeout_ns
+                && let Some(slot) = slot_of(flow, frontend.count, backend_id, (*sticky).slot)
+                && let Some(backend) = BACKENDS_V6.get(backend_id)
+                && backend.flags & BACKEND_FLAG_TERMINATING == 0
+            {
+                (*sticky).last_used_ns = now;
+                (*sticky).slot = u32::from(slot);
+                stats::count(Stat::AffinityHit);
+                choice.backend_id = backend_id;
+                choice.backend = *backend;
+                return Ok(());
+            }
+        }
+    }
     // SAFETY: a helper without side effects.
     let pick = unsafe { bpf_get_prandom_u32() };
     let slot = select_slot(pick, frontend.count).ok_or(Verdict::pass(Stat::NoBackend))?;
@@ -57,5 +124,12 @@ pub fn select_backend(flow: &Flow6, frontend: &ServiceValueV4) -> Result<(u32, B
         unsafe { SERVICES_V6.get(key) }.map(|v| v.backend_id).ok_or(Verdict::pass(Stat::SlotMiss))?;
     // SAFETY: as above; the value is copied out.
     let backend = unsafe { BACKENDS_V6.get(backend_id) }.copied().ok_or(Verdict::pass(Stat::SlotMiss))?;
-    Ok((backend_id, backend))
+    if affinity {
+        let value = AffinityValueV4 { last_used_ns: now, backend_id, slot: u32::from(slot) };
+        // A full LRU evicts an old client; a failure only costs stickiness.
+        let _ = AFFINITY_V6.insert(affinity_key, value, 0);
+    }
+    choice.backend_id = backend_id;
+    choice.backend = backend;
+    Ok(())
 }

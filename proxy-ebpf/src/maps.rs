@@ -153,3 +153,8 @@ pub static FRAGMENTS_V6: LruHashMap<proxy_common::maps_v6::FragmentKeyV6, Fragme
 /// Where an ICMPv6 error about a translated flow is read (`icmp6`). Not pinned.
 #[map(name = "ICMP6_SCRATCH")]
 pub static ICMP6_SCRATCH: PerCpuArray<crate::icmp6::Icmp6Scratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// sessionAffinity: ClientIP for IPv6 clients, as AFFINITY_V4.
+#[map(name = "AFFINITY_V6")]
+pub static AFFINITY_V6: LruHashMap<proxy_common::maps_v6::AffinityKeyV6, AffinityValueV4> =
+    LruHashMap::with_max_entries(proxy_common::maps_v6::AFFINITY_V6_CAPACITY, 0);

@@ -26,7 +26,7 @@ use proxy_common::{
     conntrack::CtState,
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
-        ServiceValueV4, VipV4,
+        SVC_FLAG_AFFINITY, ServiceValueV4, VipV4,
     },
     maps_v6::{BackendV6, CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, ServiceKeyV6},
     packet::{TCP_ACK, TCP_RST, TCP_SYN},
@@ -91,6 +91,18 @@ impl V6 {
 
     /// One frontend as the Syncer lays IPv4 out: backends, slots, slot 0, then the VIP's count.
     fn frontend(&mut self, vip: [u8; 16], port: u16, proto: u8, backends: &[([u8; 16], u16)]) {
+        self.frontend_with(vip, port, proto, backends, ServiceValueV4::default());
+    }
+
+    /// [`V6::frontend`] with slot 0's flags and affinity timeout from `slot0`.
+    fn frontend_with(
+        &mut self,
+        vip: [u8; 16],
+        port: u16,
+        proto: u8,
+        backends: &[([u8; 16], u16)],
+        slot0: ServiceValueV4,
+    ) {
         let rev_nat_id = self.next_rev_nat_id;
         self.next_rev_nat_id += 1;
         let key = ServiceKeyV6::new(vip, port.to_be_bytes(), proto, SCOPE_INTERNAL, 0);
@@ -102,7 +114,7 @@ impl V6 {
             let value = ServiceValueV4 { backend_id: id, rev_nat_id, ..Default::default() };
             self.services.insert(key.with_slot(slot as u16 + 1), value, 0).unwrap();
         }
-        let slot0 = ServiceValueV4 { count: backends.len() as u16, rev_nat_id, ..Default::default() };
+        let slot0 = ServiceValueV4 { count: backends.len() as u16, rev_nat_id, ..slot0 };
         self.services.insert(key, slot0, 0).unwrap();
         let frontends = self.vips.get(&vip, 0).map_or(0, |v| v.frontends);
         self.vips.insert(vip, VipV4 { frontends: frontends + 1 }, 0).unwrap();
@@ -507,6 +519,31 @@ fn icmpv6_errors_about_a_translated_flow_are_un_nated_for_the_client() {
     let elsewhere = icmp6(&router, &OTHER_POD, 2, 0, &[&mtu, sent].concat());
     assert_eq!(v6.egress(&elsewhere), (PASS, elsewhere.clone()));
     assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
+}
+
+/// sessionAffinity: ClientIP: every new connection of a client goes to the backend its first one
+/// got, while a Service without affinity spreads them (kube-proxy's `recent` match and random
+/// chain).
+#[test]
+fn session_affinity_keeps_a_v6_client_on_its_backend() {
+    let mut v6 = V6::new();
+    let sticky_vip = addr6(0x55, 0x0096);
+    let web: Vec<_> = WEB6_BACKENDS.iter().map(|a| (*a, 8080)).collect();
+    let slot0 = ServiceValueV4 { flags: SVC_FLAG_AFFINITY, affinity_timeout_s: 10_800, ..Default::default() };
+    v6.frontend_with(sticky_vip, 80, IPPROTO_TCP, &web, slot0);
+    let backend_of = |v6: &V6, vip, sport| {
+        let (ret, out) = v6.ingress(&Packet6::tcp(CLIENT6, sport, vip, 80, TCP_SYN).frame());
+        assert_eq!(ret, PASS);
+        destination(&out).0
+    };
+    let first = backend_of(&v6, sticky_vip, 41000);
+    for sport in 41001..41030 {
+        assert_eq!(backend_of(&v6, sticky_vip, sport), first, "connection from port {sport}");
+    }
+    assert_eq!(v6.stat(Stat::AffinityHit), 29);
+    let spread: std::collections::BTreeSet<_> =
+        (42000..42040).map(|sport| backend_of(&v6, WEB6, sport)).collect();
+    assert_eq!(spread.len(), 2, "without affinity both backends get connections");
 }
 
 /// The frame bounced back out of the interface it came in on: the MACs swapped.

@@ -100,6 +100,7 @@ map_table! {
         rev_nat_v6: HashMap<MapData, u16, RevNatV6> = MAP_REV_NAT_V6, HashMap, (u16, RevNatV6), usage "rev_nat_v6";
         conntrack_v6: HashMap<MapData, CtKeyV6, CtEntryV6> = MAP_CONNTRACK_V6, LruHashMap, (CtKeyV6, CtEntryV6), usage "conntrack_v6";
         vips_v6: HashMap<MapData, [u8; 16], VipV6> = MAP_VIPS_V6, HashMap, ([u8; 16], VipV6), usage "vips_v6";
+        affinity_v6: HashMap<MapData, AffinityKeyV6, AffinityValueV4> = MAP_AFFINITY_V6, LruHashMap, (AffinityKeyV6, AffinityValueV4), usage "affinity_v6";
     }
     pinned {
         MAP_EVENTS;
