@@ -307,29 +307,10 @@ pub(super) fn add_claims(
         // backends, topology and fallbacks come from the endpoints of its family only.
         let (endpoints_v4, endpoints_v6): (Vec<_>, Vec<_>) =
             endpoints_for(plan, port, slices).into_iter().partition(|(backend, _)| backend.addr.is_ipv4());
-        let entry =
-            |vip: IpAddr, number: u16, kind: FrontendKind, scope: Scope, selected: &Selection| Frontend {
-                service: plan.name.clone(),
-                port_name: port.name.clone(),
-                vip,
-                port: number,
-                proto: port.proto,
-                backends: selected.backends.clone(),
-                session_affinity_timeout: plan.affinity_timeout,
-                local_only: selected.local_only,
-                terminating_fallback: selected.terminating_fallback,
-                terminating_backends: selected.terminating_backends.clone(),
-                kind,
-                scope,
-                external_local: kind != FrontendKind::ClusterIp && plan.external_local,
-                source_ranges: if kind == FrontendKind::LoadBalancer {
-                    source_ranges.clone()
-                } else {
-                    Vec::new()
-                },
-                no_local_endpoints: selected.no_local_endpoints,
-                topology: selected.topology,
-            };
+        let entries = Entries { plan, port, source_ranges: &source_ranges };
+        let entry = |vip, number, kind, scope, selected: &Selection| {
+            entries.entry(vip, number, kind, scope, selected)
+        };
 
         let internal_v4 = select(&endpoints_v4, plan.local_only);
         let internal_v6 =
@@ -373,6 +354,49 @@ pub(super) fn add_claims(
                 internal: entry(vip, number, kind, Scope::Internal, &cluster_wide),
                 external: node_local.as_ref().map(|local| entry(vip, number, kind, Scope::External, local)),
             });
+        }
+    }
+}
+
+/// Builds the frontend entries of one Service port.
+struct Entries<'a> {
+    plan: &'a ServicePlan<'a>,
+    port: &'a super::service::PortPlan,
+    /// The LoadBalancer IPs' admitted sources.
+    source_ranges: &'a [Cidr4],
+}
+
+impl Entries<'_> {
+    fn entry(
+        &self,
+        vip: IpAddr,
+        number: u16,
+        kind: FrontendKind,
+        scope: Scope,
+        selected: &Selection,
+    ) -> Frontend {
+        let (plan, port) = (self.plan, self.port);
+        Frontend {
+            service: plan.name.clone(),
+            port_name: port.name.clone(),
+            vip,
+            port: number,
+            proto: port.proto,
+            backends: selected.backends.clone(),
+            session_affinity_timeout: plan.affinity_timeout,
+            local_only: selected.local_only,
+            terminating_fallback: selected.terminating_fallback,
+            terminating_backends: selected.terminating_backends.clone(),
+            kind,
+            scope,
+            external_local: kind != FrontendKind::ClusterIp && plan.external_local,
+            source_ranges: if kind == FrontendKind::LoadBalancer {
+                self.source_ranges.to_vec()
+            } else {
+                Vec::new()
+            },
+            no_local_endpoints: selected.no_local_endpoints,
+            topology: selected.topology,
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Display,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use proxy_common::maps::{SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_MAGLEV, ServiceValueV4};
@@ -29,8 +29,7 @@ type Slots = BTreeMap<u16, ServiceValueV4>;
 
 /// Every difference between `desired` and `state`, frontends in address order, then orphans.
 pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
-    // The IPv4 maps against the IPv4 frontends: the IPv6 maps are not read yet.
-    let frontends: Vec<Frontend> = desired.frontends.iter().filter(|f| f.vip.is_ipv4()).cloned().collect();
+    let frontends = &desired.frontends;
     let mut grouped = group_by_frontend(state);
     // Before anything is taken out.
     let per_vip = cluster_ip_frontends_per_vip(&grouped);
@@ -41,26 +40,18 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
         out: Vec::new(),
         referenced: BTreeSet::new(),
         used_rev_nat: BTreeSet::new(),
-        cluster_ips: cluster_ip_frontends(&frontends),
+        cluster_ips: cluster_ip_frontends(frontends),
         slot0s,
     };
-    for frontend in &frontends {
+    for frontend in frontends {
         comparison.wanted_frontend(frontend, &mut grouped);
     }
     comparison.extra_frontends(&grouped);
     comparison.orphan_backends();
-    comparison.backend_flags(&desired_backend_flags(&frontends));
+    comparison.backend_flags(&desired_backend_flags(frontends));
     comparison.orphan_entries();
     comparison.vip_counts(&per_vip);
     comparison.out
-}
-
-/// An address of the IPv4 frontends [`compare`] keeps (an IPv6 one never reaches here).
-fn ipv4(addr: std::net::IpAddr) -> Ipv4Addr {
-    match addr {
-        std::net::IpAddr::V4(addr) => addr,
-        std::net::IpAddr::V6(addr) => addr.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
-    }
 }
 
 /// SERVICE_CIDRS_V4 (`have`) against the IPv4 service CIDRs the agent would program (`want`).
@@ -78,15 +69,15 @@ pub fn service_cidrs(want: &[Cidr4], have: &[Cidr4]) -> Option<Difference> {
 fn group_by_frontend(state: &MapState) -> BTreeMap<Key, Slots> {
     let mut grouped: BTreeMap<Key, Slots> = BTreeMap::new();
     for (key, value) in &state.services {
-        let k = (Ipv4Addr::from(key.vip), u16::from_be_bytes(key.port), key.proto, key.scope);
+        let k = (key.vip, key.port, key.proto, key.scope);
         grouped.entry(k).or_default().insert(key.slot, *value);
     }
     grouped
 }
 
 /// Frontends with slot 0 per VIP, but north–south addresses: what VIPS_V4 should count.
-fn cluster_ip_frontends_per_vip(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<Ipv4Addr, u32> {
-    let mut per_vip: BTreeMap<Ipv4Addr, u32> = BTreeMap::new();
+fn cluster_ip_frontends_per_vip(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<IpAddr, u32> {
+    let mut per_vip: BTreeMap<IpAddr, u32> = BTreeMap::new();
     for (key, slots) in grouped {
         if slots.get(&0).is_some_and(|master| master.flags & SVC_FLAG_EXTERNAL_ADDR == 0) {
             *per_vip.entry(key.0).or_default() += 1;
@@ -174,7 +165,7 @@ impl Comparison<'_> {
     /// and its rev-NAT and names entries.
     fn wanted_frontend(&mut self, frontend: &Frontend, grouped: &mut BTreeMap<Key, Slots>) {
         let key: Key =
-            (ipv4(frontend.vip), frontend.port, frontend.proto.number(), FrontendKey::of(frontend).scope);
+            (frontend.vip, frontend.port, frontend.proto.number(), FrontendKey::of(frontend).scope);
         let named = Named { frontend, key, label: frontend_label(&key), service: wanted_name(frontend) };
         let slots = grouped.remove(&key).unwrap_or_default();
         let Some(master) = slots.get(&0).copied() else {
@@ -190,7 +181,7 @@ impl Comparison<'_> {
         self.source_ranges(&named, &master);
         let slot0s = &self.slot0s;
         let affinity_id = affinity_id(frontend, &self.cluster_ips, |ck| {
-            slot0s.get(&(ipv4(ck.vip), ck.port, ck.proto.number(), ck.scope)).map(|v| v.rev_nat_id)
+            slot0s.get(&(ck.vip, ck.port, ck.proto.number(), ck.scope)).map(|v| v.rev_nat_id)
         });
         let slot0 = slot0_problems(frontend, &master, affinity_id);
         if !slot0.is_empty() {
@@ -333,7 +324,7 @@ impl Comparison<'_> {
     fn rev_nat(&mut self, named: &Named, master: &ServiceValueV4) {
         let frontend = named.frontend;
         let id = master.rev_nat_id;
-        let want = (ipv4(frontend.vip).octets(), frontend.port.to_be_bytes(), frontend.proto.number());
+        let want = (frontend.vip, frontend.port, frontend.proto.number());
         let detail = match self.state.rev_nat.get(&id) {
             None => format!("rev-NAT id {id} is not in the rev_nat map"),
             Some(r) if (r.vip, r.port, r.proto) != want => {
@@ -451,22 +442,23 @@ impl Comparison<'_> {
     }
 
     /// VIPS_V4 against the services map: what the datapath refuses must match what it translates.
-    fn vip_counts(&mut self, per_vip: &BTreeMap<Ipv4Addr, u32>) {
+    fn vip_counts(&mut self, per_vip: &BTreeMap<IpAddr, u32>) {
         let state = self.state;
         for vip in per_vip.keys().chain(state.vips.keys()).collect::<BTreeSet<_>>() {
             let have = state.vips.get(vip).copied();
+            let map = if vip.is_ipv4() { "VIPS_V4" } else { "VIPS_V6" };
             let frontends = per_vip.get(vip).copied().unwrap_or(0);
             let detail = match have {
                 Some(n) if n == frontends => continue,
                 None => format!(
-                    "VIPS_V4 has no entry for {vip}, which has {frontends} frontends (its other ports pass untranslated instead of being refused)"
+                    "{map} has no entry for {vip}, which has {frontends} frontends (its other ports pass untranslated instead of being refused)"
                 ),
                 Some(n) if frontends == 0 => {
                     format!(
-                        "VIPS_V4 counts {n} frontends on {vip}, which has none (every port on it is refused)"
+                        "{map} counts {n} frontends on {vip}, which has none (every port on it is refused)"
                     )
                 }
-                Some(n) => format!("VIPS_V4 counts {n} frontends on {vip}, the services map has {frontends}"),
+                Some(n) => format!("{map} counts {n} frontends on {vip}, the services map has {frontends}"),
             };
             self.push("vip", vip.to_string(), String::new(), detail);
         }
@@ -494,12 +486,34 @@ mod tests {
     type Mem = crate::sync::mem_store::MemStore;
 
     fn state_of(mem: &Mem) -> MapState {
+        let services6 = mem.read_services6().unwrap().into_iter().map(|(k, v)| (k.into(), v));
         MapState {
-            services: mem.read_services().unwrap().into_iter().collect(),
-            backends: mem.backends.clone(),
-            rev_nat: mem.rev_nat.clone(),
+            services: mem
+                .read_services()
+                .unwrap()
+                .into_iter()
+                .map(|(k, v)| (k.into(), v))
+                .chain(services6)
+                .collect(),
+            backends: mem
+                .backends
+                .iter()
+                .map(|(id, b)| (*id, (*b).into()))
+                .chain(mem.backends6.iter().map(|(id, b)| (*id, (*b).into())))
+                .collect(),
+            rev_nat: mem
+                .rev_nat
+                .iter()
+                .map(|(id, r)| (*id, (*r).into()))
+                .chain(mem.rev_nat6.iter().map(|(id, r)| (*id, (*r).into())))
+                .collect(),
             names: mem.names.clone(),
-            vips: mem.vips.iter().map(|(k, v)| (Ipv4Addr::from(*k), v.frontends)).collect(),
+            vips: mem
+                .vips
+                .iter()
+                .map(|(k, v)| (IpAddr::from(*k), v.frontends))
+                .chain(mem.vips6.iter().map(|(k, v)| (IpAddr::from(*k), v.frontends)))
+                .collect(),
             source_ranges: mem.read_source_ranges().unwrap().into_iter().fold(
                 BTreeMap::new(),
                 |mut m, (id, r)| {
@@ -565,6 +579,36 @@ mod tests {
         let mem = programmed(&desired);
         assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
         assert_eq!(table(&[]), "no differences\n");
+    }
+
+    #[test]
+    fn ipv6_frontends_are_compared_with_the_ipv6_maps() {
+        let b6 = |last: u16| BackendAddr {
+            addr: std::net::Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, last).into(),
+            port: 80,
+        };
+        let mut web6 = web(vec![b6(0x11), b6(0x12)]);
+        web6.vip = "fd00:10:96::100".parse::<IpAddr>().unwrap();
+        let desired = Desired::new(vec![web(vec![b(11, 80), b(12, 80)]), web6]);
+        let mut mem = programmed(&desired);
+        assert_eq!(
+            compare(&desired, &state_of(&mem)),
+            vec![],
+            "a dual-stack Service as the syncer programs it"
+        );
+
+        // One IPv6 backend entry lost and the IPv6 VIP count wrong: named with the IPv6 frontend and map.
+        let lost = *mem.backends6.keys().next().unwrap();
+        mem.backends6.remove(&lost);
+        mem.vips6.values_mut().for_each(|v| v.frontends = 2);
+        let diff = compare(&desired, &state_of(&mem));
+        let kinds: Vec<(&str, &str)> = diff.iter().map(|d| (d.kind, d.frontend.as_str())).collect();
+        assert!(kinds.contains(&("slots", "[fd00:10:96::100]:80/TCP")), "{diff:#?}");
+        let vip = diff.iter().find(|d| d.kind == "vip").unwrap_or_else(|| panic!("{diff:#?}"));
+        assert_eq!(vip.frontend, "fd00:10:96::100");
+        assert!(vip.detail.starts_with("VIPS_V6 counts 2 frontends"), "{}", vip.detail);
+        // The IPv4 frontend of the same Service is untouched.
+        assert!(!diff.iter().any(|d| d.frontend.starts_with("10.96.0.100")), "{diff:#?}");
     }
 
     /// A NodePort on two node addresses with `externalTrafficPolicy: Local` (its own external-scope

@@ -1,11 +1,12 @@
 //! The report for the operator: the differences as a table, and the labels their texts name frontends,
 //! backends and lists by.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use proxy_common::maps::{BACKEND_FLAG_TERMINATING, BackendV4, FrontendNameV4, RevNatV4, SCOPE_CLUSTER_IP};
+use proxy_common::maps::{BACKEND_FLAG_TERMINATING, FrontendNameV4, SCOPE_CLUSTER_IP};
 
 use super::Difference;
+use super::state::{BackendEntry, RevNatEntry};
 use crate::{
     model::{BackendAddr, Frontend},
     net::Protocol,
@@ -27,7 +28,7 @@ pub fn table(differences: &[Difference]) -> String {
 }
 
 /// A frontend as the services map keys it: VIP, port, protocol number and scope.
-pub(super) type Key = (Ipv4Addr, u16, u8, u8);
+pub(super) type Key = (IpAddr, u16, u8, u8);
 
 pub(super) fn proto_name(n: u8) -> String {
     Protocol::from_number(n).map_or_else(|| format!("proto {n}"), |p| p.name().to_owned())
@@ -36,16 +37,19 @@ pub(super) fn proto_name(n: u8) -> String {
 /// `vip:port/PROTO`, with the scope when it is not the cluster-IP one.
 pub(super) fn frontend_label(key: &Key) -> String {
     let scope = if key.3 == SCOPE_CLUSTER_IP { String::new() } else { format!(" scope {}", key.3) };
-    format!("{}:{}/{}{scope}", key.0, key.1, proto_name(key.2))
+    match key.0 {
+        IpAddr::V4(vip) => format!("{vip}:{}/{}{scope}", key.1, proto_name(key.2)),
+        IpAddr::V6(vip) => format!("[{vip}]:{}/{}{scope}", key.1, proto_name(key.2)),
+    }
 }
 
 /// A backends map entry's address and port.
-pub(super) fn backend_addr(b: &BackendV4) -> BackendAddr {
-    BackendAddr { addr: Ipv4Addr::from(b.addr).into(), port: u16::from_be_bytes(b.port) }
+pub(super) fn backend_addr(b: &BackendEntry) -> BackendAddr {
+    b.addr
 }
 
-pub(super) fn backend_label(b: &BackendV4) -> String {
-    backend_addr(b).to_string()
+pub(super) fn backend_label(b: &BackendEntry) -> String {
+    b.addr.to_string()
 }
 
 pub(super) fn list<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
@@ -58,8 +62,8 @@ pub(super) fn wanted_name(frontend: &Frontend) -> String {
 }
 
 /// A rev-NAT entry's frontend, `vip:port/PROTO`.
-pub(super) fn rev_nat_label(r: &RevNatV4) -> String {
-    frontend_label(&(Ipv4Addr::from(r.vip), u16::from_be_bytes(r.port), r.proto, SCOPE_CLUSTER_IP))
+pub(super) fn rev_nat_label(r: &RevNatEntry) -> String {
+    frontend_label(&(r.vip, r.port, r.proto, SCOPE_CLUSTER_IP))
 }
 
 /// A backend's state as its flags say.
