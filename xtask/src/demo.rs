@@ -1,11 +1,13 @@
 //! `cargo xtask demo`: a ClusterIP Service through kproxy's eBPF datapath, in a
 //! network-namespace sandbox (see the `sandbox` crate): one node, a client pod,
 //! three nginx pods behind `default/web` and two DNS pods (dnsmasq standing in
-//! for CoreDNS) behind `kube-system/kube-dns`, programmed from `examples/clusterip`.
+//! for CoreDNS) behind `kube-system/kube-dns`, programmed from `examples/clusterip`, and the web pods
+//! again behind the dual-stack `default/web-dual-stack` (`examples/dual-stack`), reached on its IPv4
+//! and its IPv6 cluster IP.
 //! Then north–south traffic on two nodes (`demo_north_south`). Everything it
 //! makes is removed at the end, on error and on Ctrl-C.
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -27,6 +29,14 @@ const WEB: [(&str, Ipv4Addr); 3] = [
 const DNS: [(&str, Ipv4Addr); 2] =
     [("coredns-1", Ipv4Addr::new(10, 244, 0, 21)), ("coredns-2", Ipv4Addr::new(10, 244, 0, 22))];
 const WEB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 100);
+const DUAL_STACK_VIPS: (Ipv4Addr, Ipv6Addr) =
+    (Ipv4Addr::new(10, 96, 0, 101), Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x101));
+
+/// A demo pod's IPv6 address: `fd00:10:244::<its last IPv4 octet, written the same>`, as the
+/// dual-stack example's IPv6 slice names them.
+fn ipv6_of(ip: Ipv4Addr) -> Ipv6Addr {
+    format!("fd00:10:244::{}", ip.octets()[3]).parse().expect("a valid IPv6 address")
+}
 const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
 struct Demo {
@@ -91,13 +101,15 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     let sandbox = Sandbox::new("demo")?;
     let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-demo")?;
     let mut demo = Demo { kproxy: kproxy_bin.to_path_buf(), stop, agent: None, sandbox, cgroup };
-    let client = demo.sandbox.add_pod(CLIENT.0, CLIENT.1)?;
-    println!("   {:<10} {:<12} {}", CLIENT.0, CLIENT.1, client.host_veth());
+    let mut client = demo.sandbox.add_pod(CLIENT.0, CLIENT.1)?;
+    client.add_ipv6(ipv6_of(CLIENT.1))?;
+    println!("   {:<10} {:<12} {:<16} {}", CLIENT.0, CLIENT.1, client.host_veth(), ipv6_of(CLIENT.1));
     let mut pods: Vec<Pod> = Vec::new();
     for (name, ip) in WEB {
-        let pod = demo.sandbox.add_pod(name, ip)?;
+        let mut pod = demo.sandbox.add_pod(name, ip)?;
+        pod.add_ipv6(ipv6_of(ip))?;
         pod.start_nginx(&format!("{name}\n"))?;
-        println!("   {name:<10} {ip:<12} {:<16} nginx", pod.host_veth());
+        println!("   {name:<10} {ip:<12} {:<16} {} nginx", pod.host_veth(), ipv6_of(ip));
         pods.push(pod);
         demo.check_interrupted()?;
     }
@@ -109,7 +121,15 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
         demo.check_interrupted()?;
     }
 
-    let manifests = examples_dir.join("clusterip");
+    // The agent reads one directory: the ClusterIP examples and the dual-stack one, copied together.
+    let manifests = demo.sandbox.dir().join("manifests");
+    std::fs::create_dir_all(&manifests)?;
+    for example in ["clusterip", "dual-stack"] {
+        for entry in std::fs::read_dir(examples_dir.join(example))? {
+            let path = entry?.path();
+            std::fs::copy(&path, manifests.join(path.file_name().expect("a file name")))?;
+        }
+    }
     heading(&format!(
         "kproxy agent --manifests {} --interfaces 'veth*' --cgroup-root {}",
         manifests.display(),
@@ -147,6 +167,19 @@ pub fn run(kproxy_bin: &Path, examples_dir: &Path) -> Result<()> {
     let a = client.dig(DNS_VIP, "web.default.svc.cluster.local", "A")?;
     println!("   web.default.svc.cluster.local A → {}", a.trim());
     println!("   (dig accepts an answer only from the address it asked: each reply came from {DNS_VIP})");
+
+    let (vip4, vip6) = DUAL_STACK_VIPS;
+    heading(&format!(
+        "a dual-stack Service: curl http://[{vip6}]/ and http://{vip4}/ from the client pod (default/web-dual-stack)"
+    ));
+    for i in 1..=3 {
+        let body6 = client.curl(&format!("http://[{vip6}]/"))?;
+        let body4 = client.curl(&format!("http://{vip4}/"))?;
+        println!("   connection {i}: IPv6 answered by {}, IPv4 answered by {}", body6.trim(), body4.trim());
+        demo.check_interrupted()?;
+    }
+    let seen = client.curl(&format!("http://[{vip6}]/client"))?;
+    println!("   the backend saw the client as {} (its own IPv6 address: no source NAT)", seen.trim());
 
     heading(&format!(
         "curl http://{WEB_VIP}/ from the node itself (a hostNetwork pod, the kubelet): the socket hooks"
@@ -212,7 +245,8 @@ fn wait_until_programmed(demo: &Demo) -> Result<()> {
             let attached = std::fs::read_dir(Path::new(PIN_DIR).join("links")).map_or(0, |d| {
                 d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("veth")).count()
             });
-            if masters == 3 && attached == 12 {
+            // Three IPv4 frontends (web, kube-dns UDP and TCP) and web-dual-stack's two.
+            if masters == 5 && attached == 12 {
                 return Ok(());
             }
         }
