@@ -2,8 +2,8 @@
 //!
 //! The datapath treats an idle flow as expired when it next sees it, but an
 //! entry whose flow never sends again would otherwise stay until the LRU
-//! evicts it. The agent scans CONNTRACK_V4 every [`Interval::current`] and
-//! deletes pairs idle for longer than their state's timeout (CONFIG[0]),
+//! evicts it. The agent scans CONNTRACK_V4 and CONNTRACK_V6 every [`Interval::current`] and
+//! deletes pairs idle for longer than their state's timeout (CONFIG[0], one set for both families),
 //! orphan reply entries (their forward entry was evicted) and expired
 //! sessionAffinity entries.
 //!
@@ -24,35 +24,43 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, SVC_FLAG_AFFINITY,
         SnatEntryV4, reply_key_in_snat,
     },
+    maps_v6::{CtEntryV6, CtKeyV6},
 };
 
 use crate::bpf::{
     Maps,
     conntrack::{
-        SnatIndex, capacity, delete, delete_snat, hairpin_addr, monotonic_ns, pair_expired, read_config,
-        read_conntrack, reply_key, select, snat_index, state_name,
+        CtEntry, CtKey, SnatIndex, capacity, capacity6, count6, delete, delete_snat, delete6, get6,
+        hairpin_addr, monotonic_ns, pair_expired, read_config, read_conntrack, read_conntrack6, reply_key,
+        reply_key6, select, select_pairs, snat_index, state_name,
     },
     remove_present,
 };
 
 const SECOND_NS: u64 = 1_000_000_000;
 
-/// What one conntrack scan decided.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CtPlan {
+/// What one conntrack scan of one family decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CtPlan<K = CtKeyV4> {
     /// Expired flows: (forward key, reply key if the reply entry exists).
     /// Delete the forward entry first: a reply arriving in between is still
     /// un-NATed, and a forward packet simply starts a new flow.
-    pub pairs: Vec<(CtKeyV4, Option<CtKeyV4>)>,
+    pub pairs: Vec<(K, Option<K>)>,
     /// Reply entries without a forward entry, idle past their own timeout.
-    pub orphans: Vec<CtKeyV4>,
+    pub orphans: Vec<K>,
     /// Entries the plan deletes, by state name (forward state for pairs).
     pub by_state: BTreeMap<&'static str, u64>,
     /// Entries scanned.
     pub scanned: u64,
 }
 
-impl CtPlan {
+impl<K> Default for CtPlan<K> {
+    fn default() -> Self {
+        Self { pairs: Vec::new(), orphans: Vec::new(), by_state: BTreeMap::new(), scanned: 0 }
+    }
+}
+
+impl<K> CtPlan<K> {
     pub fn entries(&self) -> u64 {
         self.by_state.values().sum()
     }
@@ -66,34 +74,44 @@ pub fn plan_conntrack(
     snat: &SnatIndex,
     now: u64,
 ) -> CtPlan {
+    plan_conntrack_pairs(entries, timeouts, |key, entry| reply_key(key, entry, hairpin_addr, snat), now)
+}
+
+/// [`plan_conntrack`] for either family: `reply_of` names a forward entry's reply key.
+pub fn plan_conntrack_pairs<K: CtKey, E: CtEntry>(
+    entries: &[(K, E)],
+    timeouts: &Timeouts,
+    reply_of: impl Fn(&K, &E) -> K,
+    now: u64,
+) -> CtPlan<K> {
     let mut plan = CtPlan { scanned: entries.len() as u64, ..Default::default() };
-    let replies: HashMap<CtKeyV4, &CtEntryV4> =
-        entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
+    let replies: HashMap<K, &E> =
+        entries.iter().filter(|(k, _)| k.direction() == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
     let mut claimed: BTreeSet<usize> = BTreeSet::new();
-    let reply_index: HashMap<CtKeyV4, usize> = entries
+    let reply_index: HashMap<K, usize> = entries
         .iter()
         .enumerate()
-        .filter(|(_, (k, _))| k.direction == CT_DIR_REPLY)
+        .filter(|(_, (k, _))| k.direction() == CT_DIR_REPLY)
         .map(|(i, (k, _))| (*k, i))
         .collect();
-    for (key, fwd) in entries.iter().filter(|(k, _)| k.direction == CT_DIR_FORWARD) {
-        let rkey = reply_key(key, fwd, hairpin_addr, snat);
+    for (key, fwd) in entries.iter().filter(|(k, _)| k.direction() == CT_DIR_FORWARD) {
+        let rkey = reply_of(key, fwd);
         let reply = replies.get(&rkey).copied();
         if reply.is_some() {
             claimed.insert(reply_index[&rkey]);
         }
         if pair_expired(timeouts, fwd, reply, now) {
             let n = 1 + u64::from(reply.is_some());
-            *plan.by_state.entry(state_name(fwd.state)).or_default() += n;
+            *plan.by_state.entry(state_name(fwd.state())).or_default() += n;
             plan.pairs.push((*key, reply.map(|_| rkey)));
         }
     }
     for (i, (key, entry)) in entries.iter().enumerate() {
-        if key.direction != CT_DIR_REPLY || claimed.contains(&i) {
+        if key.direction() != CT_DIR_REPLY || claimed.contains(&i) {
             continue;
         }
-        if timeouts.expired(entry.state, entry.last_seen_ns, now) {
-            *plan.by_state.entry(state_name(entry.state)).or_default() += 1;
+        if timeouts.expired(entry.state(), entry.last_seen_ns(), now) {
+            *plan.by_state.entry(state_name(entry.state())).or_default() += 1;
             plan.orphans.push(*key);
         }
     }
@@ -133,6 +151,12 @@ pub fn plan_purge(
     snat: &SnatIndex,
 ) -> Vec<CtKeyV4> {
     select(entries, hairpin_addr, snat, |_, entry| backend_ids.contains(&entry.backend_id))
+}
+
+/// [`plan_purge`] for CONNTRACK_V6: backend ids are shared between the families, so the ids a sync
+/// removed select the IPv6 flows to its IPv6 backends.
+pub fn plan_purge6(entries: &[(CtKeyV6, CtEntryV6)], backend_ids: &BTreeSet<u32>) -> Vec<CtKeyV6> {
+    select_pairs(entries, reply_key6, |_, entry| backend_ids.contains(&entry.backend_id))
 }
 
 /// Cilium-style adaptive GC interval.
@@ -184,7 +208,8 @@ pub struct GcReport {
     pub affinity_deleted: u64,
     /// SNAT translations deleted because their flow was gone.
     pub snat_deleted: u64,
-    /// Conntrack entries left, and the map's capacity.
+    /// Conntrack entries left, and the capacity, of the fuller of CONNTRACK_V4 and CONNTRACK_V6
+    /// (by fill): the interval shortens when either table nears its capacity, as either evicts.
     pub remaining: u64,
     pub capacity: u64,
 }
@@ -195,7 +220,7 @@ impl GcReport {
     }
 }
 
-/// One GC pass over CONNTRACK_V4 and AFFINITY_V4. Blocking: run it in
+/// One GC pass over CONNTRACK_V4, CONNTRACK_V6 and AFFINITY_V4. Blocking: run it in
 /// `spawn_blocking`. Each pair is re-read and re-checked just before it is
 /// deleted, so a flow that sent a packet during the scan survives.
 pub fn run(maps: &mut Maps) -> Result<GcReport> {
@@ -229,6 +254,7 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
             *report.deleted.entry(state_name(entry.state)).or_default() += 1;
         }
     }
+    collect_ipv6(maps, &timeouts, now, &mut report)?;
 
     let mut frontends = BTreeMap::new();
     for entry in maps.services.iter() {
@@ -273,13 +299,47 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         report.snat_deleted += 1;
     }
 
-    report.remaining = maps.conntrack.keys().count() as u64;
-    report.capacity = capacity(maps);
+    let (remaining, remaining6) = (maps.conntrack.keys().count() as u64, count6(maps));
+    (report.remaining, report.capacity) = fuller((remaining, capacity(maps)), (remaining6, capacity6(maps)));
     Ok(report)
 }
 
+/// The (entries, capacity) of the fuller table; a table of unknown capacity (0) counts as empty.
+pub fn fuller(v4: (u64, u64), v6: (u64, u64)) -> (u64, u64) {
+    let fill =
+        |(entries, capacity): (u64, u64)| if capacity == 0 { 0.0 } else { entries as f64 / capacity as f64 };
+    if fill(v6) > fill(v4) { v6 } else { v4 }
+}
+
+/// The IPv6 half of [`run`]: CONNTRACK_V6's expired pairs and orphans, each re-read before it is
+/// deleted. The IPv6 datapath source-NATs nothing, so there is no SNAT entry to remove with them.
+fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcReport) -> Result<()> {
+    let entries = read_conntrack6(maps)?;
+    let plan = plan_conntrack_pairs(&entries, timeouts, reply_key6, now);
+    report.scanned += plan.scanned;
+    for (fkey, rkey) in &plan.pairs {
+        let Some(fwd) = get6(maps, fkey) else { continue };
+        let reply = rkey.and_then(|k| get6(maps, &k));
+        if !pair_expired(timeouts, &fwd, reply.as_ref(), monotonic_ns()) {
+            continue;
+        }
+        let mut n = u64::from(delete6(maps, fkey)?);
+        if let Some(rkey) = rkey {
+            n += u64::from(delete6(maps, rkey)?);
+        }
+        *report.deleted.entry(state_name(fwd.state)).or_default() += n;
+    }
+    for key in &plan.orphans {
+        let Some(entry) = get6(maps, key) else { continue };
+        if timeouts.expired(entry.state, entry.last_seen_ns, monotonic_ns()) && delete6(maps, key)? {
+            *report.deleted.entry(state_name(entry.state)).or_default() += 1;
+        }
+    }
+    Ok(())
+}
+
 /// Deletes at once every conntrack entry (both directions) of flows sent to
-/// these backends. Returns the number of entries deleted.
+/// these backends, in both families (backend ids are shared). Returns the entries deleted per family.
 ///
 /// The agent calls it for deleted UDP backends only, as kube-proxy clears
 /// stale UDP conntrack entries only: a UDP client that keeps its source port
@@ -290,18 +350,35 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
 /// ends the connection itself (RST or the client's timeout). A purge would
 /// turn the next segment into a drop (a non-SYN packet without conntrack
 /// entry) and the stream into a stall.
-pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<u64> {
+pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<Purged> {
     if backend_ids.is_empty() {
-        return Ok(0);
+        return Ok(Purged::default());
     }
     let hairpin = hairpin_addr(&read_config(maps));
     let ids: BTreeSet<u32> = backend_ids.iter().copied().collect();
     let entries = read_conntrack(maps)?;
-    let mut deleted = 0;
+    let mut purged = Purged::default();
     for key in plan_purge(&entries, &ids, hairpin, &snat_index(maps)) {
-        deleted += u64::from(delete(maps, &key)?);
+        purged.ipv4 += u64::from(delete(maps, &key)?);
     }
-    Ok(deleted)
+    let entries6 = read_conntrack6(maps)?;
+    for key in plan_purge6(&entries6, &ids) {
+        purged.ipv6 += u64::from(delete6(maps, &key)?);
+    }
+    Ok(purged)
+}
+
+/// Conntrack entries a purge deleted, by family (kube-proxy's reconciler counts per family).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Purged {
+    pub ipv4: u64,
+    pub ipv6: u64,
+}
+
+impl Purged {
+    pub fn total(&self) -> u64 {
+        self.ipv4 + self.ipv6
+    }
 }
 
 #[cfg(test)]
@@ -469,6 +546,55 @@ mod tests {
         // Forward keys come before reply keys.
         let first_reply = keys.iter().position(|k| k.direction == CT_DIR_REPLY).unwrap();
         assert!(keys[first_reply..].iter().all(|k| k.direction == CT_DIR_REPLY));
+    }
+
+    #[test]
+    fn ipv6_pairs_expire_on_their_later_last_seen_and_orphans_on_their_own() {
+        let t = Timeouts::DEFAULT;
+        let now = 10_000 * S;
+        let seen = |mut f: [(CtKeyV6, CtEntryV6); 2], fwd: u64, reply: u64| {
+            f[0].1.last_seen_ns = fwd;
+            f[1].1.last_seen_ns = reply;
+            f
+        };
+        // UDP (60 s): the backend answered 30 s ago, so the pair lives though the client is idle 100 s.
+        let alive = seen(flow6(5000, IPPROTO_UDP, 3), now - 100 * S, now - 30 * S);
+        // Both sides idle past 60 s: both entries go, under OPEN.
+        let dead = seen(flow6(5001, IPPROTO_UDP, 3), now - 61 * S, now - 70 * S);
+        // A reply whose forward entry was evicted, idle 61 s; another idle 10 s.
+        let [_, orphan_dead] = seen(flow6(5002, IPPROTO_UDP, 3), 0, now - 61 * S);
+        let [_, orphan_alive] = seen(flow6(5003, IPPROTO_UDP, 3), 0, now - 10 * S);
+        let entries = [alive[0], alive[1], dead[0], dead[1], orphan_dead, orphan_alive];
+        let plan = plan_conntrack_pairs(&entries, &t, reply_key6, now);
+        assert_eq!(plan.pairs, vec![(dead[0].0, Some(dead[1].0))]);
+        assert_eq!(plan.orphans, vec![orphan_dead.0]);
+        assert_eq!((plan.by_state.get("OPEN"), plan.entries(), plan.scanned), (Some(&3), 3, 6));
+        // A hairpin flow's reply (to HAIRPIN_ADDR_V6) is paired, not taken for an orphan.
+        let [(fkey, mut fwd), (_, reply)] = seen(flow6(5004, IPPROTO_UDP, 3), now - 100 * S, now - 5 * S);
+        fwd.flags |= CT_FLAG_HAIRPIN;
+        let entries = [(fkey, fwd), (reply_key6(&fkey, &fwd), reply)];
+        let plan = plan_conntrack_pairs(&entries, &Timeouts { udp_ns: 6 * S, ..t }, reply_key6, now);
+        assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
+    }
+
+    #[test]
+    fn ipv6_purge_takes_both_directions_of_the_removed_backends_flows() {
+        let a = flow6(5000, IPPROTO_UDP, 3);
+        let mut b = flow6(5001, IPPROTO_UDP, 3);
+        b[0].1.backend_id = 18;
+        b[1].1.backend_id = 18;
+        let [_, orphan] = flow6(5002, IPPROTO_UDP, 3);
+        let entries = [a[0], a[1], b[0], b[1], orphan];
+        assert_eq!(plan_purge6(&entries, &[17].into()), vec![a[0].0, a[1].0, orphan.0]);
+        assert_eq!(plan_purge6(&entries, &[18].into()), vec![b[0].0, b[1].0]);
+        assert!(plan_purge6(&entries, &[7].into()).is_empty(), "an IPv4 backend's id names no IPv6 flow");
+    }
+
+    #[test]
+    fn the_fuller_table_paces_the_gc() {
+        assert_eq!(fuller((10, 100), (95, 100)), (95, 100));
+        assert_eq!(fuller((950, 1000), (10, 262_144)), (950, 1000));
+        assert_eq!(fuller((5, 100), (5, 0)), (5, 100), "a table of unknown capacity is not full");
     }
 
     #[test]

@@ -193,10 +193,11 @@ impl SyncLoop<'_> {
             let reconcile_started = Instant::now();
             match purge_removed_udp_backends(&mut self.maps, report) {
                 Ok(purged) => {
-                    self.metrics.add_conntrack_purged(purged);
-                    if purged > 0 {
+                    self.metrics.add_conntrack_purged(purged.total());
+                    if purged.total() > 0 {
                         tracing::info!(
-                            entries = purged,
+                            entries = purged.total(),
+                            ipv6_entries = purged.ipv6,
                             "purged the conntrack entries of removed UDP backends"
                         );
                     }
@@ -262,9 +263,9 @@ impl SyncLoop<'_> {
     }
 }
 
-/// Deletes at once the conntrack entries of the UDP backends a sync removed
+/// Deletes at once the conntrack entries of the UDP backends a sync removed, of both families
 /// (TCP flows keep their backend, as kube-proxy's; see [`gc::purge_backends`]).
-fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Result<u64> {
+fn purge_removed_udp_backends(maps: &mut Maps, report: &SyncReport) -> Result<gc::Purged> {
     let udp: Vec<u32> = report
         .removed_backends
         .iter()

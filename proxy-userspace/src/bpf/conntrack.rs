@@ -1,9 +1,14 @@
 //! The conntrack view shared by the agent's garbage collection and the operator commands: the pairs of
-//! CONNTRACK_V4 (a forward entry and its reply, found through SNAT_V4 for source-NATed flows), their
-//! age and time left, reading and deleting them. Times are CLOCK_MONOTONIC nanoseconds ([`monotonic_ns`]),
-//! the clock of `bpf_ktime_get_ns`.
+//! CONNTRACK_V4 (a forward entry and its reply, found through SNAT_V4 for source-NATed flows) and of
+//! CONNTRACK_V6 (no SNAT there), their age and time left, reading and deleting them. The decisions are
+//! generic over the family ([`CtKey`], [`CtEntry`]); the families differ only in how a forward entry
+//! names its reply ([`reply_key`], [`reply_key6`]). Times are CLOCK_MONOTONIC nanoseconds
+//! ([`monotonic_ns`]), the clock of `bpf_ktime_get_ns`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, HashSet},
+    hash::Hash,
+};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{IterableMap as _, MapError};
@@ -13,9 +18,49 @@ use proxy_common::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR,
         SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
     },
+    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
 };
 
 use super::{Maps, remove_present};
+
+/// What the conntrack view reads of a key, whatever its family.
+pub trait CtKey: Copy + Eq + Hash {
+    fn direction(&self) -> u8;
+}
+
+/// What the conntrack view reads of an entry, whatever its family.
+pub trait CtEntry {
+    fn last_seen_ns(&self) -> u64;
+    fn state(&self) -> u8;
+    fn backend_id(&self) -> u32;
+    fn rev_nat_id(&self) -> u16;
+}
+
+macro_rules! conntrack_family {
+    ($key:ty, $entry:ty) => {
+        impl CtKey for $key {
+            fn direction(&self) -> u8 {
+                self.direction
+            }
+        }
+        impl CtEntry for $entry {
+            fn last_seen_ns(&self) -> u64 {
+                self.last_seen_ns
+            }
+            fn state(&self) -> u8 {
+                self.state
+            }
+            fn backend_id(&self) -> u32 {
+                self.backend_id
+            }
+            fn rev_nat_id(&self) -> u16 {
+                self.rev_nat_id
+            }
+        }
+    };
+}
+conntrack_family!(CtKeyV4, CtEntryV4);
+conntrack_family!(CtKeyV6, CtEntryV6);
 
 /// SNAT_V4's forward entries (`client → backend` after DNAT), by key.
 pub type SnatIndex = BTreeMap<KeyOrd, SnatEntryV4>;
@@ -51,6 +96,17 @@ pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], sn
     key
 }
 
+/// The reply key of an IPv6 forward entry: `backend → client`, or `backend → HAIRPIN_ADDR_V6` for a
+/// hairpin flow, with the client's port either way (the IPv6 datapath source-NATs nothing else, so
+/// there is no SNAT index to consult).
+pub fn reply_key6(forward: &CtKeyV6, entry: &CtEntryV6) -> CtKeyV6 {
+    let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
+    if entry.flags & CT_FLAG_HAIRPIN != 0 {
+        key.daddr = HAIRPIN_ADDR_V6;
+    }
+    key
+}
+
 /// The hairpin address the datapath uses: CONFIG's, or the default when unset.
 pub fn hairpin_addr(config: &ConfigV4) -> [u8; 4] {
     if config.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { config.hairpin_addr }
@@ -62,20 +118,20 @@ pub fn state_name(state: u8) -> &'static str {
 }
 
 /// When a flow was last active: the later `last_seen` of its two entries.
-pub fn pair_last_seen(forward: &CtEntryV4, reply: Option<&CtEntryV4>) -> u64 {
-    reply.map_or(forward.last_seen_ns, |r| r.last_seen_ns.max(forward.last_seen_ns))
+pub fn pair_last_seen<E: CtEntry>(forward: &E, reply: Option<&E>) -> u64 {
+    reply.map_or(forward.last_seen_ns(), |r| r.last_seen_ns().max(forward.last_seen_ns()))
 }
 
 /// Whether a flow is dead at `now`: idle longer than the timeout of the
 /// forward entry's state (where the state lives). A `last_seen` after `now`
 /// (the datapath touched the entry after `now` was read) is not expiry.
-pub fn pair_expired(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> bool {
-    timeouts.expired(forward.state, pair_last_seen(forward, reply), now)
+pub fn pair_expired<E: CtEntry>(timeouts: &Timeouts, forward: &E, reply: Option<&E>, now: u64) -> bool {
+    timeouts.expired(forward.state(), pair_last_seen(forward, reply), now)
 }
 
 /// Nanoseconds before the flow expires (0 when it already has).
-pub fn time_left_ns(timeouts: &Timeouts, forward: &CtEntryV4, reply: Option<&CtEntryV4>, now: u64) -> u64 {
-    let timeout = match CtState::from_u8(forward.state) {
+pub fn time_left_ns<E: CtEntry>(timeouts: &Timeouts, forward: &E, reply: Option<&E>, now: u64) -> u64 {
+    let timeout = match CtState::from_u8(forward.state()) {
         Some(state) => timeouts.for_state(state),
         None => timeouts.tcp_closing_ns,
     };
@@ -91,23 +147,32 @@ pub fn select(
     snat: &SnatIndex,
     wanted: impl Fn(&CtKeyV4, &CtEntryV4) -> bool,
 ) -> Vec<CtKeyV4> {
-    let present: BTreeSet<KeyOrd> = entries.iter().map(|(k, _)| key_ord(k)).collect();
-    let mut seen = BTreeSet::new();
+    select_pairs(entries, |key, entry| reply_key(key, entry, hairpin_addr, snat), wanted)
+}
+
+/// [`select`] for either family: `reply_of` names a forward entry's reply key.
+pub fn select_pairs<K: CtKey, E: CtEntry>(
+    entries: &[(K, E)],
+    reply_of: impl Fn(&K, &E) -> K,
+    wanted: impl Fn(&K, &E) -> bool,
+) -> Vec<K> {
+    let present: HashSet<K> = entries.iter().map(|(k, _)| *k).collect();
+    let mut seen = HashSet::new();
     let mut forward = Vec::new();
     let mut reply = Vec::new();
     for (key, entry) in entries {
-        if key.direction == CT_DIR_FORWARD && wanted(key, entry) {
-            if seen.insert(key_ord(key)) {
+        if key.direction() == CT_DIR_FORWARD && wanted(key, entry) {
+            if seen.insert(*key) {
                 forward.push(*key);
             }
-            let rkey = reply_key(key, entry, hairpin_addr, snat);
-            if present.contains(&key_ord(&rkey)) && seen.insert(key_ord(&rkey)) {
+            let rkey = reply_of(key, entry);
+            if present.contains(&rkey) && seen.insert(rkey) {
                 reply.push(rkey);
             }
         }
     }
     for (key, entry) in entries {
-        if key.direction == CT_DIR_REPLY && wanted(key, entry) && seen.insert(key_ord(key)) {
+        if key.direction() == CT_DIR_REPLY && wanted(key, entry) && seen.insert(*key) {
             reply.push(*key);
         }
     }
@@ -139,6 +204,18 @@ pub fn read_conntrack(maps: &Maps) -> Result<Vec<(CtKeyV4, CtEntryV4)>> {
     Ok(entries)
 }
 
+pub fn read_conntrack6(maps: &Maps) -> Result<Vec<(CtKeyV6, CtEntryV6)>> {
+    let mut entries = Vec::new();
+    for entry in maps.conntrack_v6.iter() {
+        match entry {
+            Ok(pair) => entries.push(pair),
+            Err(MapError::KeyNotFound) => continue,
+            Err(e) => return Err(e).context("reading the IPv6 conntrack map"),
+        }
+    }
+    Ok(entries)
+}
+
 /// Deletes both SNAT_V4 entries of a source-NATed flow.
 pub fn delete_snat(maps: &mut Maps, forward_key: &CtKeyV4, forward: &CtEntryV4) {
     let key = snat_forward_key(forward_key);
@@ -154,9 +231,28 @@ pub fn delete(maps: &mut Maps, key: &CtKeyV4) -> Result<bool> {
     remove_present(&mut maps.conntrack, key).context("deleting a conntrack entry")
 }
 
+pub fn delete6(maps: &mut Maps, key: &CtKeyV6) -> Result<bool> {
+    remove_present(&mut maps.conntrack_v6, key).context("deleting an IPv6 conntrack entry")
+}
+
+/// An IPv6 entry as it is now (the datapath may have touched it since the scan).
+pub fn get6(maps: &Maps, key: &CtKeyV6) -> Option<CtEntryV6> {
+    maps.conntrack_v6.get(key, 0).ok()
+}
+
 /// CONNTRACK_V4's capacity (max entries); 0 when the kernel does not say.
 pub fn capacity(maps: &Maps) -> u64 {
     maps.conntrack.map().info().map_or(0, |i| u64::from(i.max_entries()))
+}
+
+/// CONNTRACK_V6's capacity, as [`capacity`].
+pub fn capacity6(maps: &Maps) -> u64 {
+    maps.conntrack_v6.map().info().map_or(0, |i| u64::from(i.max_entries()))
+}
+
+/// The entries CONNTRACK_V6 holds.
+pub fn count6(maps: &Maps) -> u64 {
+    maps.conntrack_v6.keys().count() as u64
 }
 
 /// The estimate behind `kproxy_conntrack_evicted_total`: every new flow

@@ -3,11 +3,17 @@
 use std::collections::BTreeSet;
 
 use anyhow::Result;
-use proxy_common::maps::{CtEntryV4, CtKeyV4};
+use proxy_common::{
+    maps::{CtEntryV4, CtKeyV4},
+    maps_v6::{CtEntryV6, CtKeyV6},
+};
 
 use crate::bpf::{
     Maps,
-    conntrack::{SnatIndex, delete, hairpin_addr, read_config, read_conntrack, select, snat_index},
+    conntrack::{
+        SnatIndex, delete, delete6, hairpin_addr, read_config, read_conntrack, read_conntrack6, reply_key6,
+        select, select_pairs, snat_index,
+    },
 };
 
 /// The entries `kproxy conntrack flush` deletes: all of them, or those of the
@@ -21,6 +27,15 @@ pub fn plan_flush(
     match rev_nat_ids {
         None => entries.iter().map(|(k, _)| *k).collect(),
         Some(ids) => select(entries, hairpin_addr, snat, |_, entry| ids.contains(&entry.rev_nat_id)),
+    }
+}
+
+/// [`plan_flush`] for CONNTRACK_V6. Rev-NAT ids are shared between the families, so the ids of a
+/// Service's frontends select its flows of both.
+pub fn plan_flush6(entries: &[(CtKeyV6, CtEntryV6)], rev_nat_ids: Option<&BTreeSet<u16>>) -> Vec<CtKeyV6> {
+    match rev_nat_ids {
+        None => entries.iter().map(|(k, _)| *k).collect(),
+        Some(ids) => select_pairs(entries, reply_key6, |_, entry| ids.contains(&entry.rev_nat_id)),
     }
 }
 
@@ -39,7 +54,7 @@ pub fn service_rev_nat_ids<'a>(
 }
 
 /// `kproxy conntrack flush [--service ns/name]`: deletes every conntrack
-/// entry, or those of the Service's frontends. Returns the number deleted.
+/// entry of both families, or those of the Service's frontends. Returns the number deleted.
 pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
     let hairpin = hairpin_addr(&read_config(maps));
     let ids = match service {
@@ -58,6 +73,10 @@ pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
     let mut deleted = 0;
     for key in plan_flush(&entries, ids.as_ref(), hairpin, &snat_index(maps)) {
         deleted += u64::from(delete(maps, &key)?);
+    }
+    let entries6 = read_conntrack6(maps)?;
+    for key in plan_flush6(&entries6, ids.as_ref()) {
+        deleted += u64::from(delete6(maps, &key)?);
     }
     Ok(deleted)
 }
@@ -91,5 +110,18 @@ mod tests {
         assert_eq!(service_rev_nat_ids(names, "kube-system/kube-dns"), [3, 4, 7].into());
         assert_eq!(service_rev_nat_ids(names, "default/web"), [6].into());
         assert!(service_rev_nat_ids(names, "kube-dns").is_empty());
+    }
+
+    #[test]
+    fn ipv6_flows_are_flushed_all_or_by_service_both_directions() {
+        let a = flow6(5000, IPPROTO_UDP, 3);
+        let b = flow6(5001, IPPROTO_TCP, 4);
+        // An orphan reply of Service 4 (its forward entry was evicted).
+        let [_, orphan] = flow6(5002, IPPROTO_UDP, 4);
+        let entries = [a[0], a[1], b[0], b[1], orphan];
+        assert_eq!(plan_flush6(&entries, None).len(), 5);
+        assert_eq!(plan_flush6(&entries, Some(&[4].into())), vec![b[0].0, b[1].0, orphan.0]);
+        assert_eq!(plan_flush6(&entries, Some(&[3].into())), vec![a[0].0, a[1].0]);
+        assert!(plan_flush6(&entries, Some(&BTreeSet::new())).is_empty());
     }
 }

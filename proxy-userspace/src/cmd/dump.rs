@@ -13,6 +13,7 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
         CtEntryV4, CtKeyV4, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
     },
+    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
 };
 use serde::Serialize;
 
@@ -222,7 +223,61 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let config = crate::bpf::conntrack::read_config(maps);
     let now = crate::bpf::conntrack::monotonic_ns();
     let entries = crate::bpf::conntrack::read_conntrack(maps)?;
-    Ok(conntrack_rows(&entries, &names, &config, &crate::bpf::conntrack::snat_index(maps), now))
+    let mut rows = conntrack_rows(&entries, &names, &config, &crate::bpf::conntrack::snat_index(maps), now);
+    // IPv6 flows after the IPv4 ones; rev-NAT ids are shared, so FRONTEND_NAMES_V4 names them too.
+    let entries6 = crate::bpf::conntrack::read_conntrack6(maps)?;
+    rows.extend(conntrack_rows6(&entries6, &names, &config, now));
+    Ok(rows)
+}
+
+/// The IPv6 rows of `kproxy dump conntrack`, as [`conntrack_rows`]: one per forward entry of
+/// CONNTRACK_V6 with its reply entry's counters, `[addr]:port` notation.
+pub fn conntrack_rows6(
+    entries: &[(CtKeyV6, CtEntryV6)],
+    names: &BTreeMap<u16, String>,
+    config: &ConfigV4,
+    now: u64,
+) -> Vec<ConntrackRow> {
+    let timeouts = Timeouts::from_config(config);
+    let reply: std::collections::HashMap<CtKeyV6, &CtEntryV6> =
+        entries.iter().filter(|(k, _)| k.direction == CT_DIR_REPLY).map(|(k, v)| (*k, v)).collect();
+    let seconds = |ns: u64| now.saturating_sub(ns) as f64 / 1e9;
+    let mut rows: Vec<ConntrackRow> = entries
+        .iter()
+        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
+        .map(|(key, fwd)| {
+            let back = reply.get(&crate::bpf::conntrack::reply_key6(key, fwd)).copied();
+            let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
+            let source = if hairpin { HAIRPIN_ADDR_V6 } else { key.saddr };
+            ConntrackRow {
+                original: format!(
+                    "{} -> {}",
+                    endpoint6(key.saddr, key.sport),
+                    endpoint6(key.daddr, key.dport)
+                ),
+                translated: format!(
+                    "{} -> {}",
+                    endpoint6(source, key.sport),
+                    endpoint6(fwd.nat_addr, fwd.nat_port)
+                ),
+                protocol: proto_name(key.proto),
+                service: names.get(&fwd.rev_nat_id).cloned().unwrap_or_default(),
+                backend_id: fwd.backend_id,
+                state: CtState::from_u8(fwd.state).map_or("?", CtState::name),
+                age_seconds: seconds(fwd.created_ns),
+                idle_seconds: seconds(crate::bpf::conntrack::pair_last_seen(fwd, back)),
+                packets_out: fwd.packets,
+                bytes_out: fwd.bytes,
+                packets_reply: back.map_or(0, |r| r.packets),
+                bytes_reply: back.map_or(0, |r| r.bytes),
+                time_left_seconds: crate::bpf::conntrack::time_left_ns(&timeouts, fwd, back, now) as f64
+                    / 1e9,
+                hairpin,
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| a.original.cmp(&b.original));
+    rows
 }
 
 /// The rows of `kproxy dump conntrack`: one per forward entry, with its reply
@@ -609,6 +664,74 @@ mod tests {
         let json = serde_json::to_value(&rows).unwrap();
         assert_eq!(json[0]["hairpin"], true);
         assert_eq!(json[0]["time_left_seconds"], 10.0);
+    }
+
+    #[test]
+    fn ipv6_conntrack_rows_pair_the_reply_and_follow_the_ipv4_ones() {
+        let now = 100_000 * S;
+        let v6 = |last: u16| -> [u8; 16] {
+            let mut a = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+            a[14..].copy_from_slice(&last.to_be_bytes());
+            a
+        };
+        let (client, vip, backend) = (v6(5), v6(0x96), v6(9));
+        let forward = CtKeyV6 {
+            saddr: client,
+            daddr: vip,
+            sport: 40000u16.to_be_bytes(),
+            dport: 80u16.to_be_bytes(),
+            proto: proxy_common::maps::IPPROTO_TCP,
+            direction: CT_DIR_FORWARD,
+            _pad: [0; 2],
+        };
+        let fwd = CtEntryV6 {
+            created_ns: now - 10 * S,
+            last_seen_ns: now - 4 * S,
+            packets: 6,
+            bytes: 600,
+            backend_id: 12,
+            nat_addr: backend,
+            nat_port: 8080u16.to_be_bytes(),
+            rev_nat_id: 7,
+            state: CtState::Established as u8,
+            ..Default::default()
+        };
+        let reply_key = forward.reply_of(backend, 8080u16.to_be_bytes());
+        let reply = CtEntryV6 {
+            last_seen_ns: now - S,
+            packets: 5,
+            bytes: 4000,
+            nat_addr: vip,
+            nat_port: 80u16.to_be_bytes(),
+            ..fwd
+        };
+        // A reply entry alone is no row; a forward entry without its reply has no reply counters.
+        let lonely = CtKeyV6 { sport: 40001u16.to_be_bytes(), ..forward };
+        let names: BTreeMap<u16, String> = [(7, "default/web:http".to_owned())].into();
+        let config = ConfigV4::default();
+        let rows =
+            conntrack_rows6(&[(reply_key, reply), (forward, fwd), (lonely, fwd)], &names, &config, now);
+        assert_eq!(rows.len(), 2);
+        let r = &rows[0];
+        assert_eq!(r.original, "[fd00:10:244::5]:40000 -> [fd00:10:244::96]:80");
+        assert_eq!(r.translated, "[fd00:10:244::5]:40000 -> [fd00:10:244::9]:8080");
+        assert_eq!((r.protocol, r.state, r.backend_id), ("TCP", "ESTABLISHED", 12));
+        assert_eq!(r.service, "default/web:http", "named through the shared rev-NAT id");
+        assert_eq!((r.packets_out, r.bytes_out, r.packets_reply, r.bytes_reply), (6, 600, 5, 4000));
+        assert_eq!((r.age_seconds, r.idle_seconds), (10.0, 1.0));
+        assert_eq!(r.time_left_seconds, Timeouts::DEFAULT.tcp_established_ns as f64 / 1e9 - 1.0);
+        assert!(!r.hairpin);
+        assert_eq!((rows[1].packets_reply, rows[1].idle_seconds), (0, 4.0));
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(json[0]["translated"], "[fd00:10:244::5]:40000 -> [fd00:10:244::9]:8080");
+        // A hairpin flow's reply is addressed to the IPv6 hairpin address, its source shown as it.
+        let hairpin = CtEntryV6 { flags: CT_FLAG_HAIRPIN, nat_addr: client, ..fwd };
+        let mut hairpin_reply_key = forward.reply_of(client, 8080u16.to_be_bytes());
+        hairpin_reply_key.daddr = HAIRPIN_ADDR_V6;
+        let rows = conntrack_rows6(&[(forward, hairpin), (hairpin_reply_key, reply)], &names, &config, now);
+        assert!(rows[0].hairpin);
+        assert_eq!(rows[0].translated, "[100::42:1]:40000 -> [fd00:10:244::5]:8080");
+        assert_eq!(rows[0].packets_reply, 5);
     }
 
     #[test]

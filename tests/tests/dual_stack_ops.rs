@@ -1,0 +1,238 @@
+//! The operator's view of IPv6 flows on a dual-stack node (issue 19), through the real agent and real
+//! clients: `kproxy dump conntrack` lists a curl -6 through an IPv6 cluster IP (client → VIP translated
+//! to the backend, named by its Service) after the IPv4 flows, `kproxy conntrack flush --service`
+//! deletes a Service's flows of both families, the agent purges the IPv6 UDP flows of a backend that
+//! left its slice at once (kube-proxy's conntrack clean-up), and its GC expires idle IPv6 flows.
+//! The cluster is dual_stack.rs's, cut down. Needs root.
+
+mod common;
+
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    time::{Duration, Instant},
+};
+
+use common::cluster::{CLIENT_IP, Cluster, Mode};
+use sandbox::Pod;
+use serde_json::Value;
+
+const WEB_VIP4: &str = "10.96.0.210";
+const WEB_VIP6: &str = "fd00:10:96::210";
+const DNS_VIP6: &str = "fd00:10:96::253";
+const WEB: (&str, Ipv4Addr) = ("ops-web", Ipv4Addr::new(10, 244, 0, 51));
+const DNS: [(&str, Ipv4Addr); 2] =
+    [("ops-dns-a", Ipv4Addr::new(10, 244, 0, 61)), ("ops-dns-b", Ipv4Addr::new(10, 244, 0, 62))];
+
+/// The pods' IPv6 addresses: `fd00:10:244::<last IPv4 octet>`.
+fn ipv6_of(ip: Ipv4Addr) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, u16::from(ip.octets()[3]))
+}
+
+/// `ops-web` (an IPv4 and an IPv6 cluster IP, port 80, one backend, a slice per family) and `ops-dns`
+/// (IPv6 only, 53/UDP, the one backend named).
+fn manifests(dns_backend: (&str, Ipv4Addr)) -> String {
+    let endpoint = |(name, addr): (&str, String)| {
+        format!(
+            "- addresses: [{addr}]\n  conditions: {{ready: true}}\n  nodeName: node-1\n  targetRef: {{kind: Pod, name: {name}}}\n"
+        )
+    };
+    let slice = |name: &str, service: &str, family: &str, endpoints: String, ports: &str| {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {family}\nendpoints:\n{endpoints}ports:\n{ports}"
+        )
+    };
+    let web_ports = "- port: 80\n  protocol: TCP\n";
+    let dns_ports = "- name: dns\n  port: 53\n  protocol: UDP\n";
+    [
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
+        ),
+        slice("ops-web-v4", "ops-web", "IPv4", endpoint((WEB.0, WEB.1.to_string())), web_ports),
+        slice("ops-web-v6", "ops-web", "IPv6", endpoint((WEB.0, format!("\"{}\"", ipv6_of(WEB.1)))), web_ports),
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-dns\n  namespace: default\nspec:\n  clusterIP: \"{DNS_VIP6}\"\n  clusterIPs: [\"{DNS_VIP6}\"]\n  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n  ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n"
+        ),
+        slice(
+            "ops-dns-v6",
+            "ops-dns",
+            "IPv6",
+            endpoint((dns_backend.0, format!("\"{}\"", ipv6_of(dns_backend.1)))),
+            dns_ports,
+        ),
+    ]
+    .join("---\n")
+}
+
+/// The example cluster with a dual-stack client, the dual-stack web pod and two dual-stack dnsmasq
+/// pods, the agent (with `agent_args`) started on the manifests, `ops-dns` served by `ops-dns-a`.
+struct DualStack {
+    cluster: Cluster,
+    _pods: Vec<Pod>,
+}
+
+fn dual_pod(cluster: &Cluster, name: &str, ip: Ipv4Addr) -> Pod {
+    let mut pod = cluster.sandbox.add_pod(name, ip).unwrap();
+    pod.add_ipv6(ipv6_of(ip)).unwrap();
+    pod
+}
+
+fn start(tag: &str, agent_args: &[&str]) -> DualStack {
+    let mut cluster = Cluster::prepared(tag, Mode::Files);
+    cluster.client.add_ipv6(ipv6_of(CLIENT_IP)).unwrap();
+    let web = dual_pod(&cluster, WEB.0, WEB.1);
+    web.start_nginx(&format!("{}\n", WEB.0)).unwrap();
+    let mut pods = vec![web];
+    for (name, ip) in DNS {
+        let pod = dual_pod(&cluster, name, ip);
+        pod.start_dnsmasq(Ipv4Addr::new(10, 96, 0, 210)).unwrap();
+        pods.push(pod);
+    }
+    std::fs::write(cluster.manifest("dual-stack-ops.yaml"), manifests(DNS[0])).unwrap();
+    cluster.extra_agent_args.extend(agent_args.iter().map(|a| (*a).to_owned()));
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[
+        (&format!("{WEB_VIP4}:80"), "TCP", 1),
+        (&format!("[{WEB_VIP6}]:80"), "TCP", 1),
+        (&format!("[{DNS_VIP6}]:53"), "UDP", 1),
+    ]);
+    cluster.wait_for_attachment();
+    DualStack { cluster, _pods: pods }
+}
+
+/// `kproxy dump conntrack --json` rows.
+fn conntrack(cluster: &Cluster) -> Vec<Value> {
+    cluster.dump_json("conntrack").as_array().unwrap().clone()
+}
+
+/// A TXT query from the client's fixed IPv6 port 35353 to the IPv6 DNS cluster IP: the name of the
+/// dnsmasq pod that answered.
+fn whoami(cluster: &Cluster) -> String {
+    let source = format!("{}#35353", ipv6_of(CLIENT_IP));
+    let out = cluster
+        .client
+        .exec([
+            "dig",
+            "+short",
+            "+time=1",
+            "+tries=1",
+            "-b",
+            &source,
+            &format!("@{DNS_VIP6}"),
+            "whoami.kproxy.test",
+            "TXT",
+        ])
+        .unwrap_or_default();
+    out.trim().trim_matches('"').to_owned()
+}
+
+/// The rows whose translated tuple goes to `backend` (`[addr]:port`).
+fn flows_to<'a>(rows: &'a [Value], backend: &str) -> Vec<&'a Value> {
+    rows.iter()
+        .filter(|r| r["translated"].as_str().unwrap_or_default().ends_with(&format!("-> {backend}")))
+        .collect()
+}
+
+/// Waits until `done` holds, or fails with `what` and the agent's log.
+fn wait_until(cluster: &Cluster, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}; agent log:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn an_ipv6_flow_is_dumped_translated_and_flushed_with_its_service() {
+    let ds = start("dsops-dump", &[]);
+    let cluster = &ds.cluster;
+    let client = &cluster.client;
+    assert_eq!(client.curl(&format!("http://{WEB_VIP4}/")).unwrap(), format!("{}\n", WEB.0));
+    assert_eq!(client.curl(&format!("http://[{WEB_VIP6}]/")).unwrap(), format!("{}\n", WEB.0));
+
+    let rows = conntrack(cluster);
+    let client6 = format!("[{}]:", ipv6_of(CLIENT_IP));
+    let backend6 = format!("[{}]:80", ipv6_of(WEB.1));
+    let v6 = flows_to(&rows, &backend6);
+    assert_eq!(v6.len(), 1, "one IPv6 flow to the backend in {rows:#?}");
+    let row = v6[0];
+    let original = row["original"].as_str().unwrap();
+    assert!(
+        original.starts_with(&client6) && original.ends_with(&format!(" -> [{WEB_VIP6}]:80")),
+        "client → VIP: {row}"
+    );
+    let sport = original.split(" -> ").next().unwrap().rsplit(':').next().unwrap();
+    assert_eq!(
+        row["translated"],
+        format!("{client6}{sport} -> {backend6}"),
+        "the client's own address and port kept"
+    );
+    assert_eq!((&row["protocol"], &row["hairpin"]), (&Value::from("TCP"), &Value::from(false)));
+    assert_eq!(row["service"], "default/ops-web:", "named by the shared rev-NAT id");
+    assert!(
+        row["packets_out"].as_u64().unwrap() >= 3 && row["packets_reply"].as_u64().unwrap() >= 2,
+        "{row}"
+    );
+    assert!(row["time_left_seconds"].as_f64().unwrap() > 0.0, "{row}");
+    // IPv4 flows first, then IPv6.
+    let v4_position =
+        rows.iter().position(|r| r["translated"].as_str().unwrap().ends_with(&format!("-> {}:80", WEB.1)));
+    let v6_position = rows.iter().position(|r| r == row);
+    assert!(v4_position.is_some() && v4_position < v6_position, "{rows:#?}");
+    // The table shows the same, in the bracket notation of dump services.
+    let table = cluster.kproxy(&["dump", "conntrack"]);
+    assert!(table.contains(&format!("-> {backend6}")), "{table}");
+
+    // A flush by Service takes both families' flows of it, both directions, and nothing else.
+    let out = cluster.kproxy(&["conntrack", "flush", "--service", "default/ops-web"]);
+    assert_eq!(
+        out.trim(),
+        "deleted 4 conntrack entries of Service default/ops-web",
+        "two flows, two entries each"
+    );
+    let rows = conntrack(cluster);
+    assert!(rows.iter().all(|r| r["service"] != "default/ops-web:"), "{rows:#?}");
+    // And the Service still answers: the next connection is a new flow.
+    assert_eq!(client.curl(&format!("http://[{WEB_VIP6}]/")).unwrap(), format!("{}\n", WEB.0));
+    assert_eq!(flows_to(&conntrack(cluster), &backend6).len(), 1);
+}
+
+#[test]
+fn the_ipv6_udp_flows_of_a_removed_backend_are_purged_at_once() {
+    let ds = start("dsops-purge", &[]);
+    let cluster = &ds.cluster;
+    assert_eq!(whoami(cluster), DNS[0].0);
+    let old_backend = format!("[{}]:53", ipv6_of(DNS[0].1));
+    let rows = conntrack(cluster);
+    let flow = flows_to(&rows, &old_backend);
+    assert_eq!(flow.len(), 1, "{rows:#?}");
+    assert_eq!((&flow[0]["protocol"], &flow[0]["state"]), (&Value::from("UDP"), &Value::from("OPEN")));
+
+    // A rollout: the slice names ops-dns-b instead. No packet is sent until the flow is gone, and the
+    // UDP timeout (60 s) is far off: only the agent's purge removes it.
+    std::fs::write(cluster.manifest("dual-stack-ops.yaml"), manifests(DNS[1])).unwrap();
+    wait_until(
+        cluster,
+        "the flow to the removed IPv6 backend is still in conntrack",
+        Duration::from_secs(15),
+        || flows_to(&conntrack(cluster), &old_backend).is_empty(),
+    );
+    assert!(cluster.agent_log().contains("purged the conntrack entries of removed UDP backends"));
+    // The client, from the same port, now reaches the new backend.
+    assert_eq!(whoami(cluster), DNS[1].0);
+}
+
+#[test]
+fn idle_ipv6_flows_are_expired_by_the_agents_gc() {
+    // UDP flows idle for 5 s are dead; the GC looks every second.
+    let ds = start("dsops-gc", &["--conntrack-udp-timeout", "5s", "--conntrack-gc-interval", "1s"]);
+    let cluster = &ds.cluster;
+    assert_eq!(whoami(cluster), DNS[0].0);
+    let backend = format!("[{}]:53", ipv6_of(DNS[0].1));
+    let rows = conntrack(cluster);
+    assert_eq!(flows_to(&rows, &backend).len(), 1, "the flow, read within its 5 s: {rows:#?}");
+    // No packet is sent after it: the datapath, which expires a flow when its next packet comes, never
+    // sees it again, and the LRU is nowhere near full. Only the GC removes it.
+    wait_until(cluster, "the idle IPv6 flow was not collected", Duration::from_secs(20), || {
+        flows_to(&conntrack(cluster), &backend).is_empty()
+    });
+}
