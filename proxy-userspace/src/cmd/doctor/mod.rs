@@ -31,6 +31,9 @@
 //! - **ip_forward**: at runtime and after the next boot, following sysctl's precedence (which file
 //!   and line sets it): runtime 0 FAIL, runtime 1 but persisted 0 (the incident of
 //!   shared/cases/001) or not persisted WARN.
+//! - **ipv6_forward**: `net.ipv6.conf.all.forwarding`, as ip_forward, on a node that serves IPv6:
+//!   IPv6 Services programmed, or forwarding on at runtime or in a sysctl file (off at runtime FAIL
+//!   only with IPv6 Services); otherwise listed as skipped (an IPv4-only node does not need it).
 //! - **rp_filter**: `net.ipv4.conf.{all,default}.rp_filter` strict (1) WARN.
 //! - **kube-proxy**: kube-proxy running FAIL (both translate); its rules left behind WARN.
 //! - **inherited**: connections netfilter translated before kproxy took over (kube-proxy's), from
@@ -75,8 +78,8 @@ pub use datapath::{
 pub use kernel::{bpffs_check, bpffs_host_check, cgroup2_check, kernel_verdict, parse_kernel_version};
 pub use kube_proxy::{kube_proxy_verdict, leftover_lines};
 pub use sysctl::{
-    Assignment, Runtime, SYSCTL_DIRS, Setting, SysctlFiles, ip_forward_check, normalize_key, parse_sysctl,
-    rp_filter_check, snat_ports_check, sysctl_order,
+    Assignment, Ipv6Need, Runtime, SYSCTL_DIRS, Setting, SysctlFiles, ip_forward_check, ipv6_forward_check,
+    ipv6_forward_need, normalize_key, parse_sysctl, rp_filter_check, snat_ports_check, sysctl_order,
 };
 
 #[derive(clap::Args, Debug, Default)]
@@ -242,6 +245,22 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
         runtime_sysctl(root, "net.ipv4.ip_forward"),
         files.effective("net.ipv4.ip_forward"),
     ));
+    // The live node's datapath, for the checks that depend on what it serves.
+    let maps = if root.is_none() { crate::bpf::Maps::from_pins(pins).ok() } else { None };
+    let ipv6_frontends = maps.as_ref().map_or(0, |maps| {
+        maps.services_v6.iter().filter_map(|e| e.ok()).filter(|(key, _)| key.slot == 0).count() as u64
+    });
+    let (runtime6, persisted6) = (
+        runtime_sysctl(root, "net.ipv6.conf.all.forwarding"),
+        files.effective("net.ipv6.conf.all.forwarding"),
+    );
+    match ipv6_forward_need(ipv6_frontends, &runtime6, persisted6.as_ref()) {
+        Some(need) => checks.push(ipv6_forward_check(need, runtime6, persisted6)),
+        None => skipped.push(
+            "ipv6_forward: no IPv6 Service is programmed and IPv6 forwarding is off at runtime and at boot"
+                .to_owned(),
+        ),
+    }
     checks.push(rp_filter_check([
         (
             "all",
@@ -254,13 +273,8 @@ pub fn collect(pins: &PinDir, args: &DoctorArgs) -> Result<Report> {
             files.effective("net.ipv4.conf.default.rp_filter"),
         ),
     ]));
-    let snat_range = if root.is_none() {
-        crate::bpf::Maps::from_pins(pins).ok().and_then(|maps| maps.nodeport_config.get(&0, 0).ok())
-    } else {
-        None
-    }
-    .unwrap_or_default()
-    .port_range();
+    let snat_range =
+        maps.as_ref().and_then(|maps| maps.nodeport_config.get(&0, 0).ok()).unwrap_or_default().port_range();
     checks.push(snat_ports_check(
         runtime_sysctl(root, "net.ipv4.ip_local_port_range"),
         runtime_sysctl(root, "net.ipv4.ip_local_reserved_ports"),

@@ -1,4 +1,4 @@
-//! sysctl checks: IPv4 forwarding, rp_filter and the SNAT port range, at runtime and as the sysctl.d
+//! sysctl checks: IPv4 and IPv6 forwarding, rp_filter and the SNAT port range, at runtime and as the sysctl.d
 //! files would set them at boot.
 
 use std::{
@@ -6,7 +6,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{Check, host, read};
+use super::{Check, Status, host, read};
 
 /// The node's ephemeral ports against the SNAT range: kproxy takes SNAT and
 /// remapped ports from it without knowing the node's own sockets, so a node
@@ -263,53 +263,129 @@ fn describe(setting: &Setting, key: &str) -> String {
     }
 }
 
-const FORWARD: &str = "net.ipv4.ip_forward";
+/// A forwarding switch checked like `ip_forward`: its key, the check's name, and the words of its
+/// findings and fixes.
+struct Forwarding {
+    name: &'static str,
+    key: &'static str,
+    /// What the node no longer routes when the switch is off.
+    traffic: &'static str,
+    /// The file to write when no sysctl file sets the key.
+    new_file: &'static str,
+    /// Said after every fix.
+    caveat: &'static str,
+}
+
+const IPV4_FORWARDING: Forwarding = Forwarding {
+    name: "ip_forward",
+    key: "net.ipv4.ip_forward",
+    traffic: "pod traffic",
+    new_file: "/etc/sysctl.d/99-zz-kproxy.conf",
+    caveat: "",
+};
+
+/// `all` is the switch the kernel's IPv6 forwarding path reads (`ip6_forward`); `default` only seeds
+/// interfaces created later. Forwarding makes the kernel ignore router advertisements on
+/// interfaces with `accept_ra = 1`, which the fix says, as a node taking its address from SLAAC
+/// would lose it at the next lifetime expiry.
+const IPV6_FORWARDING: Forwarding = Forwarding {
+    name: "ipv6_forward",
+    key: "net.ipv6.conf.all.forwarding",
+    traffic: "IPv6 pod traffic",
+    new_file: "/etc/sysctl.d/99-zz-kproxy-ipv6.conf",
+    caveat: " (a node that takes its IPv6 address or default route from router advertisements also needs \
+             net.ipv6.conf.<uplink>.accept_ra = 2: with forwarding on, accept_ra = 1 ignores them)",
+};
 
 /// ip_forward at runtime and after the next boot.
 pub fn ip_forward_check(runtime: Runtime, persisted: Option<Setting>) -> Check {
-    let name = "ip_forward";
+    forwarding_check(&IPV4_FORWARDING, runtime, persisted)
+}
+
+/// Why IPv6 forwarding matters on this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ipv6Need {
+    /// The datapath holds this many IPv6 frontends: their pods' traffic is routed by the node.
+    Services(u64),
+    /// No IPv6 Service, but forwarding is on at runtime or in a sysctl file: the node is meant to
+    /// route IPv6 (a dual-stack CNI, an operator), so the two disagreeing is the same drift as
+    /// ip_forward's.
+    Configured,
+}
+
+/// Whether `net.ipv6.conf.all.forwarding` is checked, and why. Not merely because IPv6 is
+/// enabled: every Linux node has it (link-local addresses) whatever its cluster, and an IPv4-only
+/// cluster never needs IPv6 forwarding — kube-proxy does not touch it, kubeadm's preflight checks
+/// it only for a cluster configured with IPv6 ranges, and Cilium sets it only with `enable-ipv6` —
+/// so a check on every IPv6-capable node would warn on every IPv4 one. IPv6 Services programmed
+/// here, or forwarding turned on somewhere, is what makes a node a dual-stack (or IPv6) one.
+pub fn ipv6_forward_need(
+    ipv6_frontends: u64,
+    runtime: &Runtime,
+    persisted: Option<&Setting>,
+) -> Option<Ipv6Need> {
+    if ipv6_frontends > 0 {
+        return Some(Ipv6Need::Services(ipv6_frontends));
+    }
+    let on_at_runtime = matches!(runtime, Runtime::Value(v) if v != "0");
+    let on_at_boot = persisted.is_some_and(|s| s.value != "0");
+    (on_at_runtime || on_at_boot).then_some(Ipv6Need::Configured)
+}
+
+/// `net.ipv6.conf.all.forwarding` at runtime and after the next boot, as [`ip_forward_check`], for a
+/// node that needs it ([`ipv6_forward_need`]). Off at runtime with no IPv6 Service programmed is a
+/// WARN, not a FAIL: nothing kproxy serves depends on it yet.
+pub fn ipv6_forward_check(need: Ipv6Need, runtime: Runtime, persisted: Option<Setting>) -> Check {
+    let mut check = forwarding_check(&IPV6_FORWARDING, runtime, persisted);
+    match need {
+        Ipv6Need::Services(n) if check.status != Status::Ok => {
+            check.finding.push_str(&format!("; {n} IPv6 frontends are programmed"));
+        }
+        Ipv6Need::Configured if check.status == Status::Fail => check.status = Status::Warn,
+        _ => {}
+    }
+    check
+}
+
+fn forwarding_check(switch: &Forwarding, runtime: Runtime, persisted: Option<Setting>) -> Check {
+    let Forwarding { name, key, traffic, new_file, caveat } = *switch;
     let persisted_off = persisted.as_ref().filter(|s| s.value == "0");
     let file_fix = |s: &Setting| {
         format!(
-            "edit {} line {} to `{FORWARD} = 1` (or delete it and set it in a later file), then `sysctl --system`",
+            "edit {} line {} to `{key} = 1` (or delete it and set it in a later file), then `sysctl --system`{caveat}",
             s.file, s.line
         )
     };
-    let new_file_fix =
-        "echo 'net.ipv4.ip_forward = 1' > /etc/sysctl.d/99-zz-kproxy.conf (a file read after the others)";
+    let new_file_fix = format!("echo '{key} = 1' > {new_file} (a file read after the others){caveat}");
     match runtime {
         Runtime::Value(v) if v == "0" => {
             let boot = match &persisted {
-                Some(s) => describe(s, FORWARD),
+                Some(s) => describe(s, key),
                 None => "no sysctl file sets it".to_owned(),
             };
             let fix = match persisted_off {
-                Some(s) => format!("sysctl -w {FORWARD}=1; then {}", file_fix(s)),
-                None if persisted.is_none() => format!("sysctl -w {FORWARD}=1; then {new_file_fix}"),
-                None => format!("sysctl -w {FORWARD}=1"),
+                Some(s) => format!("sysctl -w {key}=1; then {}", file_fix(s)),
+                None if persisted.is_none() => format!("sysctl -w {key}=1; then {new_file_fix}"),
+                None => format!("sysctl -w {key}=1{caveat}"),
             };
-            Check::fail(
-                name,
-                format!("{FORWARD} = 0 at runtime: the node routes no pod traffic ({boot})"),
-                fix,
-            )
+            Check::fail(name, format!("{key} = 0 at runtime: the node routes no {traffic} ({boot})"), fix)
         }
         Runtime::Value(v) => match &persisted {
             Some(s) if s.value == "0" => Check::warn(
                 name,
                 format!(
                     "{}: the next reboot disables forwarding (the incident of cases/001); {v} at runtime only",
-                    describe(s, FORWARD)
+                    describe(s, key)
                 ),
                 file_fix(s),
             ),
             Some(s) => {
-                Check::ok(name, format!("{v} at runtime; {} keeps it after a reboot", describe(s, FORWARD)))
+                Check::ok(name, format!("{v} at runtime; {} keeps it after a reboot", describe(s, key)))
             }
             None => Check::warn(
                 name,
                 format!(
-                    "{v} at runtime, but no sysctl file sets {FORWARD}: after a reboot it is 0 (the kernel default) until something sets it again"
+                    "{v} at runtime, but no sysctl file sets {key}: after a reboot it is 0 (the kernel default) until something sets it again"
                 ),
                 new_file_fix,
             ),
@@ -319,18 +395,18 @@ pub fn ip_forward_check(runtime: Runtime, persisted: Option<Setting>) -> Check {
                 name,
                 format!(
                     "{why}; {}: the next boot disables forwarding (the incident of cases/001)",
-                    describe(s, FORWARD)
+                    describe(s, key)
                 ),
                 file_fix(s),
             ),
             Some(s) => Check::warn(
                 name,
-                format!("{why}; {} at boot", describe(s, FORWARD)),
+                format!("{why}; {} at boot", describe(s, key)),
                 "check the running node with `kproxy doctor`",
             ),
             None => Check::warn(
                 name,
-                format!("{why}; no sysctl file sets {FORWARD}: it boots as 0 (the kernel default)"),
+                format!("{why}; no sysctl file sets {key}: it boots as 0 (the kernel default)"),
                 new_file_fix,
             ),
         },

@@ -452,3 +452,94 @@ fn inherited_connections_are_ok_while_netfilter_can_translate_them_and_fail_when
     assert!(cut.finding.contains("no NAT hook"), "{}", cut.finding);
     assert_eq!(inherited_verdict(Err("EPERM".into()), None).status, Status::Warn);
 }
+
+#[test]
+fn ipv6_forwarding_is_checked_only_on_a_node_that_serves_ipv6() {
+    let v = |s: &str| Runtime::Value(s.into());
+    // An IPv4-only node: IPv6 enabled (as on every Linux node) but off everywhere, no IPv6 Service.
+    assert_eq!(ipv6_forward_need(0, &v("0"), None), None);
+    assert_eq!(ipv6_forward_need(0, &v("0"), Some(&setting("0"))), None);
+    assert_eq!(ipv6_forward_need(0, &Runtime::Unknown("no /proc".into()), None), None);
+    // IPv6 Services, or forwarding on somewhere.
+    assert_eq!(ipv6_forward_need(3, &v("0"), None), Some(Ipv6Need::Services(3)));
+    assert_eq!(ipv6_forward_need(0, &v("1"), None), Some(Ipv6Need::Configured));
+    assert_eq!(ipv6_forward_need(0, &v("0"), Some(&setting("1"))), Some(Ipv6Need::Configured));
+}
+
+#[test]
+fn ipv6_forward_decisions() {
+    let v = |s: &str| Runtime::Value(s.into());
+    let services = Ipv6Need::Services(4);
+    // Drift: on now, off after the next reboot.
+    let c = ipv6_forward_check(services, v("1"), Some(setting("0")));
+    assert_eq!((c.status, c.name.as_str()), (Status::Warn, "ipv6_forward"));
+    assert!(
+        c.finding.starts_with(
+            "/etc/sysctl.d/99-sysctl.conf:12 sets net.ipv6.conf.all.forwarding = 0: the next reboot disables forwarding"
+        ),
+        "{}",
+        c.finding
+    );
+    assert!(c.finding.ends_with("; 4 IPv6 frontends are programmed"), "{}", c.finding);
+    let fix = c.fix.unwrap();
+    assert!(fix.contains("line 12 to `net.ipv6.conf.all.forwarding = 1`"), "{fix}");
+    assert!(fix.contains("accept_ra = 2"), "{fix}");
+    assert_eq!(ipv6_forward_check(services, v("1"), Some(setting("1"))).status, Status::Ok);
+    let c = ipv6_forward_check(services, v("1"), None);
+    assert_eq!(c.status, Status::Warn);
+    assert!(
+        c.fix
+            .unwrap()
+            .starts_with("echo 'net.ipv6.conf.all.forwarding = 1' > /etc/sysctl.d/99-zz-kproxy-ipv6.conf")
+    );
+    // Off at runtime: FAIL with IPv6 Services, WARN when only configured somewhere.
+    let c = ipv6_forward_check(services, v("0"), Some(setting("1")));
+    assert_eq!(c.status, Status::Fail);
+    assert!(c.finding.contains("the node routes no IPv6 pod traffic"), "{}", c.finding);
+    assert!(c.fix.unwrap().starts_with("sysctl -w net.ipv6.conf.all.forwarding=1"));
+    assert_eq!(ipv6_forward_check(Ipv6Need::Configured, v("0"), Some(setting("1"))).status, Status::Warn);
+    // The IPv4 check keeps its own words.
+    let c = ip_forward_check(v("1"), None);
+    assert!(c.fix.unwrap().starts_with("echo 'net.ipv4.ip_forward = 1' > /etc/sysctl.d/99-zz-kproxy.conf"));
+}
+
+/// A node image as fixture files: the persisted value found by sysctl's precedence, the runtime one
+/// read under the root, through the same `collect` the command runs.
+#[test]
+fn ipv6_forwarding_read_from_a_node_image() {
+    let dir = std::env::temp_dir().join(format!("kproxy-doctor-ipv6-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    let write = |path: &str, text: &str| {
+        let path = dir.join(path);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, text).unwrap();
+    };
+    write(
+        "usr/lib/sysctl.d/50-dual-stack.conf",
+        "net/ipv6/conf/all/forwarding = 1\nnet.ipv4.ip_forward = 1\n",
+    );
+    write("etc/sysctl.d/90-hardening.conf", "# IPv6 off for servers\nnet.ipv6.conf.all.forwarding = 0\n");
+    write("proc/sys/net/ipv6/conf/all/forwarding", "1\n");
+    write("proc/sys/net/ipv4/ip_forward", "1\n");
+    let args = DoctorArgs { root: Some(dir.clone()), interfaces: vec!["veth*".into()], ..Default::default() };
+    let pins = PinDir::new(dir.join("no-pins"));
+    let report = collect(&pins, &args).unwrap();
+    let check = report.checks.iter().find(|c| c.name == "ipv6_forward").expect("checked: forwarding is on");
+    assert_eq!(check.status, Status::Warn, "{check:?}");
+    assert!(
+        check.finding.starts_with("/etc/sysctl.d/90-hardening.conf:2 sets net.ipv6.conf.all.forwarding = 0"),
+        "{}",
+        check.finding
+    );
+    // Without IPv6 forwarding anywhere the image is an IPv4-only node: skipped, not reported.
+    fs::remove_file(dir.join("usr/lib/sysctl.d/50-dual-stack.conf")).unwrap();
+    write("proc/sys/net/ipv6/conf/all/forwarding", "0\n");
+    let report = collect(&pins, &args).unwrap();
+    assert!(report.checks.iter().all(|c| c.name != "ipv6_forward"), "{:?}", report.checks);
+    assert!(
+        report.skipped.iter().any(|s| s.starts_with("ipv6_forward: no IPv6 Service")),
+        "{:?}",
+        report.skipped
+    );
+    fs::remove_dir_all(&dir).unwrap();
+}
