@@ -17,6 +17,7 @@ pub mod reject;
 pub mod reject6;
 pub mod service_cidr;
 pub mod slots;
+pub mod sock_v6;
 pub mod stats;
 pub mod trace;
 

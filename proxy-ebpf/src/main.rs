@@ -10,7 +10,8 @@
 //!   their own (`ingress6.rs`, `egress6.rs`), chosen by ethertype;
 //!   `kproxy_external_ingress` passes IPv6 for now;
 //! - `kproxy_xdp`: the north-south fast path for remote backends (`xdp.rs`);
-//! - the cgroup socket hooks: socket-level load balancing (`sock.rs`).
+//! - the cgroup socket hooks: socket-level load balancing (`sock.rs`; IPv6 sockets, with
+//!   IPv4-mapped addresses, in `sock6.rs`).
 //!
 //! tc's stages end in a `verdict::Verdict`, which `verdict::finish` carries
 //! out. The decisions the programs share with userspace live in proxy-common.
@@ -40,6 +41,7 @@ mod reject;
 mod reject6;
 mod snat;
 mod sock;
+mod sock6;
 mod stats;
 mod verdict;
 mod xdp;
@@ -102,6 +104,31 @@ pub fn kproxy_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn kproxy_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
+}
+
+/// connect() of an IPv6 socket: to an IPv6 Service, or to an IPv4 one by its IPv4-mapped address
+/// (`::ffff:10.96.0.10`, a dual-stack socket's), goes to a backend.
+#[cgroup_sock_addr(connect6)]
+pub fn kproxy_connect6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+/// Unconnected UDP over IPv6: each sendmsg() to an IPv6 Service goes to a backend.
+#[cgroup_sock_addr(sendmsg6)]
+pub fn kproxy_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+/// recvmsg() of an IPv6 socket shows the Service as the source of a backend's datagram.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn kproxy_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
+}
+
+/// getpeername() of an IPv6 socket shows the Service it connected to.
+#[cgroup_sock_addr(getpeername6)]
+pub fn kproxy_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
 }
 
 /// tc egress of a pod's veth (and of the external interfaces): replies on

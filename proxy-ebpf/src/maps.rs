@@ -90,6 +90,14 @@ pub static SOCK_REVNAT_V4: LruHashMap<SockRevNatKeyV4, SockRevNatV4> =
 #[map(name = "SOCKET_LB_CONFIG")]
 pub static SOCKET_LB_CONFIG: Array<SocketLbConfigV4> = Array::with_max_entries(1, 0);
 
+/// Socket-level load balancing of IPv6 sockets to native IPv6 backends: what a translated socket
+/// asked for (IPv4-mapped backends are in SOCK_REVNAT_V4).
+#[map(name = "SOCK_REVNAT_V6")]
+pub static SOCK_REVNAT_V6: LruHashMap<
+    proxy_common::sock_v6::SockRevNatKeyV6,
+    proxy_common::sock_v6::SockRevNatV6,
+> = LruHashMap::with_max_entries(proxy_common::sock_v6::SOCK_REVNAT_V6_CAPACITY, 0);
+
 /// `--lb-algorithm=maglev`: the lookup tables, MAGLEV_TABLE_SIZE backend ids
 /// each, one per external frontend (sized by the agent at load).
 #[map(name = "MAGLEV_V4")]

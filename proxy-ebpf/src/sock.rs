@@ -37,13 +37,13 @@ const ECONNREFUSED: i32 = 111;
 const EPERM: i32 = 1;
 /// What a cgroup sock_addr program returns to let the call go on (the kernel
 /// has no name for it; aya's bindings neither).
-const PROCEED: i32 = 1;
+pub const PROCEED: i32 = 1;
 /// What it returns to make the call fail (with the error `bpf_set_retval` set).
 const REFUSE: i32 = 0;
 
 /// Which sockets the hooks translate.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Owner {
+pub enum Owner {
     /// Not translated.
     None,
     /// A process in the node's own network namespace.
@@ -53,7 +53,7 @@ enum Owner {
 }
 
 #[inline(always)]
-fn owner(ctx: &SockAddrContext) -> Owner {
+pub fn owner(ctx: &SockAddrContext) -> Owner {
     let Some(config) = SOCKET_LB_CONFIG.get(0) else { return Owner::None };
     if config.mode != SOCKET_LB_ALL && config.mode != SOCKET_LB_HOST_ONLY {
         return Owner::None;
@@ -80,7 +80,7 @@ fn affinity_client(owner: Owner) -> [u8; 4] {
 }
 
 #[inline(always)]
-fn enabled(ctx: &SockAddrContext) -> bool {
+pub fn enabled(ctx: &SockAddrContext) -> bool {
     owner(ctx) != Owner::None
 }
 
@@ -101,34 +101,65 @@ fn forget_service_of(ctx: &SockAddrContext, ip: u32, port: u32) {
     }
 }
 
+/// What connect() or sendmsg() does with a call to an IPv4 destination.
+pub enum Translation {
+    /// The call goes on to its destination (`PROCEED`), or fails (`REFUSE`, its error set).
+    Unchanged(i32),
+    /// The call goes on to this backend address and port (as the context's `user_ip4` and
+    /// `user_port` hold them).
+    To { ip: u32, port: u32 },
+}
+
 /// connect4 and sendmsg4: the destination becomes a backend.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext) -> i32 {
-    let owner = owner(ctx);
-    if owner == Owner::None {
-        return PROCEED;
-    }
     let sa = ctx.sock_addr;
     // SAFETY: the context the kernel passed; these fields are readable.
-    let (proto, ip, port) = unsafe { ((*sa).protocol, (*sa).user_ip4, (*sa).user_port) };
-    let proto = proto as u8;
+    let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port) };
+    match translate_v4(ctx, ip, port) {
+        Translation::Unchanged(verdict) => verdict,
+        Translation::To { ip, port } => {
+            // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
+            unsafe {
+                (*sa).user_ip4 = ip;
+                (*sa).user_port = port;
+            }
+            PROCEED
+        }
+    }
+}
+
+/// The backend for a call to IPv4 address `ip` and `port` (as the context holds them): the IPv4
+/// hooks' and, for an IPv4-mapped address, the IPv6 hooks' (`sock6`). The caller writes the backend
+/// into its own fields (the IPv6 hooks may not touch `user_ip4`).
+#[inline(always)]
+pub fn translate_v4(ctx: &SockAddrContext, ip: u32, port: u32) -> Translation {
+    let owner = owner(ctx);
+    if owner == Owner::None {
+        return Translation::Unchanged(PROCEED);
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: the context the kernel passed; `protocol` is readable.
+    let proto = unsafe { (*sa).protocol } as u8;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
-        return PROCEED;
+        return Translation::Unchanged(PROCEED);
     }
     let mut flow = destination(proto, ip, port);
-    let Some(found) = lb::lookup_frontend(&flow) else { return no_frontend(ctx, &flow, ip, port) };
+    let Some(found) = lb::lookup_frontend(&flow) else {
+        return Translation::Unchanged(no_frontend(ctx, &flow, ip, port));
+    };
     if proto == IPPROTO_UDP && sends_inherited_flow(ctx, &flow) {
         // Untranslated, so that netfilter's entry for this port goes on
         // carrying it; tc tells this sender's flow from others by address.
         stats::count(Stat::PassInheritedFlow);
-        return PROCEED;
+        return Translation::Unchanged(PROCEED);
     }
     let frontend = found.value;
     if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
-        return PROCEED;
+        return Translation::Unchanged(PROCEED);
     }
     if frontend.count == 0 {
-        return refuse();
+        return Translation::Unchanged(refuse());
     }
     // Only now, for connections to a Service: every connect() on the node runs
     // this hook.
@@ -136,16 +167,14 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
     stand_in_client(&mut flow, owner, frontend.flags & SVC_FLAG_AFFINITY != 0, cookie);
     let Ok(choice) = lb::select_backend_by(&flow, &found, conntrack::now(), backend_pick(&flow)) else {
-        return PROCEED;
+        return Translation::Unchanged(PROCEED);
     };
-    // SAFETY: as above; user_ip4 and user_port are writable in these hooks.
-    unsafe {
-        (*sa).user_ip4 = u32::from_ne_bytes(choice.backend.addr);
-        (*sa).user_port = u32::from(u16::from_ne_bytes(choice.backend.port));
-    }
     remember_service(cookie, &choice.backend, &flow, frontend.rev_nat_id);
     stats::count(Stat::SockTranslated);
-    PROCEED
+    Translation::To {
+        ip: u32::from_ne_bytes(choice.backend.addr),
+        port: u32::from(u16::from_ne_bytes(choice.backend.port)),
+    }
 }
 
 /// The call's destination as a flow, for the frontend lookup (its client filled in later).
@@ -188,10 +217,25 @@ fn no_frontend(ctx: &SockAddrContext, flow: &Flow, ip: u32, port: u32) -> i32 {
         unsafe { bpf_set_retval(-EPERM) };
         return REFUSE;
     }
-    if flow.proto == IPPROTO_UDP {
+    if flow.proto == IPPROTO_UDP && !is_connected_peer(ctx, ip, port) {
         forget_service_of(ctx, ip, port);
     }
     PROCEED
+}
+
+/// Whether `ip`:`port` is the peer the socket is connected to. A dual-stack socket connected to an
+/// IPv4-mapped Service address (connect6 put the backend there) reaches sendmsg4 with every
+/// send(): the kernel hands such a datagram to the IPv4 UDP code with the peer as its explicit
+/// destination. That is the Service's exchange going on, not a direct one with the backend.
+#[inline(always)]
+fn is_connected_peer(ctx: &SockAddrContext, ip: u32, port: u32) -> bool {
+    // SAFETY: the context's socket, always set in these hooks; `dst_ip4` and `dst_port` are
+    // readable (network byte order; zero while unconnected).
+    let (peer_ip, peer_port) = unsafe {
+        let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        ((*sk).dst_ip4, (*sk).dst_port)
+    };
+    peer_ip == ip && peer_port == port as u16
 }
 
 /// The socket stands in for the client address and port, which do not exist
@@ -256,7 +300,7 @@ fn sends_inherited_flow(ctx: &SockAddrContext, flow: &Flow) -> bool {
 }
 
 #[inline(always)]
-fn refuse() -> i32 {
+pub fn refuse() -> i32 {
     stats::count(Stat::SockRefused);
     // SAFETY: a helper setting this program's return value to the caller.
     unsafe { bpf_set_retval(-ECONNREFUSED) };
@@ -272,12 +316,7 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: as in `translate`.
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port) };
-    // SAFETY: a helper reading the context's socket.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    let key =
-        SockRevNatKeyV4 { cookie, addr: ip.to_ne_bytes(), port: (port as u16).to_ne_bytes(), _pad: [0; 2] };
-    // SAFETY: the value is copied out at once.
-    if let Some(vip) = unsafe { SOCK_REVNAT_V4.get(key) }.copied() {
+    if let Some(vip) = service_of(ctx, ip, port) {
         // SAFETY: as in `translate`.
         unsafe {
             (*sa).user_ip4 = u32::from_ne_bytes(vip.vip);
@@ -286,4 +325,16 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
         stats::count(Stat::SockReverse);
     }
     PROCEED
+}
+
+/// The Service this socket reached IPv4 backend `ip`:`port` through (the IPv4 hooks' and, for an
+/// IPv4-mapped peer, the IPv6 hooks').
+#[inline(always)]
+pub fn service_of(ctx: &SockAddrContext, ip: u32, port: u32) -> Option<SockRevNatV4> {
+    // SAFETY: a helper reading the context's socket.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    let key =
+        SockRevNatKeyV4 { cookie, addr: ip.to_ne_bytes(), port: (port as u16).to_ne_bytes(), _pad: [0; 2] };
+    // SAFETY: the value is copied out at once.
+    unsafe { SOCK_REVNAT_V4.get(key) }.copied()
 }

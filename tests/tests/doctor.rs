@@ -235,7 +235,7 @@ fn live_node_reports_attached_programs_and_a_healthy_agent() {
     assert!(check(&report, "agent")["finding"].as_str().unwrap().contains("200"), "{report:#}");
     let socket_lb = check(&report, "socket-lb");
     assert_eq!(socket_lb["status"], "OK", "{socket_lb:#}");
-    assert!(socket_lb["finding"].as_str().unwrap().contains("host-only (4 cgroup hooks)"), "{socket_lb:#}");
+    assert!(socket_lb["finding"].as_str().unwrap().contains("host-only (8 cgroup hooks)"), "{socket_lb:#}");
     let conntrack = check(&report, "conntrack fill");
     assert_eq!(conntrack["status"], "OK", "{conntrack:#}");
     assert_eq!(check(&report, "map services_v4")["status"], "OK");

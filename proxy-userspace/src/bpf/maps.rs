@@ -13,6 +13,7 @@ use aya::{
 use proxy_common::maps::*;
 use proxy_common::maps_v6::*;
 use proxy_common::service_cidr::ServiceCidrsV4;
+use proxy_common::sock_v6::{MAP_SOCK_REVNAT_V6, SockRevNatKeyV6, SockRevNatV6};
 use proxy_common::trace::{MAP_EVENTS, MAP_TRACE, TraceConfig};
 
 use super::pins::PinDir;
@@ -107,6 +108,7 @@ map_table! {
         MAP_TRACE => (u32, TraceConfig);
         MAP_FRAGMENTS_V4 => (FragmentKeyV4, FragmentPortsV4);
         MAP_FRAGMENTS_V6 => (FragmentKeyV6, FragmentPortsV4);
+        MAP_SOCK_REVNAT_V6 => (SockRevNatKeyV6, SockRevNatV6);
     }
 }
 

@@ -10,6 +10,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::programs::TcAttachType;
 use aya_obj::programs::CgroupSockAddrAttachType;
 use proxy_common::maps::*;
+use proxy_common::sock_v6::{PROG_CONNECT6, PROG_GETPEERNAME6, PROG_RECVMSG6, PROG_SENDMSG6};
 
 use super::attach::{Interface, XDP_SUFFIX};
 use super::bpffs::on_bpffs;
@@ -17,12 +18,17 @@ use super::maps::ALL_MAPS;
 
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/kproxy";
 
-/// The socket-level load balancing programs and their hooks.
-pub const SOCKET_PROGRAMS: [(&str, CgroupSockAddrAttachType); 4] = [
+/// The socket-level load balancing programs and their hooks: IPv4 sockets', then IPv6 sockets'
+/// (which reach IPv4 Services by their IPv4-mapped addresses too).
+pub const SOCKET_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
     (PROG_CONNECT4, CgroupSockAddrAttachType::Connect4),
     (PROG_SENDMSG4, CgroupSockAddrAttachType::UDPSendMsg4),
     (PROG_RECVMSG4, CgroupSockAddrAttachType::UDPRecvMsg4),
     (PROG_GETPEERNAME4, CgroupSockAddrAttachType::GetPeerName4),
+    (PROG_CONNECT6, CgroupSockAddrAttachType::Connect6),
+    (PROG_SENDMSG6, CgroupSockAddrAttachType::UDPSendMsg6),
+    (PROG_RECVMSG6, CgroupSockAddrAttachType::UDPRecvMsg6),
+    (PROG_GETPEERNAME6, CgroupSockAddrAttachType::GetPeerName6),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
