@@ -132,6 +132,13 @@ fn flows_to<'a>(rows: &'a [Value], backend: &str) -> Vec<&'a Value> {
         .collect()
 }
 
+/// One series of the agent's `/metrics` (`name{labels}` as written), when present.
+fn metric(cluster: &Cluster, series: &str) -> Option<f64> {
+    let (code, text) = cluster.node_curl("http://127.0.0.1:10249/metrics");
+    assert_eq!(code, 200, "{text}");
+    text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// Waits until `done` holds, or fails with `what` and the agent's log.
 fn wait_until(cluster: &Cluster, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
@@ -178,6 +185,21 @@ fn an_ipv6_flow_is_dumped_translated_and_flushed_with_its_service() {
         rows.iter().position(|r| r["translated"].as_str().unwrap().ends_with(&format!("-> {}:80", WEB.1)));
     let v6_position = rows.iter().position(|r| r == row);
     assert!(v4_position.is_some() && v4_position < v6_position, "{rows:#?}");
+    // /metrics counts the IPv6 maps (read every 2 s) and shows the sync under both families.
+    wait_until(cluster, "no IPv6 conntrack entries in /metrics", Duration::from_secs(10), || {
+        metric(cluster, r#"kproxy_bpf_map_entries{map="conntrack_v6"}"#) >= Some(2.0)
+    });
+    assert!(
+        metric(cluster, r#"kproxy_bpf_map_entries{map="services_v6"}"#) >= Some(2.0),
+        "slot 0 and 1 at least"
+    );
+    let synced = |family| {
+        metric(
+            cluster,
+            &format!("kubeproxy_sync_proxy_rules_last_timestamp_seconds{{ip_family=\"{family}\"}}"),
+        )
+    };
+    assert!(synced("IPv6") > Some(0.0) && synced("IPv6") == synced("IPv4"));
     // The table shows the same, in the bracket notation of dump services.
     let table = cluster.kproxy(&["dump", "conntrack"]);
     assert!(table.contains(&format!("-> {backend6}")), "{table}");
@@ -217,6 +239,14 @@ fn the_ipv6_udp_flows_of_a_removed_backend_are_purged_at_once() {
         || flows_to(&conntrack(cluster), &old_backend).is_empty(),
     );
     assert!(cluster.agent_log().contains("purged the conntrack entries of removed UDP backends"));
+    // kube-proxy's reconciler counter, per family: the two IPv6 entries, no IPv4 one.
+    let deleted = |family| {
+        metric(
+            cluster,
+            &format!("kubeproxy_conntrack_reconciler_deleted_entries_total{{ip_family=\"{family}\"}}"),
+        )
+    };
+    assert_eq!((deleted("IPv6"), deleted("IPv4")), (Some(2.0), Some(0.0)));
     // The client, from the same port, now reaches the new backend.
     assert_eq!(whoami(cluster), DNS[1].0);
 }

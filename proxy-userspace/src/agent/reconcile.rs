@@ -193,7 +193,7 @@ impl SyncLoop<'_> {
             let reconcile_started = Instant::now();
             match purge_removed_udp_backends(&mut self.maps, report) {
                 Ok(purged) => {
-                    self.metrics.add_conntrack_purged(purged.total());
+                    self.metrics.add_conntrack_purged(purged.ipv4, purged.ipv6);
                     if purged.total() > 0 {
                         tracing::info!(
                             entries = purged.total(),

@@ -97,6 +97,12 @@ impl Histogram {
     /// client_golang writes them).
     pub fn render_labelled(&self, name: &str, help: &str, labels: &[(&str, &str)], out: &mut String) {
         header(out, name, help, "histogram");
+        self.render_series(name, labels, out);
+    }
+
+    /// The series alone (`_bucket`, `_sum`, `_count` with `labels`), for a family whose header is
+    /// written once before several label sets.
+    pub fn render_series(&self, name: &str, labels: &[(&str, &str)], out: &mut String) {
         for (bound, count) in self.cumulative() {
             let le = format_float(bound);
             let bucket_labels: Vec<(&str, &str)> =

@@ -27,6 +27,8 @@ const MANIFEST_ERRORS: &str = "kproxy_manifest_errors";
 /// The datapath counter of new translated flows (two entries each).
 pub(super) const NEW_FLOW_REASON: &str = "dnat_new_flow";
 pub(super) const CONNTRACK_MAP: &str = "conntrack_v4";
+/// The IPv6 table: the datapath's new-flow counter counts flows of both families.
+pub(super) const CONNTRACK_MAP_V6: &str = "conntrack_v6";
 
 /// The maps' occupancy, the datapath's packet counters, the failed syncs and what is programmed.
 pub(super) fn render_datapath(inner: &Inner, out: &mut String) {
@@ -76,7 +78,11 @@ pub(super) fn render_conntrack(inner: &Inner, out: &mut String) {
         inner.gc_deleted.iter().map(|(state, n)| (state, *n)),
     );
     let created = inner.datapath_packets.get(NEW_FLOW_REASON).copied().unwrap_or(0);
-    let current = inner.maps.get(CONNTRACK_MAP).map_or(0, |(entries, _)| *entries);
+    let current: u64 = [CONNTRACK_MAP, CONNTRACK_MAP_V6]
+        .iter()
+        .filter_map(|map| inner.maps.get(*map))
+        .map(|(entries, _)| entries)
+        .sum();
     let gc_deleted: u64 = inner.gc_deleted.values().sum();
     let evicted = crate::bpf::conntrack::evicted_estimate(created, gc_deleted, inner.purged_total, current);
     scalars(
@@ -168,9 +174,11 @@ mod tests {
         assert_eq!(parse(&m.render()).value(CT_GC_INTERVAL, &[]), Some("30"));
         m.observe_gc(&[("OPEN", 4), ("ESTABLISHED", 2)].into(), 1, Duration::from_secs(15));
         m.observe_gc(&[("OPEN", 2)].into(), 0, Duration::from_secs_f64(7.5));
-        m.add_conntrack_purged(6);
+        m.add_conntrack_purged(4, 2);
         m.set_datapath_counters(&[(NEW_FLOW_REASON, 50)]);
-        m.set_map_usage(CONNTRACK_MAP, 40, 262144);
+        m.set_map_usage(CONNTRACK_MAP, 30, 262144);
+        // Flows of both families count as created; their entries are in both tables.
+        m.set_map_usage(CONNTRACK_MAP_V6, 10, 262144);
         let exp = parse(&m.render());
         assert_eq!(exp.value(CT_GC_RUNS, &[]), Some("2"));
         assert_eq!(exp.value(CT_GC_DELETED, &[("state", "OPEN")]), Some("6"));

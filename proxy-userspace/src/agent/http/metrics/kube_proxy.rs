@@ -24,9 +24,33 @@ pub(super) const ENDPOINT_CHANGES_TOTAL: &str = "kubeproxy_sync_proxy_rules_endp
 pub(super) const SERVICE_CHANGES_PENDING: &str = "kubeproxy_sync_proxy_rules_service_changes_pending";
 pub(super) const SERVICE_CHANGES_TOTAL: &str = "kubeproxy_sync_proxy_rules_service_changes_total";
 
-/// kube-proxy ≥ 1.34 labels its per-family series with the family it programs;
-/// kproxy programs IPv4 only, so every such series is `ip_family="IPv4"`.
-const IP_FAMILY: (&str, &str) = ("ip_family", "IPv4");
+/// kube-proxy ≥ 1.34 labels its per-family series with the family each of its proxiers programs, and
+/// runs one per family whenever the node supports both (whatever the cluster), so a dashboard finds
+/// both `ip_family` values. kproxy's datapath serves both families, so both are always written.
+pub(super) const IP_FAMILIES: [&str; 2] = ["IPv4", "IPv6"];
+
+/// The index of a family in [`IP_FAMILIES`] and the per-family arrays of [`Inner`].
+pub(super) fn family_index(addr: &std::net::IpAddr) -> usize {
+    usize::from(addr.is_ipv6())
+}
+
+/// A histogram family written once per `ip_family`, with the same observations: kproxy's one sync
+/// writes both families' maps (kube-proxy's two proxiers each sync their own), and the conntrack
+/// reconciler's one run scans both tables, so each family's series see every run.
+fn render_both_families(histogram: &super::Histogram, name: &str, help: &str, out: &mut String) {
+    header(out, name, help, "histogram");
+    for family in IP_FAMILIES {
+        histogram.render_series(name, &[("ip_family", family)], out);
+    }
+}
+
+/// A gauge or counter family with one value per `ip_family`.
+fn render_per_family(out: &mut String, name: &str, help: &str, kind: &str, values: [String; 2]) {
+    header(out, name, help, kind);
+    for (family, value) in IP_FAMILIES.iter().zip(values) {
+        sample(out, name, &[("ip_family", family)], &value);
+    }
+}
 
 /// kube-proxy's buckets for the rule sync duration: `0.001 × 2^i`, `i = 0..14`.
 pub fn sync_duration_buckets() -> Vec<f64> {
@@ -91,17 +115,29 @@ fn render_sync_latencies(inner: &Inner, out: &mut String) {
             "In Cluster Network Programming Latency in seconds",
         ),
     ] {
-        histogram.render_labelled(name, help, &[IP_FAMILY], out);
+        render_both_families(histogram, name, help, out);
     }
 }
 
 /// When rules were last synced and queued, and the changes pending and received.
 fn render_sync_state(inner: &Inner, out: &mut String) {
-    let family = [IP_FAMILY];
-    header(out, LAST_SYNC_TIMESTAMP, "The last time proxy rules were successfully synced", "gauge");
-    sample(out, LAST_SYNC_TIMESTAMP, &family, &format_float(inner.last_sync_timestamp));
-    header(out, LAST_QUEUED_TIMESTAMP, "The last time a sync of proxy rules was queued", "gauge");
-    sample(out, LAST_QUEUED_TIMESTAMP, &family, &format_float(inner.last_queued_timestamp));
+    // One sync programs both families, and a change queues it for both.
+    let synced = format_float(inner.last_sync_timestamp);
+    let queued = format_float(inner.last_queued_timestamp);
+    render_per_family(
+        out,
+        LAST_SYNC_TIMESTAMP,
+        "The last time proxy rules were successfully synced",
+        "gauge",
+        [synced.clone(), synced],
+    );
+    render_per_family(
+        out,
+        LAST_QUEUED_TIMESTAMP,
+        "The last time a sync of proxy rules was queued",
+        "gauge",
+        [queued.clone(), queued],
+    );
     scalars(
         out,
         [
@@ -133,16 +169,23 @@ fn render_sync_state(inner: &Inner, out: &mut String) {
     );
 }
 
-/// `(internal, external)`: Service ports by the traffic policy that finds no local endpoint.
-fn render_no_local_endpoints((internal, external): (u64, u64), out: &mut String) {
+/// Per family, `(internal, external)`: Service ports by the traffic policy that finds no local endpoint.
+fn render_no_local_endpoints(per_family: [(u64, u64); 2], out: &mut String) {
     header(
         out,
         NO_LOCAL_ENDPOINTS,
         "Number of services with a Local traffic policy and no endpoints",
         "gauge",
     );
-    for (policy, count) in [("internal", internal), ("external", external)] {
-        sample(out, NO_LOCAL_ENDPOINTS, &[IP_FAMILY, ("traffic_policy", policy)], &count.to_string());
+    for (family, (internal, external)) in IP_FAMILIES.iter().zip(per_family) {
+        for (policy, count) in [("internal", internal), ("external", external)] {
+            sample(
+                out,
+                NO_LOCAL_ENDPOINTS,
+                &[("ip_family", family), ("traffic_policy", policy)],
+                &count.to_string(),
+            );
+        }
     }
 }
 
@@ -159,22 +202,21 @@ fn render_probes(out: &mut String) {
     }
 }
 
-/// kproxy's conntrack reconciler: the purge of removed UDP backends' entries.
+/// kproxy's conntrack reconciler: the purge of removed UDP backends' entries, deleted per family.
 fn render_conntrack_reconciler(inner: &Inner, out: &mut String) {
-    let family = [IP_FAMILY];
-    inner.ct_reconcile_duration.render_labelled(
+    render_both_families(
+        &inner.ct_reconcile_duration,
         CT_RECONCILER_DURATION,
         "ReconcileConntrackFlowsLatency latency in seconds",
-        &family,
         out,
     );
-    header(
+    render_per_family(
         out,
         CT_RECONCILER_DELETED,
         "Cumulative conntrack flows deleted by conntrack reconciler",
         "counter",
+        inner.purged_by_family.map(|n| n.to_string()),
     );
-    sample(out, CT_RECONCILER_DELETED, &family, &inner.purged_total.to_string());
 }
 
 #[cfg(test)]
@@ -205,16 +247,16 @@ mod tests {
         assert!(np.windows(2).all(|w| w[0] < w[1]));
     }
 
-    fn frontend(name: &str, port_name: &str, vip: [u8; 4], scope: Scope, no_local: bool) -> Frontend {
+    fn frontend(
+        name: &str,
+        port_name: &str,
+        vip: impl Into<std::net::IpAddr>,
+        scope: Scope,
+        no_local: bool,
+    ) -> Frontend {
         let service = crate::model::ServiceName { namespace: "default".into(), name: name.into() };
-        let mut frontend = Frontend::new(
-            service,
-            port_name,
-            std::net::Ipv4Addr::from(vip),
-            80,
-            crate::net::Protocol::Tcp,
-            Vec::new(),
-        );
+        let mut frontend =
+            Frontend::new(service, port_name, vip.into(), 80, crate::net::Protocol::Tcp, Vec::new());
         frontend.scope = scope;
         frontend.local_only = no_local;
         frontend.no_local_endpoints = no_local;
@@ -229,6 +271,8 @@ mod tests {
             frontend("itp", "http", [10, 96, 0, 1], Scope::Internal, true),
             frontend("itp", "http", [10, 96, 0, 2], Scope::Internal, true),
             frontend("itp", "https", [10, 96, 0, 1], Scope::Internal, true),
+            // The same Service dual-stack: its IPv6 cluster IP counts its port under IPv6.
+            frontend("itp", "http", v6(1), Scope::Internal, true),
             // externalTrafficPolicy: Local, endpoints elsewhere: one port on a node port and an external IP;
             // its internal entries ignore the policy and have endpoints.
             frontend("etp", "http", [192, 168, 1, 10], Scope::External, true),
@@ -236,11 +280,17 @@ mod tests {
             frontend("etp", "http", [192, 168, 1, 10], Scope::Internal, false),
             // Served here, or by nobody (refused, not dropped): not counted.
             frontend("fine", "http", [10, 96, 0, 3], Scope::Internal, false),
+            frontend("fine", "http", v6(3), Scope::Internal, false),
+            // An IPv6-only Service with internalTrafficPolicy: Local and its endpoints elsewhere.
+            frontend("itp6", "dns", v6(0x53), Scope::Internal, true),
         ]);
         let exp = parse(&m.render());
         let value =
             |policy| exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", "IPv4"), ("traffic_policy", policy)]);
         assert_eq!((value("internal"), value("external")), (Some("2"), Some("1")));
+        let value6 =
+            |policy| exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", "IPv6"), ("traffic_policy", policy)]);
+        assert_eq!((value6("internal"), value6("external")), (Some("2"), Some("0")));
 
         // Recounted at each sync, as kube-proxy sets the gauge.
         m.set_no_local_endpoints(&[]);
@@ -248,6 +298,10 @@ mod tests {
         let value =
             |policy| exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", "IPv4"), ("traffic_policy", policy)]);
         assert_eq!((value("internal"), value("external")), (Some("0"), Some("0")));
+    }
+
+    fn v6(last: u16) -> std::net::Ipv6Addr {
+        std::net::Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, last)
     }
 
     #[test]
@@ -267,17 +321,31 @@ mod tests {
     #[test]
     fn conntrack_reconciler_reports_the_purge() {
         let m = Metrics::new();
-        m.add_conntrack_purged(4);
+        m.add_conntrack_purged(4, 2);
         m.observe_conntrack_reconcile(Duration::from_micros(1500));
-        m.add_conntrack_purged(0);
+        m.add_conntrack_purged(0, 6);
         m.observe_conntrack_reconcile(Duration::from_millis(40));
         let exp = parse(&m.render());
-        let v4 = [("ip_family", "IPv4")];
+        let (v4, v6) = ([("ip_family", "IPv4")], [("ip_family", "IPv6")]);
+        // Deleted entries by the family of their table.
         assert_eq!(exp.value(CT_RECONCILER_DELETED, &v4), Some("4"));
-        assert_eq!(exp.value(&format!("{CT_RECONCILER_DURATION}_count"), &v4), Some("2"));
-        let bucket =
-            |le| exp.value(&format!("{CT_RECONCILER_DURATION}_bucket"), &[("ip_family", "IPv4"), ("le", le)]);
-        assert_eq!((bucket("0.001"), bucket("0.002"), bucket("0.064")), (Some("0"), Some("1"), Some("2")));
+        assert_eq!(exp.value(CT_RECONCILER_DELETED, &v6), Some("8"));
+        // Each run scans both tables: both families' histograms see it.
+        for family in ["IPv4", "IPv6"] {
+            assert_eq!(
+                exp.value(&format!("{CT_RECONCILER_DURATION}_count"), &[("ip_family", family)]),
+                Some("2")
+            );
+            let bucket = |le| {
+                exp.value(&format!("{CT_RECONCILER_DURATION}_bucket"), &[("ip_family", family), ("le", le)])
+            };
+            assert_eq!(
+                (bucket("0.001"), bucket("0.002"), bucket("0.064")),
+                (Some("0"), Some("1"), Some("2"))
+            );
+        }
+        // kproxy's own counter is the sum.
+        assert_eq!(exp.value(super::super::kproxy::CT_PURGED, &[]), Some("12"));
     }
 
     /// kube-proxy's change trackers set the pending gauges and the last-queued time as a change
@@ -295,7 +363,13 @@ mod tests {
             (value(SERVICE_CHANGES_PENDING), value(ENDPOINT_CHANGES_PENDING))
         };
         let last_queued = |exp: &Exposition| {
-            exp.value(LAST_QUEUED_TIMESTAMP, &[("ip_family", "IPv4")]).unwrap().parse::<f64>().unwrap()
+            let value = exp.value(LAST_QUEUED_TIMESTAMP, &[("ip_family", "IPv4")]);
+            assert_eq!(
+                value,
+                exp.value(LAST_QUEUED_TIMESTAMP, &[("ip_family", "IPv6")]),
+                "one queue for both"
+            );
+            value.unwrap().parse::<f64>().unwrap()
         };
         let exp = parse(&metrics.render());
         assert_eq!((pending(&exp), last_queued(&exp)), ((0, 0), 0.0));

@@ -56,8 +56,8 @@ struct Inner {
     sync_partial_duration: Histogram,
     network_programming: Histogram,
     /// Service ports with a Local policy and endpoints only on other nodes, by
-    /// `traffic_policy` (internal, external).
-    no_local_endpoints: (u64, u64),
+    /// `traffic_policy` (internal, external), per family (IPv4, IPv6).
+    no_local_endpoints: [(u64, u64); 2],
     /// The purge of removed UDP backends' conntrack entries, kproxy's conntrack
     /// reconciler; what it deletes is `purged_total`.
     ct_reconcile_duration: Histogram,
@@ -80,6 +80,8 @@ struct Inner {
     gc_interval_seconds: f64,
     /// entries deleted at once for removed UDP backends
     purged_total: u64,
+    /// the same, per family (IPv4, IPv6): kube-proxy's reconciler counts per family
+    purged_by_family: [u64; 2],
     affinity_gc_deleted_total: u64,
     /// Connections netfilter translated before kproxy took over, still open.
     inherited_open: u64,
@@ -92,7 +94,7 @@ impl Default for Inner {
             sync_full_duration: Histogram::new(sync_duration_buckets()),
             sync_partial_duration: Histogram::new(sync_duration_buckets()),
             network_programming: Histogram::new(network_programming_buckets()),
-            no_local_endpoints: (0, 0),
+            no_local_endpoints: [(0, 0); 2],
             ct_reconcile_duration: Histogram::new(sync_duration_buckets()),
             last_sync_timestamp: 0.0,
             last_queued_timestamp: 0.0,
@@ -109,6 +111,7 @@ impl Default for Inner {
             gc_deleted: BTreeMap::new(),
             gc_interval_seconds: 0.0,
             purged_total: 0,
+            purged_by_family: [0; 2],
             affinity_gc_deleted_total: 0,
             inherited_open: 0,
         }
@@ -161,18 +164,22 @@ impl Metrics {
     /// frontends just programmed: Service ports whose Local traffic policy finds
     /// no endpoint on this node while some exist elsewhere (so they drop),
     /// counted once per Service port as kube-proxy does, not once per address
-    /// (cluster IPs, node ports, external and load-balancer IPs) they answer on.
+    /// (cluster IPs, node ports, external and load-balancer IPs) they answer on;
+    /// per family, as each of kube-proxy's proxiers counts the ports it programs
+    /// (a dual-stack Service's port in both).
     pub fn set_no_local_endpoints(&self, frontends: &[Frontend]) {
-        let mut internal = BTreeSet::new();
-        let mut external = BTreeSet::new();
+        let mut internal = [BTreeSet::new(), BTreeSet::new()];
+        let mut external = [BTreeSet::new(), BTreeSet::new()];
         for frontend in frontends.iter().filter(|f| f.no_local_endpoints) {
+            let family = kube_proxy::family_index(&frontend.vip);
             let service_port = (&frontend.service, frontend.port_name.as_str(), frontend.proto);
             match frontend.scope {
-                Scope::Internal => internal.insert(service_port),
-                Scope::External => external.insert(service_port),
+                Scope::Internal => internal[family].insert(service_port),
+                Scope::External => external[family].insert(service_port),
             };
         }
-        self.lock().no_local_endpoints = (internal.len() as u64, external.len() as u64);
+        self.lock().no_local_endpoints =
+            [0, 1].map(|family| (internal[family].len() as u64, external[family].len() as u64));
     }
 
     /// One run of the conntrack reconciler (the purge of removed UDP backends'
@@ -243,10 +250,13 @@ impl Metrics {
         self.lock().inherited_open = open;
     }
 
-    /// Conntrack entries purged for deleted UDP backends.
-    pub fn add_conntrack_purged(&self, entries: u64) {
+    /// Conntrack entries purged for deleted UDP backends, from CONNTRACK_V4 and CONNTRACK_V6.
+    pub fn add_conntrack_purged(&self, ipv4: u64, ipv6: u64) {
         let mut inner = self.lock();
-        inner.purged_total = inner.purged_total.saturating_add(entries);
+        inner.purged_total = inner.purged_total.saturating_add(ipv4).saturating_add(ipv6);
+        for (total, n) in inner.purged_by_family.iter_mut().zip([ipv4, ipv6]) {
+            *total = total.saturating_add(n);
+        }
     }
 
     /// The exposition in Prometheus text format 0.0.4 (see [`CONTENT_TYPE`]).

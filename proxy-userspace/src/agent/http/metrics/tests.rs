@@ -153,25 +153,36 @@ fn empty_metrics_render_every_family() {
         assert_eq!(exp.types.get(name).map(String::as_str), Some(kind), "{name}");
     }
     let v4 = [("ip_family", "IPv4")];
-    for name in [SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION, CT_RECONCILER_DURATION] {
-        let buckets: Vec<&str> = exp
-            .samples
-            .iter()
-            .filter(|(n, _, _)| n == &format!("{name}_bucket"))
-            .map(|(_, labels, _)| labels[1].1.as_str())
-            .collect();
-        assert_eq!(buckets.len(), 16, "{name}");
-        assert_eq!((buckets[0], buckets[14], buckets[15]), ("0.001", "16.384", "+Inf"), "{name}");
-        assert_eq!(exp.value(&format!("{name}_count"), &v4), Some("0"), "{name}");
+    // kube-proxy's per-family series in both families (kproxy serves both; kube-proxy runs a proxier
+    // per family on any node that supports both).
+    for family in ["IPv4", "IPv6"] {
+        let of_family = |name: &str| -> Vec<&str> {
+            exp.samples
+                .iter()
+                .filter(|(n, labels, _)| n == &format!("{name}_bucket") && labels[0].1 == family)
+                .map(|(_, labels, _)| labels[1].1.as_str())
+                .collect()
+        };
+        for name in [SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION, CT_RECONCILER_DURATION] {
+            let buckets = of_family(name);
+            assert_eq!(buckets.len(), 16, "{name} {family}");
+            assert_eq!((buckets[0], buckets[14], buckets[15]), ("0.001", "16.384", "+Inf"), "{name}");
+            assert_eq!(exp.value(&format!("{name}_count"), &[("ip_family", family)]), Some("0"), "{name}");
+        }
+        assert_eq!(of_family(NETWORK_PROGRAMMING).len(), 81, "{family}");
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &[("ip_family", family)]), Some("0"));
+        for policy in ["internal", "external"] {
+            assert_eq!(
+                exp.value(NO_LOCAL_ENDPOINTS, &[("ip_family", family), ("traffic_policy", policy)]),
+                Some("0")
+            );
+        }
+        assert_eq!(exp.value(CT_RECONCILER_DELETED, &[("ip_family", family)]), Some("0"));
     }
     let np_buckets =
         exp.samples.iter().filter(|(n, _, _)| n == &format!("{NETWORK_PROGRAMMING}_bucket")).count();
-    assert_eq!(np_buckets, 81);
+    assert_eq!(np_buckets, 2 * 81, "one set per family, nothing else");
     assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &v4), Some("0"));
-    for policy in ["internal", "external"] {
-        assert_eq!(exp.value(NO_LOCAL_ENDPOINTS, &[v4[0], ("traffic_policy", policy)]), Some("0"));
-    }
-    assert_eq!(exp.value(CT_RECONCILER_DELETED, &v4), Some("0"));
     assert_eq!(
         exp.value(BUILD_INFO, &[("commit", BUILD_COMMIT), ("version", env!("CARGO_PKG_VERSION"))]),
         Some("1")
@@ -199,6 +210,7 @@ fn rendered_text_reflects_updates() {
     m.set_map_usage("services", 10, 65536);
     m.set_map_usage("odd\"name\\x", 1, 2);
     m.set_map_usage("services", 12, 65536);
+    m.set_map_usage("conntrack_v6", 8, 262144);
     m.set_datapath_counters(&[("forwarded", 100), ("no_backend", 3)]);
     m.set_datapath_counters(&[("forwarded", 150)]);
     m.set_programmed(7, 21);
@@ -232,19 +244,32 @@ fn rendered_text_reflects_updates() {
     assert_eq!(bucket(NETWORK_PROGRAMMING, "300"), Some("1"));
     assert_eq!(bucket(NETWORK_PROGRAMMING, "+Inf"), Some("2"));
 
-    // Buckets are cumulative (non-decreasing) and end with +Inf == count.
+    // Buckets are cumulative (non-decreasing) and end with +Inf == count, per family; one sync
+    // programs both families, so the IPv6 series hold the same observations.
     for name in [SYNC_DURATION, SYNC_FULL_DURATION, SYNC_PARTIAL_DURATION, NETWORK_PROGRAMMING] {
-        let series: Vec<_> = exp.samples.iter().filter(|(n, _, _)| n == &format!("{name}_bucket")).collect();
-        let counts: Vec<u64> = series.iter().map(|(_, _, v)| v.parse().unwrap()).collect();
-        assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{name}");
-        assert_eq!(
-            series.last().unwrap().1,
-            vec![("ip_family".into(), "IPv4".into()), ("le".into(), "+Inf".into())]
-        );
+        for family in ["IPv4", "IPv6"] {
+            let series: Vec<_> = exp
+                .samples
+                .iter()
+                .filter(|(n, labels, _)| n == &format!("{name}_bucket") && labels[0].1 == family)
+                .collect();
+            let counts: Vec<u64> = series.iter().map(|(_, _, v)| v.parse().unwrap()).collect();
+            assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{name}");
+            assert_eq!(
+                series.last().unwrap().1,
+                vec![("ip_family".into(), family.into()), ("le".into(), "+Inf".into())]
+            );
+            let count = exp.value(&format!("{name}_count"), &[("ip_family", family)]);
+            assert_eq!(count.map(str::to_owned), Some(counts.last().unwrap().to_string()), "{name} {family}");
+        }
+        let count = |family| exp.value(&format!("{name}_count"), &[("ip_family", family)]);
+        assert_eq!(count("IPv4"), count("IPv6"), "{name}");
     }
 
-    assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &v4), Some("1700000000.5"));
-    assert_eq!(exp.value(LAST_QUEUED_TIMESTAMP, &v4), Some("1700000100"));
+    for family in [v4, [("ip_family", "IPv6")]] {
+        assert_eq!(exp.value(LAST_SYNC_TIMESTAMP, &family), Some("1700000000.5"));
+        assert_eq!(exp.value(LAST_QUEUED_TIMESTAMP, &family), Some("1700000100"));
+    }
     assert_eq!(exp.value(ENDPOINT_CHANGES_PENDING, &[]), Some("4"));
     assert_eq!(exp.value(SERVICE_CHANGES_PENDING, &[]), Some("1"));
     assert_eq!(exp.value(ENDPOINT_CHANGES_TOTAL, &[]), Some("5"));
@@ -253,6 +278,8 @@ fn rendered_text_reflects_updates() {
     assert_eq!(exp.value(MAP_ENTRIES, &[("map", "services")]), Some("12"));
     assert_eq!(exp.value(MAP_CAPACITY, &[("map", "services")]), Some("65536"));
     assert_eq!(exp.value(MAP_ENTRIES, &[("map", "odd\"name\\x")]), Some("1"));
+    assert_eq!(exp.value(MAP_ENTRIES, &[("map", "conntrack_v6")]), Some("8"));
+    assert_eq!(exp.value(MAP_CAPACITY, &[("map", "conntrack_v6")]), Some("262144"));
     assert!(text.contains(r#"kproxy_bpf_map_capacity{map="odd\"name\\x"} 2"#));
     assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "forwarded")]), Some("150"));
     assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "no_backend")]), Some("3"));
