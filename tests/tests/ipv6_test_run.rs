@@ -4,10 +4,11 @@
 //! pseudo-header by proxy_common's reference math, and every output's checksum is verified the same
 //! way.
 //!
-//! The agent's Syncer does not program IPv6 yet, so [`V6`] writes SERVICES_V6, BACKENDS_V6 and
-//! VIPS_V6 directly through aya, with the slot layout the Syncer gives IPv4 (slot 0: count and
-//! rev-NAT id; slots 1..=count: backend ids). Once the Syncer writes IPv6, these tests should
-//! program the maps through it, as `datapath_test_run` does for IPv4.
+//! [`V6`] writes SERVICES_V6, BACKENDS_V6 and VIPS_V6 directly through aya, with the slot layout
+//! the Syncer gives IPv4 (slot 0: count and rev-NAT id; slots 1..=count: backend ids): written
+//! while the Syncer did not program IPv6. It does now (the model and syncer commit of issue 19;
+//! `tests/dual_stack.rs` goes through it end to end); these tests could program the maps through
+//! it as `datapath_test_run` does for IPv4.
 
 mod common;
 
