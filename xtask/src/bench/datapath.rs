@@ -6,7 +6,7 @@
 //! use the in-kernel loop; every case is also measured as K separate runs of a fresh frame with
 //! `repeat = 1`, averaging the kernel-reported time of each run (that time includes about one
 //! `ktime_get_ns` of timer overhead, which the two non-service rows show).
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
@@ -20,7 +20,11 @@ use kproxy::{
     net::Protocol,
     sync::Syncer,
 };
-use proxy_common::{checksum, maps::*};
+use proxy_common::{
+    checksum,
+    maps::*,
+    maps_v6::{BackendV6, CtEntryV6, CtKeyV6, MAP_BACKENDS_V6, MAP_SERVICES_V6, ServiceKeyV6},
+};
 
 use super::{
     imp::Ctx,
@@ -37,6 +41,43 @@ const VIP: [u8; 4] = [10, 96, 0, 100];
 const NOT_A_SERVICE: [u8; 4] = [10, 244, 0, 50];
 const BACKENDS: [[u8; 4]; 3] = [[10, 244, 0, 11], [10, 244, 0, 12], [10, 244, 0, 13]];
 const BACKEND_PORT: u16 = 8080;
+
+/// The addresses of one family's cases: the client, the measured Service's cluster IP and backends, and
+/// a pod address that is no Service.
+struct Addrs {
+    client: IpAddr,
+    vip: IpAddr,
+    not_a_service: IpAddr,
+    backends: [IpAddr; 3],
+}
+
+fn addrs_v4() -> Addrs {
+    Addrs {
+        client: Ipv4Addr::from(CLIENT).into(),
+        vip: Ipv4Addr::from(VIP).into(),
+        not_a_service: Ipv4Addr::from(NOT_A_SERVICE).into(),
+        backends: BACKENDS.map(|b| Ipv4Addr::from(b).into()),
+    }
+}
+
+/// The same layout in IPv6: `fd00:10:244::<n>` pods, `fd00:10:96::100` the cluster IP.
+fn addrs_v6() -> Addrs {
+    let pod = |n: u16| IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, n));
+    Addrs {
+        client: pod(2),
+        vip: IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x100)),
+        not_a_service: pod(0x50),
+        backends: [pod(0x11), pod(0x12), pod(0x13)],
+    }
+}
+
+/// `addr` + `n`, within its family.
+fn offset(addr: IpAddr, n: u32) -> IpAddr {
+    match addr {
+        IpAddr::V4(a) => Ipv4Addr::from(u32::from(a) + n).into(),
+        IpAddr::V6(a) => Ipv6Addr::from(u128::from(a) + u128::from(n)).into(),
+    }
+}
 fn capacities() -> Capacities {
     Capacities {
         services: 500_000,
@@ -64,6 +105,8 @@ pub struct DatapathResult {
     pub sizes: Vec<usize>,
     /// `rows[case][size]`, ns per packet.
     pub rows: Vec<Vec<Measured>>,
+    /// The same cases over IPv6 (an IPv6 cluster IP among as many IPv6 Services), `rows6[case][size]`.
+    pub rows6: Vec<Vec<Measured>>,
     /// For each of [`FLAVOURS`] (at 1 Service): ns per packet of every case, or why it failed.
     pub flavours: Vec<Result<Vec<Measured>, String>>,
     pub repeat: u32,
@@ -72,7 +115,16 @@ pub struct DatapathResult {
     pub notes: Vec<String>,
 }
 
-fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> Vec<u8> {
+/// A TCP segment in an Ethernet frame, of the addresses' family.
+fn frame(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, flags: u8) -> Vec<u8> {
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => tcp_frame(s.octets(), sport, d.octets(), dport, flags),
+        (IpAddr::V6(s), IpAddr::V6(d)) => tcp_frame6(s.octets(), sport, d.octets(), dport, flags),
+        _ => unreachable!("one family per frame"),
+    }
+}
+
+fn tcp_segment(sport: u16, dport: u16, flags: u8) -> Vec<u8> {
     let mut seg = Vec::with_capacity(20);
     seg.extend_from_slice(&sport.to_be_bytes());
     seg.extend_from_slice(&dport.to_be_bytes());
@@ -81,6 +133,25 @@ fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> V
     seg.extend_from_slice(&[5 << 4, flags]);
     seg.extend_from_slice(&64240u16.to_be_bytes());
     seg.extend_from_slice(&[0, 0, 0, 0]);
+    seg
+}
+
+fn tcp_frame6(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, flags: u8) -> Vec<u8> {
+    let mut seg = tcp_segment(sport, dport, flags);
+    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_TCP, &seg);
+    seg[16..18].copy_from_slice(&check.to_be_bytes());
+    let mut frame = vec![0x02, 0, 0, 0, 0, 0x01, 0x02, 0, 0, 0, 0, 0x02, 0x86, 0xdd];
+    frame.extend_from_slice(&[0x60, 0, 0, 0]);
+    frame.extend_from_slice(&(seg.len() as u16).to_be_bytes());
+    frame.extend_from_slice(&[IPPROTO_TCP, 64]);
+    frame.extend_from_slice(&src);
+    frame.extend_from_slice(&dst);
+    frame.extend_from_slice(&seg);
+    frame
+}
+
+fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> Vec<u8> {
+    let mut seg = tcp_segment(sport, dport, flags);
     let check = checksum::l4_checksum(src, dst, IPPROTO_TCP, &seg);
     seg[16..18].copy_from_slice(&check.to_be_bytes());
     let total = (20 + seg.len()) as u16;
@@ -97,12 +168,16 @@ fn tcp_frame(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16, flags: u8) -> V
     frame
 }
 
-/// (source, sport, destination, dport) of a frame built by [`tcp_frame`].
-fn addresses(frame: &[u8]) -> ([u8; 4], u16, [u8; 4], u16) {
+/// (source, sport, destination, dport) of a frame built by [`frame`].
+fn addresses(frame: &[u8]) -> (IpAddr, u16, IpAddr, u16) {
     let ip = &frame[14..];
-    let src = [ip[12], ip[13], ip[14], ip[15]];
-    let dst = [ip[16], ip[17], ip[18], ip[19]];
-    (src, u16::from_be_bytes([ip[20], ip[21]]), dst, u16::from_be_bytes([ip[22], ip[23]]))
+    let port = |at: usize| u16::from_be_bytes([ip[at], ip[at + 1]]);
+    if frame[12..14] == [0x86, 0xdd] {
+        let addr = |at: usize| IpAddr::from(<[u8; 16]>::try_from(&ip[at..at + 16]).expect("16 bytes"));
+        return (addr(8), port(40), addr(24), port(42));
+    }
+    let addr = |at: usize| IpAddr::from(<[u8; 4]>::try_from(&ip[at..at + 4]).expect("4 bytes"));
+    (addr(12), port(20), addr(16), port(22))
 }
 
 struct Runner<'a> {
@@ -194,24 +269,39 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
         HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V4)?))?;
     let mut raw_backends: HashMap<MapData, u32, BackendV4> =
         HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V4)?))?;
+    let mut raw_services6: HashMap<MapData, ServiceKeyV6, ServiceValueV4> =
+        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V6)?))?;
+    let mut raw_backends6: HashMap<MapData, u32, BackendV6> =
+        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V6)?))?;
+    let mut conntrack: HashMap<MapData, CtKeyV4, CtEntryV4> =
+        HashMap::try_from(Map::LruHashMap(second_handle(&ebpf, MAP_CONNTRACK_V4)?))?;
+    let mut conntrack6: HashMap<MapData, CtKeyV6, CtEntryV6> =
+        HashMap::try_from(Map::LruHashMap(second_handle(&ebpf, proxy_common::maps_v6::MAP_CONNTRACK_V6)?))?;
     let maps = Maps::from_ebpf(&mut ebpf)?;
-    let mut conntrack = maps.conntrack;
-    let mut syncer =
-        Syncer::with_store(BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names))?;
+    let mut syncer = Syncer::with_store(BpfStore::from_maps(maps, false))?;
     let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
     let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
     let mut runner = Runner { ingress, egress, out: Vec::new() };
 
     let web = measured_service();
+    let v6 = addrs_v6();
+    let web6 = {
+        let mut web6 = frontend(&web);
+        web6.vip = v6.vip;
+        web6.backends = v6.backends.iter().map(|&addr| BackendAddr { addr, port: BACKEND_PORT }).collect();
+        web6
+    };
     let mut rows: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
+    let mut rows6: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
     let mut raw_written = 0usize;
+    let mut raw6_written = 0usize;
     for &size in &sizes {
         ctx.check()?;
         // Program `size` Services: the measured one among size - 1 others.
         let via_syncer = size.min(SYNCER_MAX);
         let all = rules::cluster(via_syncer, std::slice::from_ref(&web));
         let started = std::time::Instant::now();
-        let report = syncer.apply(&Desired::new(all.iter().map(frontend).collect()));
+        let report = syncer.apply(&Desired::new(all.iter().map(frontend).chain([web6.clone()]).collect()));
         if !report.errors.is_empty() {
             bail!(
                 "programming {via_syncer} Services failed: {}",
@@ -256,6 +346,30 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
             raw_services.insert(key(0), master, 0)?;
             raw_written += 1;
         }
+        // As many IPv6 Services beside the measured IPv6 one, in the same layout (fd00:10:97::/64).
+        while raw6_written + 1 < size {
+            let i = raw6_written as u32;
+            let vip = Ipv6Addr::from(0xfd00_0010_0097_0000_0000_0000_0000_0000u128 + u128::from(i)).octets();
+            let key =
+                |slot: u16| ServiceKeyV6::new(vip, 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, slot);
+            for j in 0..3u32 {
+                let id = 20_000_000 + i * 3 + j;
+                let addr =
+                    Ipv6Addr::from(0xfd00_0010_0245_0000_0000_0000_0000_0000u128 + u128::from(i * 3 + j));
+                let b = BackendV6 {
+                    addr: addr.octets(),
+                    port: BACKEND_PORT.to_be_bytes(),
+                    proto: IPPROTO_TCP,
+                    flags: BACKEND_FLAG_ACTIVE,
+                };
+                raw_backends6.insert(id, b, 0)?;
+                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u16::MAX, ..Default::default() };
+                raw_services6.insert(key(j as u16 + 1), slot, 0)?;
+            }
+            let master = ServiceValueV4 { count: 3, rev_nat_id: u16::MAX, ..Default::default() };
+            raw_services6.insert(key(0), master, 0)?;
+            raw6_written += 1;
+        }
         if others_needed > 0 {
             notes.push(format!(
                 "At {size} Services, the first {via_syncer} (the measured one included) were programmed by the Syncer \
@@ -265,23 +379,32 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
             ));
         }
 
-        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
-        let mut errors: Vec<Option<String>> = vec![None; CASES.len()];
+        // The families' runs interleaved, so that both see the same machine.
+        let mut samples: [Vec<Vec<f64>>; 2] = [vec![Vec::new(); CASES.len()], vec![Vec::new(); CASES.len()]];
+        let mut errors: [Vec<Option<String>>; 2] = [vec![None; CASES.len()], vec![None; CASES.len()]];
+        let v4 = addrs_v4();
         for _ in 0..runs {
             ctx.check()?;
-            let outcome = one_run(&mut runner, &mut conntrack, repeat, k);
-            for (case, result) in outcome.into_iter().enumerate() {
-                match result {
-                    Ok(ns) => samples[case].push(ns),
-                    Err(e) => errors[case] = Some(format!("{e:#}")),
+            let outcomes = [
+                one_run(&mut runner, &mut || clear_conntrack(&mut conntrack), &v4, repeat, k),
+                one_run(&mut runner, &mut || clear_conntrack(&mut conntrack6), &v6, repeat, k),
+            ];
+            for (family, outcome) in outcomes.into_iter().enumerate() {
+                for (case, result) in outcome.into_iter().enumerate() {
+                    match result {
+                        Ok(ns) => samples[family][case].push(ns),
+                        Err(e) => errors[family][case] = Some(format!("{e:#}")),
+                    }
                 }
             }
         }
-        for case in 0..CASES.len() {
-            rows[case].push(match &errors[case] {
-                Some(e) => Err(e.clone()),
-                None => measured(CASES[case], &samples[case]),
-            });
+        for (family, rows) in [&mut rows, &mut rows6].into_iter().enumerate() {
+            for case in 0..CASES.len() {
+                rows[case].push(match &errors[family][case] {
+                    Some(e) => Err(e.clone()),
+                    None => measured(CASES[case], &samples[family][case]),
+                });
+            }
         }
         eprintln!(
             "bench: datapath at {size} Services: {}",
@@ -309,7 +432,7 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
             result
         })
         .collect();
-    Ok(DatapathResult { sizes, rows, flavours, repeat, packets_per_run: k, runs, notes })
+    Ok(DatapathResult { sizes, rows, rows6, flavours, repeat, packets_per_run: k, runs, notes })
 }
 
 const BPF_MAP_TYPE_HASH: u32 = 1;
@@ -399,25 +522,28 @@ fn flavour(
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
     for _ in 0..runs {
         ctx.check()?;
-        for (case, result) in one_run(&mut runner, &mut conntrack, repeat, k).into_iter().enumerate() {
+        let outcome = one_run(&mut runner, &mut || clear_conntrack(&mut conntrack), &addrs_v4(), repeat, k);
+        for (case, result) in outcome.into_iter().enumerate() {
             samples[case].push(result?);
         }
     }
     Ok(samples.iter().enumerate().map(|(case, s)| measured(CASES[case], s)).collect())
 }
 
-fn clear_conntrack(conntrack: &mut HashMap<MapData, CtKeyV4, CtEntryV4>) -> Result<()> {
-    let keys: Vec<CtKeyV4> = conntrack.keys().collect::<Result<_, _>>()?;
+fn clear_conntrack<K: aya::Pod, V: aya::Pod>(conntrack: &mut HashMap<MapData, K, V>) -> Result<()> {
+    let keys: Vec<K> = conntrack.keys().collect::<Result<_, _>>()?;
     for key in keys {
         let _ = conntrack.remove(&key);
     }
     Ok(())
 }
 
-/// One run of every case; ns per packet or why the case failed.
+/// One run of every case for one family's addresses; ns per packet or why the case failed.
+/// `clear_conntrack` empties that family's conntrack map.
 fn one_run(
     runner: &mut Runner<'_>,
-    conntrack: &mut HashMap<MapData, CtKeyV4, CtEntryV4>,
+    clear_conntrack: &mut dyn FnMut() -> Result<()>,
+    addrs: &Addrs,
     repeat: u32,
     k: usize,
 ) -> Vec<Result<f64>> {
@@ -430,7 +556,8 @@ fn one_run(
             Ok(())
         }
     };
-    let other = tcp_frame(CLIENT, 40_000, NOT_A_SERVICE, 80, TCP_SYN);
+    let (client, vip) = (addrs.client, addrs.vip);
+    let other = frame(client, 40_000, addrs.not_a_service, 80, TCP_SYN);
     out.push(
         runner
             .run(false, &other, repeat)
@@ -438,49 +565,47 @@ fn one_run(
     );
     out.push(runner.mean(false, std::iter::repeat_n(other.clone(), k), pass_unchanged(other.clone())));
 
-    let dnat_check = |ret: u32, out: &[u8]| {
+    let backends = addrs.backends;
+    let dnat_check = move |ret: u32, out: &[u8]| {
         let (_, _, dst, dport) = addresses(out);
-        if ret != PASS || !BACKENDS.contains(&dst) || dport != BACKEND_PORT {
-            bail!(
-                "a packet to the ClusterIP was not DNATed to a backend (return {ret}, dst {dst:?}:{dport})"
-            );
+        if ret != PASS || !backends.contains(&dst) || dport != BACKEND_PORT {
+            bail!("a packet to the ClusterIP was not DNATed to a backend (return {ret}, dst {dst}:{dport})");
         }
         Ok(())
     };
-    out.push(clear_conntrack(conntrack).and_then(|()| {
+    out.push(clear_conntrack().and_then(|()| {
         let frames = (0..k).map(|i| {
             let i = i as u32;
-            let src = Ipv4Addr::from(u32::from(Ipv4Addr::from(CLIENT)) + i / 50_000).octets();
-            tcp_frame(src, 10_000 + (i % 50_000) as u16, VIP, 80, TCP_SYN)
+            frame(offset(client, i / 50_000), 10_000 + (i % 50_000) as u16, vip, 80, TCP_SYN)
         });
         runner.mean(false, frames, dnat_check)
     }));
 
     // One flow: SYN, SYN-ACK, then K established packets each way.
-    let flow = clear_conntrack(conntrack).and_then(|()| {
-        let syn = tcp_frame(CLIENT, 40_001, VIP, 80, TCP_SYN);
+    let flow = clear_conntrack().and_then(|()| {
+        let syn = frame(client, 40_001, vip, 80, TCP_SYN);
         let (ret, _, dnated) = runner.run(false, &syn, 1)?;
         dnat_check(ret, dnated)?;
         let (_, _, backend, _) = addresses(dnated);
-        let syn_ack = tcp_frame(backend, BACKEND_PORT, CLIENT, 40_001, TCP_SYN | TCP_ACK);
+        let syn_ack = frame(backend, BACKEND_PORT, client, 40_001, TCP_SYN | TCP_ACK);
         let (ret, _, unnated) = runner.run(true, &syn_ack, 1)?;
-        if ret != PASS || addresses(unnated).0 != VIP {
+        if ret != PASS || addresses(unnated).0 != vip {
             bail!("the SYN-ACK was not un-NATed (return {ret})");
         }
         Ok(backend)
     });
     match flow {
         Ok(backend) => {
-            let ack = tcp_frame(CLIENT, 40_001, VIP, 80, TCP_ACK);
+            let ack = frame(client, 40_001, vip, 80, TCP_ACK);
             out.push(runner.mean(false, std::iter::repeat_n(ack, k), move |ret, o| {
                 if ret != PASS || addresses(o).2 != backend {
                     bail!("an established packet did not go to its backend (return {ret})");
                 }
                 Ok(())
             }));
-            let reply = tcp_frame(backend, BACKEND_PORT, CLIENT, 40_001, TCP_ACK);
+            let reply = frame(backend, BACKEND_PORT, client, 40_001, TCP_ACK);
             out.push(runner.mean(true, std::iter::repeat_n(reply, k), |ret, o| {
-                if ret != PASS || addresses(o).0 != VIP || addresses(o).1 != 80 {
+                if ret != PASS || addresses(o).0 != vip || addresses(o).1 != 80 {
                     bail!("a reply was not un-NATed to the ClusterIP (return {ret})");
                 }
                 Ok(())
@@ -500,11 +625,21 @@ mod tests {
 
     #[test]
     fn frames_have_valid_checksums() {
-        let f = tcp_frame(CLIENT, 1234, VIP, 80, TCP_SYN);
+        let v4 = addrs_v4();
+        let f = frame(v4.client, 1234, v4.vip, 80, TCP_SYN);
         assert_eq!(f.len(), 14 + 20 + 20);
         assert!(checksum::is_valid(checksum::add_words(0, &f[14..34])));
         let sum = checksum::pseudo_header_sum(CLIENT, VIP, IPPROTO_TCP, 20);
         assert!(checksum::is_valid(checksum::add_words(sum, &f[34..])));
-        assert_eq!(addresses(&f), (CLIENT, 1234, VIP, 80));
+        assert_eq!(addresses(&f), (v4.client, 1234, v4.vip, 80));
+
+        let v6 = addrs_v6();
+        let f = frame(v6.client, 1234, v6.vip, 80, TCP_SYN);
+        assert_eq!(f.len(), 14 + 40 + 20);
+        let (IpAddr::V6(client), IpAddr::V6(vip)) = (v6.client, v6.vip) else { unreachable!() };
+        let sum = checksum::pseudo_header_sum_v6(&client.octets(), &vip.octets(), IPPROTO_TCP, 20);
+        assert!(checksum::is_valid(checksum::add_words(sum, &f[54..])));
+        assert_eq!(addresses(&f), (v6.client, 1234, v6.vip, 80));
+        assert_eq!(offset(v6.client, 3), "fd00:10:244::5".parse::<IpAddr>().unwrap());
     }
 }

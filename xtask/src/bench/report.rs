@@ -201,6 +201,7 @@ fn datapath_section(doc: &mut Doc, dir: &Path, part: &Part<DatapathResult>) {
         );
     }
     doc.md.push_str("\n![datapath](datapath.png)\n\n");
+    ipv6_table(doc, d);
     flavours_table(doc, d);
 
     // Worst median over the sizes, net of the per-call timer overhead (the in-kernel loop row
@@ -281,6 +282,31 @@ fn datapath_section(doc: &mut Doc, dir: &Path, part: &Part<DatapathResult>) {
         script.push('\n');
         gnuplot(dir, "datapath", &script, doc);
     }
+}
+
+/// The same cases over IPv6, measured in the same runs (interleaved with IPv4's), beside IPv4.
+fn ipv6_table(doc: &mut Doc, d: &DatapathResult) {
+    doc.md.push_str(
+        "### IPv6 beside IPv4\n\nThe same cases with an IPv6 cluster IP (`fd00:10:96::100`, 3 backends) among N − 1 \
+         other IPv6 Services in SERVICES_V6, each run right after the IPv4 one. Median ns per packet; the last \
+         column is IPv6 ÷ IPv4 at 1 Service.\n\n",
+    );
+    let _ = write!(doc.md, "| case |");
+    for s in &d.sizes {
+        let _ = write!(doc.md, " {} |", size_label(*s));
+    }
+    let _ = writeln!(doc.md, " IPv6 ÷ IPv4 |");
+    let _ = writeln!(doc.md, "|---|{}---|", "---|".repeat(d.sizes.len()));
+    for ((case, row6), row4) in datapath::CASES.iter().zip(&d.rows6).zip(&d.rows) {
+        let _ = write!(doc.md, "| {case} |");
+        for (i, m) in row6.iter().enumerate() {
+            let _ = write!(doc.md, " {} |", cell(m, 0));
+            doc.fail(&format!("datapath IPv6 {case} at {} Services", d.sizes[i]), m);
+        }
+        let r = ratio(row6.first().and_then(median), row4.first().and_then(median));
+        let _ = writeln!(doc.md, " {} |", ratio_text(r));
+    }
+    doc.md.push('\n');
 }
 
 /// The conntrack map flavours: the same cases at 1 Service, CONNTRACK_V4's definition patched.
