@@ -11,13 +11,13 @@ use proxy_common::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS,
         SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
     },
-    maps_v6::{BackendV6, CtEntryV6, HAIRPIN_ADDR_V6},
+    maps_v6::{CtEntryV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
 use crate::{
     config, conntrack, conntrack6, fib, lb6,
-    maps::FLOW6_SCRATCH,
+    maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, stats,
     verdict::{Verdict, finish},
 };
@@ -65,10 +65,14 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Step::Refuse => refuse(ctx, flow),
         Step::Established => established(ctx, flow, &found),
         Step::NewFlow => {
-            let mut choice = lb6::Choice6 { backend_id: 0, backend: BackendV6::default() };
-            // SAFETY: `classify` set it to a map value before choosing this step.
-            lb6::select_backend(flow, unsafe { &*found.frontend }, found.now, &mut choice)?;
-            new_flow(ctx, flow, &found, &choice)
+            // In a per-CPU map rather than this frame: the chain through `new_flow` would
+            // otherwise take the whole 512 bytes.
+            let choice = CHOICE6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::NoBackend))?;
+            // SAFETY: a per-CPU value, used by this program run alone; `classify` set the
+            // frontend to a map value before choosing this step.
+            let (choice, frontend) = unsafe { (&mut *choice, &*found.frontend) };
+            lb6::select_backend(flow, frontend, found.now, choice)?;
+            new_flow(ctx, flow, &found, choice)
         }
     }
 }

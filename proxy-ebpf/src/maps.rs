@@ -166,3 +166,8 @@ pub static ICMP6_SCRATCH: PerCpuArray<crate::icmp6::Icmp6Scratch> = PerCpuArray:
 #[map(name = "AFFINITY_V6")]
 pub static AFFINITY_V6: LruHashMap<proxy_common::maps_v6::AffinityKeyV6, AffinityValueV4> =
     LruHashMap::with_max_entries(proxy_common::maps_v6::AFFINITY_V6_CAPACITY, 0);
+
+/// Where the IPv6 ingress program keeps a new flow's backend between `lb6::select_backend` and
+/// `new_flow`. Not pinned.
+#[map(name = "CHOICE6_SCRATCH")]
+pub static CHOICE6_SCRATCH: PerCpuArray<crate::lb6::Choice6> = PerCpuArray::with_max_entries(1, 0);
