@@ -266,3 +266,54 @@ fn idle_ipv6_flows_are_expired_by_the_agents_gc() {
         flows_to(&conntrack(cluster), &backend).is_empty()
     });
 }
+
+#[test]
+fn doctor_checks_ipv6_forwarding_on_a_node_serving_ipv6_services() {
+    let ds = start("dsops-doctor", &[]);
+    let cluster = &ds.cluster;
+    let doctor = |cluster: &Cluster| -> Value {
+        let bin = std::env::var("KPROXY_BIN").expect("KPROXY_BIN (run through cargo xtask test)");
+        let pin_dir = cluster.pin_dir.display().to_string();
+        // Other checks may FAIL in a sandbox (exit status 1): the report is read either way.
+        let out = cluster
+            .sandbox
+            .node_exec_output([
+                bin.as_str(),
+                "--pin-dir",
+                &pin_dir,
+                "doctor",
+                "--json",
+                "--interfaces",
+                "veth*",
+            ])
+            .unwrap();
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+    };
+    let report = doctor(cluster);
+    let check = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "ipv6_forward")
+        .unwrap_or_else(|| panic!("no ipv6_forward check with IPv6 Services programmed: {report:#}"));
+    // The node namespace forwards IPv6 (the dual-stack pods need it), so it is not off at runtime;
+    // whether the host's sysctl files persist it decides OK or WARN, and a WARN names the Services.
+    let finding = check["finding"].as_str().unwrap();
+    match check["status"].as_str().unwrap() {
+        "OK" => assert!(finding.starts_with("1 at runtime;"), "{check}"),
+        "WARN" => assert!(finding.ends_with("; 2 IPv6 frontends are programmed"), "{check}"),
+        other => panic!("{other}: {check}"),
+    }
+    // Off at runtime, with IPv6 Services programmed: FAIL, with the command that turns it back on.
+    cluster.sandbox.node_exec(["sysctl", "-qw", "net.ipv6.conf.all.forwarding=0"]).unwrap();
+    let report = doctor(cluster);
+    cluster.sandbox.node_exec(["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"]).unwrap();
+    let check = report["checks"].as_array().unwrap().iter().find(|c| c["name"] == "ipv6_forward").unwrap();
+    assert_eq!(check["status"], "FAIL", "{check}");
+    assert!(check["finding"].as_str().unwrap().contains("the node routes no IPv6 pod traffic"), "{check}");
+    assert!(
+        check["fix"].as_str().unwrap().starts_with("sysctl -w net.ipv6.conf.all.forwarding=1"),
+        "{check}"
+    );
+}
