@@ -423,3 +423,51 @@ print(tcp('{WEB_VIP6}', 81))
     );
     assert_eq!(out.trim(), "ECONNREFUSED");
 }
+
+/// The attach types `bpftool cgroup show` finds on `cgroup` (kproxy's programs are the only ones a
+/// test cgroup gets).
+fn cgroup_attach_types(cgroup: &std::path::Path) -> BTreeSet<String> {
+    let out =
+        std::process::Command::new("bpftool").args(["-j", "cgroup", "show"]).arg(cgroup).output().unwrap();
+    assert!(out.status.success(), "bpftool cgroup show: {}", String::from_utf8_lossy(&out.stderr));
+    let programs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::json!([]));
+    programs
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["attach_type"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_agent_attaches_the_ipv6_hooks_to_its_cgroup_and_unload_detaches_them() {
+    let mut ds = start("sock6-unload");
+    let cgroup = ds.cluster.cgroup.path().to_owned();
+    let attached = cgroup_attach_types(&cgroup);
+    let hooks = [
+        "cgroup_inet4_connect",
+        "cgroup_udp4_sendmsg",
+        "cgroup_udp4_recvmsg",
+        "cgroup_inet4_getpeername",
+        "cgroup_inet6_connect",
+        "cgroup_udp6_sendmsg",
+        "cgroup_udp6_recvmsg",
+        "cgroup_inet6_getpeername",
+    ];
+    for hook in hooks {
+        assert!(attached.contains(hook), "{hook} on {}: {attached:?}", cgroup.display());
+    }
+    assert!(ds.cluster.stop_agent().success(), "{}", ds.cluster.agent_log());
+    // The hooks outlive the agent (pinned links)...
+    assert_eq!(cgroup_attach_types(&cgroup), attached);
+    // ...until `kproxy unload`.
+    ds.cluster.kproxy(&["unload"]);
+    let left = cgroup_attach_types(&cgroup);
+    assert!(left.is_empty(), "left on {} after unload: {left:?}", cgroup.display());
+    // And a dual-stack socket of the node reaches no Service any more (no route to a cluster IP).
+    let out = run_on_node(
+        &ds.cluster,
+        &format!(
+            "import socket, errno\ns = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)\ns.settimeout(3)\ntry:\n    s.connect(('{WEB_VIP6}', 80))\n    print('connected')\nexcept OSError as e:\n    print(errno.errorcode.get(e.errno, str(e)))\n"
+        ),
+    );
+    assert_ne!(out.trim(), "connected", "{out}");
+}
