@@ -25,7 +25,7 @@ pub const IPPROTO_DSTOPTS: u8 = 60;
 /// Extension headers walked at most before the packet is left alone: RFC 8200's recommended order
 /// has at most six (hop-by-hop, destination options, routing, fragment, AH, destination options),
 /// and a chain longer than this is no real client's. A constant bound is what the verifier accepts.
-pub const MAX_EXT_HEADERS: usize = 8;
+pub const MAX_EXT_HEADERS: usize = 4;
 
 /// The fragment header's offset field (in 8-byte units, upper 13 bits) and more-fragments flag.
 pub const IP6_FRAG_OFFSET_MASK: u16 = 0xfff8;

@@ -38,13 +38,28 @@ fn ipv6_header(out: &mut [u8], payload_len: u16, next_header: u8, src: &[u8; 16]
 /// headers) and TCP header `tcp` (its first 20 bytes), `segment_len` being the TCP header plus
 /// payload length as received; the sequence rules are IPv4's ([`reset_segment`]).
 pub fn tcp_reset6(ip: &[u8; IPV6_HLEN], tcp: &[u8; 20], segment_len: u16, out: &mut [u8; TCP_RESET6_LEN]) {
+    tcp_reset6_unsummed(ip, tcp, segment_len, out);
     let (src, dst) = (addr(ip, 24), addr(ip, 8));
-    let mut segment = reset_segment(tcp, segment_len);
-    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_TCP, &segment).to_be_bytes();
-    segment[16] = check[0];
-    segment[17] = check[1];
+    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_TCP, &out[IPV6_HLEN..]).to_be_bytes();
+    out[IPV6_HLEN + TCP_CHECK_AT..IPV6_HLEN + TCP_CHECK_AT + 2].copy_from_slice(&check);
+}
+
+/// Where the TCP and ICMPv6 checksum fields sit in their headers.
+pub const TCP_CHECK_AT: usize = 16;
+pub const ICMP6_CHECK_AT: usize = 2;
+
+/// [`tcp_reset6`] with its checksum field left zero. The kernel programs fill it in with the kernel's
+/// checksum helper: a checksum loop over a per-CPU map value is pointer arithmetic the verifier refuses
+/// to a loader without CAP_PERFMON, as the DaemonSet runs the agent.
+pub fn tcp_reset6_unsummed(
+    ip: &[u8; IPV6_HLEN],
+    tcp: &[u8; 20],
+    segment_len: u16,
+    out: &mut [u8; TCP_RESET6_LEN],
+) {
+    let (src, dst) = (addr(ip, 24), addr(ip, 8));
     ipv6_header(&mut out[..IPV6_HLEN], 20, IPPROTO_TCP, &src, &dst);
-    out[IPV6_HLEN..].copy_from_slice(&segment);
+    out[IPV6_HLEN..].copy_from_slice(&reset_segment(tcp, segment_len));
 }
 
 /// IPv6 + ICMPv6 "destination unreachable, port unreachable" (RFC 4443 3.1) quoting the offending
@@ -52,6 +67,18 @@ pub fn tcp_reset6(ip: &[u8; IPV6_HLEN], tcp: &[u8; 20], segment_len: u16, out: &
 /// it was sent to. The quote is shorter than RFC 4443's "as much as fits in 1280 bytes", as
 /// kproxy's IPv4 refusal quotes 8 bytes: the kernel needs the headers alone to find the socket.
 pub fn icmp6_port_unreachable(ip: &[u8; IPV6_HLEN], l4: &[u8; 8], out: &mut [u8; ICMP6_UNREACHABLE_LEN]) {
+    icmp6_port_unreachable_unsummed(ip, l4, out);
+    let (src, dst) = (addr(ip, 24), addr(ip, 8));
+    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_ICMPV6, &out[IPV6_HLEN..]).to_be_bytes();
+    out[IPV6_HLEN + ICMP6_CHECK_AT..IPV6_HLEN + ICMP6_CHECK_AT + 2].copy_from_slice(&check);
+}
+
+/// [`icmp6_port_unreachable`] with its checksum field left zero (see [`tcp_reset6_unsummed`]).
+pub fn icmp6_port_unreachable_unsummed(
+    ip: &[u8; IPV6_HLEN],
+    l4: &[u8; 8],
+    out: &mut [u8; ICMP6_UNREACHABLE_LEN],
+) {
     let (src, dst) = (addr(ip, 24), addr(ip, 8));
     let message_len = (ICMP6_UNREACHABLE_LEN - IPV6_HLEN) as u16;
     ipv6_header(&mut out[..IPV6_HLEN], message_len, IPPROTO_ICMPV6, &src, &dst);
@@ -59,9 +86,6 @@ pub fn icmp6_port_unreachable(ip: &[u8; IPV6_HLEN], l4: &[u8; 8], out: &mut [u8;
     icmp[..8].copy_from_slice(&[ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH, 0, 0, 0, 0, 0, 0]);
     icmp[8..8 + IPV6_HLEN].copy_from_slice(ip);
     icmp[8 + IPV6_HLEN..].copy_from_slice(l4);
-    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_ICMPV6, icmp).to_be_bytes();
-    icmp[2] = check[0];
-    icmp[3] = check[1];
 }
 
 #[cfg(test)]

@@ -328,10 +328,10 @@ fn sigterm_leaves_the_datapath_and_unload_removes_everything() {
     assert_eq!(links_of(&programs), 12 + 1);
 
     let out = cluster.kproxy(&["unload"]);
-    // The node interface's three, and the four socket hooks of the default host-only mode on
-    // the cluster's child cgroup.
-    assert_eq!(out.matches("detached").count(), 12 + 3 + 4, "{out}");
-    assert_eq!(out.matches("detached cgroup@").count(), 4, "{out}");
+    // The node interface's three, and the eight socket hooks (IPv4's four and IPv6's four) of the
+    // default host-only mode on the cluster's child cgroup.
+    assert_eq!(out.matches("detached").count(), 12 + 3 + 8, "{out}");
+    assert_eq!(out.matches("detached cgroup@").count(), 8, "{out}");
     assert!(!cluster.pin_dir.exists(), "pins left in {}", cluster.pin_dir.display());
     assert_eq!(links_of(&programs), 0, "links left after unload");
     // With no pin and no link left the kernel frees the programs.
