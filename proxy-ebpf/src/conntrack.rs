@@ -1,9 +1,6 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    conntrack::{
-        Clash, ClashingFlow, CtState, clashing_forward_key, forward_points_back, record_packet,
-        reply_moves_state,
-    },
+    conntrack::{Clash, ClashingFlow, CtState, record_packet, reply_moves_state},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT,
         CtEntryV4, CtKeyV4, reply_key_in_snat, snat_reply_key,
@@ -125,7 +122,15 @@ pub fn claim(flow: &Flow, reply_key: &CtKeyV4) -> Option<Clash> {
     let (saddr, daddr) =
         unsafe { (core::ptr::read_volatile(&reply_key.saddr), core::ptr::read_volatile(&reply_key.daddr)) };
     let client = if reply_flags & CT_FLAG_HAIRPIN != 0 { saddr } else { daddr };
-    let mut forward_key = clashing_forward_key(reply_key, client, reply_key.dport, (nat_addr, nat_port));
+    let mut forward_key = CtKeyV4 {
+        saddr: client,
+        daddr: nat_addr,
+        sport: reply_key.dport,
+        dport: nat_port,
+        proto: reply_key.proto,
+        direction: CT_DIR_FORWARD,
+        _pad: [0; 2],
+    };
     let mut forward: *mut CtEntryV4 = core::ptr::null_mut();
     let remapped = reply_flags & CT_FLAG_REMAP != 0;
     let original = if remapped { SNAT_V4.get_ptr(reply_key) } else { None };
@@ -136,13 +141,13 @@ pub fn claim(flow: &Flow, reply_key: &CtKeyV4) -> Option<Clash> {
         }
         if let Some(ptr) = lookup(&forward_key)
             // SAFETY: as above.
-            && forward_points_back(reply_key, unsafe { ((*ptr).nat_addr, (*ptr).nat_port) })
+            && unsafe { (*ptr).nat_addr == reply_key.saddr && (*ptr).nat_port == reply_key.sport }
         {
             forward = ptr;
         }
     }
     let existing = if forward.is_null() {
-        ClashingFlow::orphan(reply_flags_seen)
+        ClashingFlow { state: None, forward_flags_seen: 0, reply_flags_seen, idle: true }
     } else {
         // SAFETY: as above.
         let entry = unsafe { &*forward };

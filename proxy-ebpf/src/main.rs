@@ -40,7 +40,6 @@ mod parse6;
 mod reject;
 mod reject6;
 mod snat;
-mod snat6;
 mod sock;
 mod sock6;
 mod stats;
