@@ -9,58 +9,15 @@ mod common;
 
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, Ipv6Addr},
+    net::Ipv6Addr,
     time::{Duration, Instant},
 };
 
 use common::cluster::{CLIENT_IP, Cluster, Mode};
+use common::dual_stack::{
+    DNS_PODS6, DNS_VIP6, EMPTY_VIP6, WEB_PODS6, WEB_VIP4, WEB_VIP6, ipv6_of, manifests, start_pods,
+};
 use sandbox::Pod;
-
-const WEB_VIP4: &str = "10.96.0.200";
-const WEB_VIP6: &str = "fd00:10:96::200";
-const DNS_VIP6: &str = "fd00:10:96::53";
-const EMPTY_VIP6: &str = "fd00:10:96::50";
-
-/// The pods' IPv6 addresses: `fd00:10:244::<last IPv4 octet>`.
-fn ipv6_of(ip: Ipv4Addr) -> Ipv6Addr {
-    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, u16::from(ip.octets()[3]))
-}
-
-/// `dual-web` (IPv4 and IPv6 cluster IPs, port 80 → 80, a slice per family), `dual-dns` (IPv6 only,
-/// 53 UDP and TCP) and `dual-empty` (dual-stack, no endpoints).
-fn manifests(web: &[(String, Ipv4Addr)], dns: &[(String, Ipv4Addr)]) -> String {
-    let endpoints = |pods: &[(String, Ipv4Addr)], v6: bool| -> String {
-        pods.iter()
-            .map(|(name, ip)| {
-                let addr = if v6 { format!("\"{}\"", ipv6_of(*ip)) } else { ip.to_string() };
-                format!("- addresses: [{addr}]\n  conditions: {{ready: true}}\n  nodeName: node-1\n  targetRef: {{kind: Pod, name: {name}}}\n")
-            })
-            .collect()
-    };
-    let slice = |name: &str, service: &str, family: &str, endpoints: String, ports: &str| {
-        format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {family}\nendpoints:\n{endpoints}ports:\n{ports}"
-        )
-    };
-    let web_ports = "- port: 80\n  protocol: TCP\n";
-    let dns_ports =
-        "- name: dns\n  port: 53\n  protocol: UDP\n- name: dns-tcp\n  port: 53\n  protocol: TCP\n";
-    [
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
-        ),
-        slice("dual-web-v4", "dual-web", "IPv4", endpoints(web, false), web_ports),
-        slice("dual-web-v6", "dual-web", "IPv6", endpoints(web, true), web_ports),
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-dns\n  namespace: default\nspec:\n  clusterIP: \"{DNS_VIP6}\"\n  clusterIPs: [\"{DNS_VIP6}\"]\n  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n  ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n  - name: dns-tcp\n    port: 53\n    protocol: TCP\n"
-        ),
-        slice("dual-dns-v6", "dual-dns", "IPv6", endpoints(dns, true), dns_ports),
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-empty\n  namespace: default\nspec:\n  clusterIP: 10.96.0.50\n  clusterIPs: [10.96.0.50, \"{EMPTY_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: PreferDualStack\n  ports:\n  - name: http\n    port: 80\n  - name: dns\n    port: 53\n    protocol: UDP\n"
-        ),
-    ]
-    .join("---\n")
-}
 
 /// A running dual-stack cluster: the example cluster's client made dual-stack, two dual-stack nginx pods
 /// and two dual-stack dnsmasq pods (beside the example's IPv4 ones), the agent started on the manifests.
@@ -70,41 +27,13 @@ struct DualStack {
     dns: Vec<Pod>,
 }
 
-fn dual_pod(cluster: &Cluster, name: &str, ip: Ipv4Addr) -> Pod {
-    let mut pod = cluster.sandbox.add_pod(name, ip).unwrap();
-    pod.add_ipv6(ipv6_of(ip)).unwrap();
-    pod
-}
-
+/// `dns_backends` of [`DNS_PODS6`] behind `dual-dns`.
 fn start(tag: &str, dns_backends: usize) -> DualStack {
     let mut cluster = Cluster::prepared(tag, Mode::Files);
     cluster.client.add_ipv6(ipv6_of(CLIENT_IP)).unwrap();
-    let web_pods = [("web6-a", Ipv4Addr::new(10, 244, 0, 31)), ("web6-b", Ipv4Addr::new(10, 244, 0, 32))];
-    let web: Vec<Pod> = web_pods
-        .iter()
-        .map(|(name, ip)| {
-            let pod = dual_pod(&cluster, name, *ip);
-            pod.start_nginx(&format!("{name}\n")).unwrap();
-            pod
-        })
-        .collect();
-    let dns_pods = [("dns6-a", Ipv4Addr::new(10, 244, 0, 41)), ("dns6-b", Ipv4Addr::new(10, 244, 0, 42))];
-    let dns: Vec<Pod> = dns_pods
-        .iter()
-        .map(|(name, ip)| {
-            let pod = dual_pod(&cluster, name, *ip);
-            pod.start_dnsmasq(Ipv4Addr::new(10, 96, 0, 200)).unwrap();
-            pod
-        })
-        .collect();
-    let named = |pods: &[(&str, Ipv4Addr)]| -> Vec<(String, Ipv4Addr)> {
-        pods.iter().map(|(n, ip)| ((*n).to_owned(), *ip)).collect()
-    };
-    std::fs::write(
-        cluster.manifest("dual-stack.yaml"),
-        manifests(&named(&web_pods), &named(&dns_pods[..dns_backends])),
-    )
-    .unwrap();
+    let (web, dns) = start_pods(&cluster);
+    let manifests = manifests(&WEB_PODS6, &DNS_PODS6[..dns_backends]);
+    std::fs::write(cluster.manifest("dual-stack.yaml"), manifests).unwrap();
     cluster.start_agent();
     cluster.wait_for_frontends(&[
         ("10.96.0.200:80", "TCP", 2),
@@ -206,12 +135,8 @@ fn a_fixed_port_udp_client_follows_an_ipv6_backend_swap() {
     };
     assert_eq!(ask(), "dns6-a");
     // The slice now names dns6-b instead of dns6-a (a rollout).
-    let web = [
-        ("web6-a".to_owned(), Ipv4Addr::new(10, 244, 0, 31)),
-        ("web6-b".to_owned(), Ipv4Addr::new(10, 244, 0, 32)),
-    ];
-    let swapped = [("dns6-b".to_owned(), ds.dns[1].ip())];
-    std::fs::write(ds.cluster.manifest("dual-stack.yaml"), manifests(&web, &swapped)).unwrap();
+    let swapped = [("dns6-b", ds.dns[1].ip())];
+    std::fs::write(ds.cluster.manifest("dual-stack.yaml"), manifests(&WEB_PODS6, &swapped)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let answer = ask();

@@ -8,11 +8,12 @@
 mod common;
 
 use std::{
-    net::{Ipv4Addr, Ipv6Addr},
+    net::Ipv4Addr,
     time::{Duration, Instant},
 };
 
 use common::cluster::{CLIENT_IP, Cluster, Mode};
+use common::dual_stack::{WEB_PORTS, dual_pod, endpoints, ipv6_of, slice};
 use sandbox::Pod;
 use serde_json::Value;
 
@@ -23,32 +24,16 @@ const WEB: (&str, Ipv4Addr) = ("ops-web", Ipv4Addr::new(10, 244, 0, 51));
 const DNS: [(&str, Ipv4Addr); 2] =
     [("ops-dns-a", Ipv4Addr::new(10, 244, 0, 61)), ("ops-dns-b", Ipv4Addr::new(10, 244, 0, 62))];
 
-/// The pods' IPv6 addresses: `fd00:10:244::<last IPv4 octet>`.
-fn ipv6_of(ip: Ipv4Addr) -> Ipv6Addr {
-    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, u16::from(ip.octets()[3]))
-}
-
 /// `ops-web` (an IPv4 and an IPv6 cluster IP, port 80, one backend, a slice per family) and `ops-dns`
 /// (IPv6 only, 53/UDP, the one backend named).
 fn manifests(dns_backend: (&str, Ipv4Addr)) -> String {
-    let endpoint = |(name, addr): (&str, String)| {
-        format!(
-            "- addresses: [{addr}]\n  conditions: {{ready: true}}\n  nodeName: node-1\n  targetRef: {{kind: Pod, name: {name}}}\n"
-        )
-    };
-    let slice = |name: &str, service: &str, family: &str, endpoints: String, ports: &str| {
-        format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {family}\nendpoints:\n{endpoints}ports:\n{ports}"
-        )
-    };
-    let web_ports = "- port: 80\n  protocol: TCP\n";
     let dns_ports = "- name: dns\n  port: 53\n  protocol: UDP\n";
     [
         format!(
             "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
         ),
-        slice("ops-web-v4", "ops-web", "IPv4", endpoint((WEB.0, WEB.1.to_string())), web_ports),
-        slice("ops-web-v6", "ops-web", "IPv6", endpoint((WEB.0, format!("\"{}\"", ipv6_of(WEB.1)))), web_ports),
+        slice("ops-web-v4", "ops-web", "IPv4", endpoints(&[WEB], false), WEB_PORTS),
+        slice("ops-web-v6", "ops-web", "IPv6", endpoints(&[WEB], true), WEB_PORTS),
         format!(
             "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-dns\n  namespace: default\nspec:\n  clusterIP: \"{DNS_VIP6}\"\n  clusterIPs: [\"{DNS_VIP6}\"]\n  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n  ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n"
         ),
@@ -56,7 +41,7 @@ fn manifests(dns_backend: (&str, Ipv4Addr)) -> String {
             "ops-dns-v6",
             "ops-dns",
             "IPv6",
-            endpoint((dns_backend.0, format!("\"{}\"", ipv6_of(dns_backend.1)))),
+            endpoints(&[dns_backend], true),
             dns_ports,
         ),
     ]
@@ -68,12 +53,6 @@ fn manifests(dns_backend: (&str, Ipv4Addr)) -> String {
 struct DualStack {
     cluster: Cluster,
     _pods: Vec<Pod>,
-}
-
-fn dual_pod(cluster: &Cluster, name: &str, ip: Ipv4Addr) -> Pod {
-    let mut pod = cluster.sandbox.add_pod(name, ip).unwrap();
-    pod.add_ipv6(ipv6_of(ip)).unwrap();
-    pod
 }
 
 fn start(tag: &str, agent_args: &[&str]) -> DualStack {

@@ -19,66 +19,19 @@ mod common;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, Ipv6Addr},
+    net::Ipv6Addr,
     time::{Duration, Instant},
 };
 
 use common::cluster::{Cluster, DNS_VIP, Mode, WEB_VIP};
+use common::dual_stack::{
+    DNS_PODS6, DNS_VIP6, EMPTY_VIP4, EMPTY_VIP6, WEB_PODS6, WEB_VIP4, WEB_VIP6, ipv6_of, manifests,
+    start_pods,
+};
 use sandbox::{NODE_DEVICE, Pod};
 
-const WEB_VIP4: &str = "10.96.0.200";
-const WEB_VIP6: &str = "fd00:10:96::200";
-const DNS_VIP6: &str = "fd00:10:96::53";
-const EMPTY_VIP4: &str = "10.96.0.50";
-const EMPTY_VIP6: &str = "fd00:10:96::50";
 /// The node's own IPv6 address (on its bridge), the source of its IPv6 connections.
 const NODE_IP6: &str = "fd00:10::1";
-
-/// The pods' IPv6 addresses: `fd00:10:244::<last IPv4 octet>`.
-fn ipv6_of(ip: Ipv4Addr) -> Ipv6Addr {
-    Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, u16::from(ip.octets()[3]))
-}
-
-/// `dual-web` (IPv4 and IPv6 cluster IPs, port 80), `dual-dns` (IPv6, 53 UDP and TCP) and
-/// `dual-empty` (dual-stack, no endpoints), beside the example's IPv4 `web` and `kube-dns`.
-fn manifests(web: &[(&str, Ipv4Addr)], dns: &[(&str, Ipv4Addr)]) -> String {
-    let endpoints = |pods: &[(&str, Ipv4Addr)], v6: bool| -> String {
-        pods.iter()
-            .map(|(name, ip)| {
-                let addr = if v6 { format!("\"{}\"", ipv6_of(*ip)) } else { ip.to_string() };
-                format!("- addresses: [{addr}]\n  conditions: {{ready: true}}\n  nodeName: node-1\n  targetRef: {{kind: Pod, name: {name}}}\n")
-            })
-            .collect()
-    };
-    let slice = |name: &str, service: &str, family: &str, endpoints: String, ports: &str| {
-        format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {family}\nendpoints:\n{endpoints}ports:\n{ports}"
-        )
-    };
-    let web_ports = "- port: 80\n  protocol: TCP\n";
-    let dns_ports =
-        "- name: dns\n  port: 53\n  protocol: UDP\n- name: dns-tcp\n  port: 53\n  protocol: TCP\n";
-    [
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
-        ),
-        slice("dual-web-v4", "dual-web", "IPv4", endpoints(web, false), web_ports),
-        slice("dual-web-v6", "dual-web", "IPv6", endpoints(web, true), web_ports),
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-dns\n  namespace: default\nspec:\n  clusterIP: \"{DNS_VIP6}\"\n  clusterIPs: [\"{DNS_VIP6}\"]\n  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n  ports:\n  - name: dns\n    port: 53\n    protocol: UDP\n  - name: dns-tcp\n    port: 53\n    protocol: TCP\n"
-        ),
-        slice("dual-dns-v6", "dual-dns", "IPv6", endpoints(dns, true), dns_ports),
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: dual-empty\n  namespace: default\nspec:\n  clusterIP: {EMPTY_VIP4}\n  clusterIPs: [{EMPTY_VIP4}, \"{EMPTY_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: PreferDualStack\n  ports:\n  - name: http\n    port: 80\n  - name: dns\n    port: 53\n    protocol: UDP\n"
-        ),
-    ]
-    .join("---\n")
-}
-
-const WEB_PODS6: [(&str, Ipv4Addr); 2] =
-    [("web6-a", Ipv4Addr::new(10, 244, 0, 31)), ("web6-b", Ipv4Addr::new(10, 244, 0, 32))];
-const DNS_PODS6: [(&str, Ipv4Addr); 2] =
-    [("dns6-a", Ipv4Addr::new(10, 244, 0, 41)), ("dns6-b", Ipv4Addr::new(10, 244, 0, 42))];
 
 /// The example cluster (IPv4 `web` and `kube-dns`) with its client made dual-stack, two dual-stack
 /// nginx and two dual-stack dnsmasq pods, the node namespace given [`NODE_IP6`], and the agent
@@ -89,31 +42,10 @@ struct DualStack {
     dns: Vec<Pod>,
 }
 
-fn dual_pod(cluster: &Cluster, name: &str, ip: Ipv4Addr) -> Pod {
-    let mut pod = cluster.sandbox.add_pod(name, ip).unwrap();
-    pod.add_ipv6(ipv6_of(ip)).unwrap();
-    pod
-}
-
 fn start(tag: &str) -> DualStack {
     let mut cluster = Cluster::prepared(tag, Mode::Files);
     cluster.client.add_ipv6(ipv6_of(common::cluster::CLIENT_IP)).unwrap();
-    let web: Vec<Pod> = WEB_PODS6
-        .iter()
-        .map(|(name, ip)| {
-            let pod = dual_pod(&cluster, name, *ip);
-            pod.start_nginx(&format!("{name}\n")).unwrap();
-            pod
-        })
-        .collect();
-    let dns: Vec<Pod> = DNS_PODS6
-        .iter()
-        .map(|(name, ip)| {
-            let pod = dual_pod(&cluster, name, *ip);
-            pod.start_dnsmasq(Ipv4Addr::new(10, 96, 0, 200)).unwrap();
-            pod
-        })
-        .collect();
+    let (web, dns) = start_pods(&cluster);
     let node = cluster.sandbox.node_netns().to_owned();
     for args in [
         vec!["sysctl", "-qw", &format!("net.ipv6.conf.{NODE_DEVICE}.disable_ipv6=0")],

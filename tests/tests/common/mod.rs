@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod dual_stack;
 pub mod external_node;
 pub mod harness;
 
