@@ -15,6 +15,7 @@ pub mod nodeport;
 mod options;
 mod reconcile;
 pub mod sockdiag;
+mod topology;
 
 use std::{collections::BTreeSet, sync::Arc, time::Instant};
 
@@ -94,6 +95,7 @@ async fn run_async(config: AgentConfig) -> Result<()> {
         node_addresses: None,
         last_good: Default::default(),
         service_cidrs: None,
+        topology: Default::default(),
     };
     sync_until_stopped(&config, &changes, loop_state).await?;
     let _ = stop_tx.send(true);

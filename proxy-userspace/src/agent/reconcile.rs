@@ -49,6 +49,8 @@ pub(super) struct SyncLoop<'a> {
     pub(super) last_good: crate::model::last_good::LastGood,
     /// The service CIDRs as last logged.
     pub(super) service_cidrs: Option<ServiceCidrs>,
+    /// Which endpoints topology chose per Service port, as last logged.
+    pub(super) topology: super::topology::TopologyChoices,
 }
 
 impl SyncLoop<'_> {
@@ -105,6 +107,7 @@ impl SyncLoop<'_> {
         let report = self.syncer.apply(&desired);
         self.program_service_cidrs(service_cidrs);
         self.metrics.set_no_local_endpoints(&desired.frontends);
+        self.tell_topology(&desired.frontends);
         // Effects: what removed backends leave behind.
         self.destroy_udp_sockets(&report);
         self.purge_udp_conntrack(&report);
@@ -116,6 +119,13 @@ impl SyncLoop<'_> {
             self.log_summary(&snapshot, &desired, &report, started);
         }
         desired.health_checks
+    }
+
+    /// Logs each Service port whose topology choice changed, and sets the gauge.
+    fn tell_topology(&mut self, frontends: &[crate::model::Frontend]) {
+        let (changes, narrowed) = self.topology.observe(frontends);
+        changes.iter().for_each(super::topology::TopologyChange::log);
+        self.metrics.set_topology_narrowed(narrowed);
     }
 
     /// Writes the service CIDRs when the map holds others (a datapath loaded afresh holds none), after

@@ -22,6 +22,7 @@ pub(super) const INHERITED_OPEN: &str = "kproxy_inherited_connections";
 pub(super) const CT_CREATED: &str = "kproxy_conntrack_created_total";
 pub(super) const CT_EVICTED: &str = "kproxy_conntrack_evicted_total";
 pub(super) const AFFINITY_GC_DELETED: &str = "kproxy_affinity_gc_deleted_total";
+pub(super) const TOPOLOGY_PORTS: &str = "kproxy_topology_service_ports";
 const MANIFEST_OBJECTS_KEPT: &str = "kproxy_manifest_objects_kept_last_good";
 const MANIFEST_ERRORS: &str = "kproxy_manifest_errors";
 /// The datapath counter of new translated flows (two entries each).
@@ -64,6 +65,22 @@ pub(super) fn render_datapath(inner: &Inner, out: &mut String) {
             (BACKENDS, "Service backends programmed in the datapath", "gauge", inner.backends.to_string()),
         ],
     );
+    render_topology(inner.topology_narrowed, out);
+}
+
+/// Per family, `(same zone, same node)`: Service ports whose endpoints topology hints narrowed.
+fn render_topology(per_family: [(u64, u64); 2], out: &mut String) {
+    header(
+        out,
+        TOPOLOGY_PORTS,
+        "Service ports whose endpoints topology hints narrowed, by the rule that chose them",
+        "gauge",
+    );
+    for (family, (same_zone, same_node)) in ["IPv4", "IPv6"].into_iter().zip(per_family) {
+        for (topology, count) in [("PreferSameZone", same_zone), ("PreferSameNode", same_node)] {
+            sample(out, TOPOLOGY_PORTS, &[("ip_family", family), ("topology", topology)], &count.to_string());
+        }
+    }
 }
 
 /// Conntrack garbage collection, the inherited connections, the purge, and the flows created and evicted.

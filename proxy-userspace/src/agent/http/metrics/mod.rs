@@ -58,6 +58,8 @@ struct Inner {
     /// Service ports with a Local policy and endpoints only on other nodes, by
     /// `traffic_policy` (internal, external), per family (IPv4, IPv6).
     no_local_endpoints: [(u64, u64); 2],
+    /// Service ports whose endpoints topology hints narrowed, per family: (same zone, same node).
+    topology_narrowed: [(u64, u64); 2],
     /// The purge of removed UDP backends' conntrack entries, kproxy's conntrack
     /// reconciler; what it deletes is `purged_total`.
     ct_reconcile_duration: Histogram,
@@ -95,6 +97,7 @@ impl Default for Inner {
             sync_partial_duration: Histogram::new(sync_duration_buckets()),
             network_programming: Histogram::new(network_programming_buckets()),
             no_local_endpoints: [(0, 0); 2],
+            topology_narrowed: [(0, 0); 2],
             ct_reconcile_duration: Histogram::new(sync_duration_buckets()),
             last_sync_timestamp: 0.0,
             last_queued_timestamp: 0.0,
@@ -180,6 +183,12 @@ impl Metrics {
         }
         self.lock().no_local_endpoints =
             [0, 1].map(|family| (internal[family].len() as u64, external[family].len() as u64));
+    }
+
+    /// Service ports whose endpoints topology hints narrowed, per family (IPv4, IPv6):
+    /// `(PreferSameZone, PreferSameNode)` (`agent::topology`).
+    pub fn set_topology_narrowed(&self, per_family: [(u64, u64); 2]) {
+        self.lock().topology_narrowed = per_family;
     }
 
     /// One run of the conntrack reconciler (the purge of removed UDP backends'

@@ -137,6 +137,7 @@ fn empty_metrics_render_every_family() {
         (SYNC_FULL_DURATION, "histogram"),
         (SYNC_PARTIAL_DURATION, "histogram"),
         (NO_LOCAL_ENDPOINTS, "gauge"),
+        (TOPOLOGY_PORTS, "gauge"),
         (HEALTHZ_TOTAL, "counter"),
         (LIVEZ_TOTAL, "counter"),
         (CT_RECONCILER_DURATION, "histogram"),
@@ -178,6 +179,12 @@ fn empty_metrics_render_every_family() {
             );
         }
         assert_eq!(exp.value(CT_RECONCILER_DELETED, &[("ip_family", family)]), Some("0"));
+        for topology in ["PreferSameZone", "PreferSameNode"] {
+            assert_eq!(
+                exp.value(TOPOLOGY_PORTS, &[("ip_family", family), ("topology", topology)]),
+                Some("0")
+            );
+        }
     }
     let np_buckets =
         exp.samples.iter().filter(|(n, _, _)| n == &format!("{NETWORK_PROGRAMMING}_bucket")).count();
@@ -285,4 +292,17 @@ fn rendered_text_reflects_updates() {
     assert_eq!(exp.value(DATAPATH_PACKETS, &[("reason", "no_backend")]), Some("3"));
     assert_eq!(exp.value(FRONTENDS, &[]), Some("7"));
     assert_eq!(exp.value(BACKENDS, &[]), Some("21"));
+}
+
+#[test]
+fn topology_narrowed_service_ports_per_family_and_rule() {
+    let m = Metrics::new();
+    m.set_topology_narrowed([(2, 1), (0, 3)]);
+    let exp = parse(&m.render());
+    let value =
+        |family, topology| exp.value(TOPOLOGY_PORTS, &[("ip_family", family), ("topology", topology)]);
+    assert_eq!(value("IPv4", "PreferSameZone"), Some("2"));
+    assert_eq!(value("IPv4", "PreferSameNode"), Some("1"));
+    assert_eq!(value("IPv6", "PreferSameZone"), Some("0"));
+    assert_eq!(value("IPv6", "PreferSameNode"), Some("3"));
 }
