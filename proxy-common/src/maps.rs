@@ -86,49 +86,54 @@ impl ServiceKeyV4 {
     }
 }
 
+/// A frontend's rev-NAT id: 32 bits, so the agent can give every frontend of
+/// 100k Services and their node ports one of its own (0 is never given).
+pub type RevNatId = u32;
+
 /// Slot 0: `count` active backends, the frontend's `rev_nat_id` and flags;
-/// its `backend_id` holds the Maglev table and the affinity id
-/// ([`ServiceValueV4::slot0_backend_id`]).
+/// its `backend_id` is the affinity id and `maglev` the Maglev table
+/// ([`ServiceValueV4::with_slot0_ids`]).
 /// Slot i > 0: `backend_id` (and the same `rev_nat_id`, so a slot is
 /// self-describing in dumps).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct ServiceValueV4 {
     pub backend_id: u32,
+    pub rev_nat_id: RevNatId,
     pub count: u16,
-    pub rev_nat_id: u16,
     pub flags: u16,
     pub terminating_count: u16,
+    /// Slot 0: the Maglev table + 1 (0: none).
+    pub maglev: u16,
     pub affinity_timeout_s: u32,
 }
 
-/// Maglev tables slot 0 can name: its `backend_id` keeps the table + 1 in 16 bits.
+/// Maglev tables slot 0 can name: `maglev` keeps the table + 1 in 16 bits.
 pub const MAGLEV_TABLES_MAX: u32 = 0xFFFF;
 
 impl ServiceValueV4 {
-    /// Slot 0's `backend_id`: bits 0–15 the Maglev table + 1 (0: none), bits
-    /// 16–31 the affinity id (0: the frontend's own `rev_nat_id`). The value
-    /// has no padding left, and a new field would change the pinned map's
-    /// layout; slot 0 has no backend of its own.
-    pub const fn slot0_backend_id(maglev_table: Option<u32>, affinity_id: u16) -> u32 {
-        let table = match maglev_table {
-            Some(table) if table < MAGLEV_TABLES_MAX => table + 1,
+    /// Slot 0 naming its Maglev table (`maglev`: the table + 1, 0: none) and
+    /// its affinity id (in `backend_id`, which slot 0 has no backend for; 0:
+    /// the frontend's own `rev_nat_id`).
+    pub const fn with_slot0_ids(self, maglev_table: Option<u32>, affinity_id: RevNatId) -> Self {
+        let maglev = match maglev_table {
+            Some(table) if table < MAGLEV_TABLES_MAX => (table + 1) as u16,
             _ => 0,
         };
-        (affinity_id as u32) << 16 | table
+        Self { backend_id: affinity_id, maglev, ..self }
     }
 
     /// Slot 0: the Maglev table new flows pick from, when the frontend has one.
     pub const fn maglev_table(&self) -> Option<u32> {
-        match self.backend_id & 0xFFFF {
+        match self.maglev {
             0 => None,
-            table => Some(table - 1),
+            table => Some(table as u32 - 1),
         }
     }
 
     /// Slot 0: the affinity id as written (0: none named).
-    pub const fn named_affinity_id(&self) -> u16 {
-        (self.backend_id >> 16) as u16
+    pub const fn named_affinity_id(&self) -> RevNatId {
+        self.backend_id
     }
 
     /// Slot 0: the `rev_nat_id` AFFINITY_V4 keys this frontend's clients by.
@@ -138,7 +143,7 @@ impl ServiceValueV4 {
     /// kube-proxy's affinity sets are per Service port and endpoint
     /// (pkg/proxy/nftables/proxier.go: "without regard to which service IP
     /// was used to reach the service").
-    pub const fn affinity_id(&self) -> u16 {
+    pub const fn affinity_id(&self) -> RevNatId {
         match self.named_affinity_id() {
             0 => self.rev_nat_id,
             id => id,
@@ -238,12 +243,14 @@ pub struct CtEntryV4 {
     pub nat_addr: [u8; 4],
     /// Forward: backend port; reply: VIP port.
     pub nat_port: [u8; 2],
-    pub rev_nat_id: u16,
     pub state: u8,
     pub flags: u8,
+    pub rev_nat_id: RevNatId,
     /// Union of the TCP flags seen in this direction.
     pub tcp_flags_seen: u8,
-    pub _pad: u8,
+    /// Up to the struct's 8-byte alignment, as a field: an implicit hole would
+    /// be bytes the kernel and userspace need not agree on.
+    pub _pad: [u8; 7],
 }
 
 /// Conntrack entry flags.
@@ -329,12 +336,12 @@ pub const fn snat_reply_key(
 
 /// The data of a SOURCE_RANGES_V4 (LPM trie) key: the frontend, then the
 /// client prefix. The prefix length of a key counts the 32 bits of
-/// `rev_nat_id` and padding, so one trie holds every frontend's ranges.
+/// `rev_nat_id` (big-endian: the trie matches bits from the first byte), so
+/// one trie holds every frontend's ranges.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct SourceRangeV4 {
-    pub rev_nat_id: [u8; 2],
-    pub _pad: [u8; 2],
+    pub rev_nat_id: [u8; 4],
     pub addr: [u8; 4],
 }
 
@@ -342,8 +349,8 @@ pub struct SourceRangeV4 {
 pub const SOURCE_RANGE_ID_BITS: u32 = 32;
 
 impl SourceRangeV4 {
-    pub const fn new(rev_nat_id: u16, addr: [u8; 4]) -> Self {
-        Self { rev_nat_id: rev_nat_id.to_be_bytes(), _pad: [0; 2], addr }
+    pub const fn new(rev_nat_id: RevNatId, addr: [u8; 4]) -> Self {
+        Self { rev_nat_id: rev_nat_id.to_be_bytes(), addr }
     }
 }
 
@@ -404,7 +411,8 @@ pub struct SockRevNatKeyV4 {
 pub struct SockRevNatV4 {
     pub vip: [u8; 4],
     pub port: [u8; 2],
-    pub rev_nat_id: u16,
+    pub _pad: [u8; 2],
+    pub rev_nat_id: RevNatId,
 }
 
 /// The one entry of SOCKET_LB_CONFIG.
@@ -505,8 +513,7 @@ pub const DEFAULT_HAIRPIN_ADDR: [u8; 4] = [169, 254, 42, 1];
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct AffinityKeyV4 {
     pub client: [u8; 4],
-    pub rev_nat_id: u16,
-    pub _pad: [u8; 2],
+    pub rev_nat_id: RevNatId,
 }
 
 #[repr(C)]
@@ -596,25 +603,25 @@ mod tests {
         // Sizes equal the sum of the field sizes: a hole would make the kernel
         // and userspace disagree on a key's bytes.
         assert_eq!(size_of::<ServiceKeyV4>(), 4 + 2 + 1 + 1 + 2 + 2);
-        assert_eq!(size_of::<ServiceValueV4>(), 4 + 2 + 2 + 2 + 2 + 4);
+        assert_eq!(size_of::<ServiceValueV4>(), 4 + 4 + 2 + 2 + 2 + 2 + 4);
         assert_eq!(size_of::<BackendV4>(), 4 + 2 + 1 + 1);
         assert_eq!(size_of::<RevNatV4>(), 4 + 2 + 1 + 1);
         assert_eq!(size_of::<CtKeyV4>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntryV4>(), 8 * 4 + 4 + 4 + 2 + 2 + 1 + 1 + 1 + 1);
+        assert_eq!(size_of::<CtEntryV4>(), 8 * 4 + 4 + 4 + 2 + 1 + 1 + 4 + 1 + 7);
         assert_eq!(align_of::<CtEntryV4>(), 8);
         assert_eq!(size_of::<ConfigV4>(), 8 * 4 + 4 + 4);
-        assert_eq!(size_of::<AffinityKeyV4>(), 4 + 2 + 2);
+        assert_eq!(size_of::<AffinityKeyV4>(), 4 + 4);
         assert_eq!(size_of::<AffinityValueV4>(), 8 + 4 + 4);
         assert_eq!(size_of::<VipV4>(), 4);
         assert_eq!(size_of::<SnatEntryV4>(), 8 + 4 + 2 + 2);
-        assert_eq!(size_of::<SourceRangeV4>(), 2 + 2 + 4);
+        assert_eq!(size_of::<SourceRangeV4>(), 4 + 4);
         assert_eq!(size_of::<ExternalIfaceV4>(), 4 + 4);
         assert_eq!(size_of::<NodePortConfigV4>(), 2 + 2 + 4 + 1 + 3 + 4);
         assert_eq!(size_of::<SockRevNatKeyV4>(), 8 + 4 + 2 + 2);
         assert_eq!(size_of::<FragmentKeyV4>(), 4 + 4 + 2 + 1 + 1);
         assert_eq!(size_of::<FragmentPortsV4>(), 4);
         assert_eq!(size_of::<InheritedFlowV4>(), 4 + 2 + 1 + 1);
-        assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2);
+        assert_eq!(size_of::<SockRevNatV4>(), 4 + 2 + 2 + 4);
         assert_eq!(size_of::<SocketLbConfigV4>(), 8 + 4 + 4);
     }
 
@@ -757,18 +764,30 @@ mod tests {
     }
 
     #[test]
-    fn slot0_backend_id_holds_the_maglev_table_and_the_affinity_id() {
-        let master = |backend_id| ServiceValueV4 { backend_id, rev_nat_id: 7, ..Default::default() };
-        let plain = master(ServiceValueV4::slot0_backend_id(None, 0));
-        assert_eq!((plain.backend_id, plain.maglev_table(), plain.affinity_id()), (0, None, 7));
-        let shared = master(ServiceValueV4::slot0_backend_id(Some(0), 3));
+    fn slot0_holds_the_maglev_table_and_a_32_bit_affinity_id() {
+        let master =
+            ServiceValueV4 { rev_nat_id: 70_000, count: 3, flags: SVC_FLAG_AFFINITY, ..Default::default() };
+        let plain = master.with_slot0_ids(None, 0);
+        assert_eq!((plain.backend_id, plain.maglev_table(), plain.affinity_id()), (0, None, 70_000));
+        let shared = master.with_slot0_ids(Some(0), 3);
         assert_eq!((shared.maglev_table(), shared.affinity_id()), (Some(0), 3));
-        let last = master(ServiceValueV4::slot0_backend_id(Some(MAGLEV_TABLES_MAX - 1), u16::MAX));
-        assert_eq!((last.maglev_table(), last.affinity_id()), (Some(MAGLEV_TABLES_MAX - 1), u16::MAX));
+        // Ids past 16 bits and the last table each keep all their bits, and the rest of slot 0 is kept.
+        let last = master.with_slot0_ids(Some(MAGLEV_TABLES_MAX - 1), u32::MAX);
+        assert_eq!((last.maglev_table(), last.affinity_id()), (Some(MAGLEV_TABLES_MAX - 1), u32::MAX));
+        assert_eq!((last.rev_nat_id, last.count, last.flags), (70_000, 3, SVC_FLAG_AFFINITY));
+        let wide = master.with_slot0_ids(Some(2), 0x0001_0000);
+        assert_eq!((wide.maglev_table(), wide.named_affinity_id()), (Some(2), 0x0001_0000));
         // A table slot 0 cannot name is none, not another table.
-        assert_eq!(master(ServiceValueV4::slot0_backend_id(Some(MAGLEV_TABLES_MAX), 1)).maglev_table(), None);
-        // What kproxy before affinity ids wrote (the table + 1 alone) reads the same.
-        assert_eq!((master(5).maglev_table(), master(5).affinity_id()), (Some(4), 7));
+        assert_eq!(master.with_slot0_ids(Some(MAGLEV_TABLES_MAX), 1).maglev_table(), None);
+    }
+
+    #[test]
+    fn source_range_keys_order_the_32_bit_id_big_endian() {
+        // The trie matches from the first byte: ids that differ only above bit 15 are other frontends.
+        let a = SourceRangeV4::new(0x0001_0005, [10, 0, 0, 1]);
+        let b = SourceRangeV4::new(0x0000_0005, [10, 0, 0, 1]);
+        assert_eq!(a.rev_nat_id, [0, 1, 0, 5]);
+        assert_ne!(a, b);
     }
 
     #[test]

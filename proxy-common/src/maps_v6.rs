@@ -116,15 +116,14 @@ pub struct CtEntryV6 {
     pub nat_addr: [u8; 16],
     /// Forward: backend port; reply: VIP port.
     pub nat_port: [u8; 2],
-    pub rev_nat_id: u16,
     pub state: u8,
     pub flags: u8,
+    pub rev_nat_id: crate::maps::RevNatId,
     /// Union of the TCP flags seen in this direction.
     pub tcp_flags_seen: u8,
-    pub _pad: u8,
     /// Up to the struct's 8-byte alignment, as a field: an implicit hole would be bytes the kernel and
     /// userspace need not agree on.
-    pub _pad2: u32,
+    pub _pad: [u8; 3],
 }
 
 /// A fragmented IPv6 datagram, as [`crate::maps::FragmentKeyV4`]: RFC 8200's reassembly key (source,
@@ -147,8 +146,7 @@ pub struct FragmentKeyV6 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct AffinityKeyV6 {
     pub client: [u8; 16],
-    pub rev_nat_id: u16,
-    pub _pad: [u8; 2],
+    pub rev_nat_id: crate::maps::RevNatId,
 }
 
 #[cfg(feature = "user")]
@@ -175,9 +173,9 @@ mod tests {
         assert_eq!(size_of::<BackendV6>(), 16 + 2 + 1 + 1);
         assert_eq!(size_of::<RevNatV6>(), 16 + 2 + 1 + 1);
         assert_eq!(size_of::<CtKeyV6>(), 16 + 16 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 2 + 4 + 4);
+        assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 1 + 1 + 4 + 1 + 3);
         assert_eq!(size_of::<FragmentKeyV6>(), 16 + 16 + 4 + 1 + 3);
-        assert_eq!(size_of::<AffinityKeyV6>(), 16 + 2 + 2);
+        assert_eq!(size_of::<AffinityKeyV6>(), 16 + 4);
     }
 
     #[test]

@@ -33,7 +33,8 @@ pub struct SockRevNatKeyV6 {
 pub struct SockRevNatV6 {
     pub vip: [u8; 16],
     pub port: [u8; 2],
-    pub rev_nat_id: u16,
+    pub _pad: [u8; 2],
+    pub rev_nat_id: crate::maps::RevNatId,
 }
 
 /// The third 32-bit word of an IPv4-mapped address (`::ffff:0:0/96`), as it sits in memory.
@@ -94,7 +95,7 @@ mod tests {
     #[test]
     fn layouts_have_no_implicit_holes() {
         assert_eq!(size_of::<SockRevNatKeyV6>(), 8 + 16 + 2 + 6);
-        assert_eq!(size_of::<SockRevNatV6>(), 16 + 2 + 2);
+        assert_eq!(size_of::<SockRevNatV6>(), 16 + 2 + 2 + 4);
     }
 
     #[test]

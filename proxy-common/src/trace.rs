@@ -46,7 +46,7 @@ pub struct TraceEventV4 {
     pub before_dport: [u8; 2],
     pub after_sport: [u8; 2],
     pub after_dport: [u8; 2],
-    pub rev_nat_id: u16,
+    pub rev_nat_id: crate::maps::RevNatId,
     /// 1-based slot the backend was picked from (new flows), else 0.
     pub backend_slot: u16,
     /// Active backends of the frontend when the slot was picked.
@@ -54,7 +54,7 @@ pub struct TraceEventV4 {
     pub kind: u8,
     pub proto: u8,
     pub ct_flags: u8,
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 5],
 }
 
 #[cfg(feature = "user")]
@@ -70,7 +70,7 @@ mod tests {
 
     #[test]
     fn event_layout_has_no_holes() {
-        assert_eq!(core::mem::size_of::<TraceEventV4>(), 8 + 8 + 4 + 4 + 16 + 8 + 2 + 2 + 2 + 1 + 1 + 1 + 7);
+        assert_eq!(core::mem::size_of::<TraceEventV4>(), 8 + 8 + 4 + 4 + 16 + 8 + 4 + 2 + 2 + 1 + 1 + 1 + 5);
         assert_eq!(core::mem::size_of::<TraceEventV4>() % 8, 0);
     }
 }

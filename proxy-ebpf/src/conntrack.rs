@@ -296,7 +296,7 @@ pub fn create(
     flow: &Flow,
     forward_key: &CtKeyV4,
     choice: &Choice,
-    rev_nat_id: u16,
+    rev_nat_id: proxy_common::maps::RevNatId,
     now: u64,
     reply_to: ReplyTo,
 ) -> Result<(), Verdict> {
@@ -317,7 +317,9 @@ pub fn create(
         reply_key.dport = reply_to.port;
     }
     let flags = reply_to.flags;
-    let reply = CtEntryV4 {
+    // One entry on the stack, written as the reply and then changed into the forward entry: two
+    // copies of it would not fit new_flow's frame in the 512-byte stack.
+    let mut entry = CtEntryV4 {
         created_ns: now,
         last_seen_ns: now,
         backend_id: choice.backend_id,
@@ -328,15 +330,12 @@ pub fn create(
         flags,
         ..Default::default()
     };
-    CONNTRACK_V4.insert(reply_key, reply, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
-    let forward = CtEntryV4 {
-        packets: 1,
-        bytes: u64::from(flow.ip_total_len),
-        nat_addr: choice.backend.addr,
-        nat_port: choice.backend.port,
-        tcp_flags_seen: flow.tcp_flags,
-        ..reply
-    };
-    CONNTRACK_V4.insert(forward_key, forward, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
+    CONNTRACK_V4.insert(reply_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
+    entry.packets = 1;
+    entry.bytes = u64::from(flow.ip_total_len);
+    entry.nat_addr = choice.backend.addr;
+    entry.nat_port = choice.backend.port;
+    entry.tcp_flags_seen = flow.tcp_flags;
+    CONNTRACK_V4.insert(forward_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     Ok(())
 }

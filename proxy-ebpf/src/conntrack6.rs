@@ -182,7 +182,7 @@ pub fn create(
     forward_key: &CtKeyV6,
     backend: &proxy_common::maps_v6::BackendV6,
     backend_id: u32,
-    rev_nat_id: u16,
+    rev_nat_id: proxy_common::maps::RevNatId,
     now: u64,
     hairpin: bool,
 ) -> Result<(), Verdict> {

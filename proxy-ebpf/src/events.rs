@@ -26,7 +26,7 @@ pub struct Chosen {
     pub slot: u16,
     /// Active backends of the frontend when the slot was picked.
     pub count: u16,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: proxy_common::maps::RevNatId,
     /// The flow's conntrack flags (hairpin, SNAT, remapped).
     pub ct_flags: u8,
 }
@@ -40,7 +40,7 @@ pub fn enabled() -> bool {
 /// (`EV_REJECT`) or dropped as invalid (`EV_DROP_INVALID`), for frontend
 /// `rev_nat_id` (0: it matched none, as a port the Service does not have).
 #[inline(always)]
-pub fn untranslated(flow: &Flow, kind: u8, rev_nat_id: u16, now: u64) {
+pub fn untranslated(flow: &Flow, kind: u8, rev_nat_id: proxy_common::maps::RevNatId, now: u64) {
     if let Some(event) = start_flow(flow, kind, now) {
         event.rev_nat_id = rev_nat_id;
         emit(event);

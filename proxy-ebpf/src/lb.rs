@@ -50,7 +50,7 @@ pub fn lookup_external_frontend(flow: &Flow) -> Option<Frontend> {
 
 /// Whether `client` is inside one of the frontend's loadBalancerSourceRanges.
 #[inline(always)]
-pub fn source_allowed(rev_nat_id: u16, client: [u8; 4]) -> bool {
+pub fn source_allowed(rev_nat_id: proxy_common::maps::RevNatId, client: [u8; 4]) -> bool {
     let key =
         aya_ebpf::maps::lpm_trie::Key::new(SOURCE_RANGE_ID_BITS + 32, SourceRangeV4::new(rev_nat_id, client));
     SOURCE_RANGES_V4.get(&key).is_some()
@@ -138,13 +138,15 @@ fn slot_of(flow: &Flow, found: &Frontend, backend_id: u32, hint: u32) -> Option<
     if hint >= 1 && hint <= u32::from(count) && holds(hint as u16) {
         return Some(hint as u16);
     }
-    for slot in 1..=AFFINITY_SLOT_SCAN {
-        if slot > count {
-            return None;
-        }
+    // A counted loop: RangeInclusive's exhausted flag compiled (with slot 0's wider rev-NAT id) to
+    // code whose repeated states the verifier takes for an infinite loop.
+    let scan = if count < AFFINITY_SLOT_SCAN { count } else { AFFINITY_SLOT_SCAN };
+    let mut slot = 1;
+    while slot <= scan {
         if holds(slot) {
             return Some(slot);
         }
+        slot += 1;
     }
     (count > AFFINITY_SLOT_SCAN).then_some(0)
 }
@@ -189,7 +191,7 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
     // Keyed per Service port, not per frontend: the client keeps its endpoint
     // whichever of the port's addresses it uses (kube-proxy's affinity sets).
-    let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.affinity_id(), _pad: [0; 2] };
+    let affinity_key = AffinityKeyV4 { client: flow.saddr, rev_nat_id: frontend.affinity_id() };
     if affinity && let Some(sticky) = AFFINITY_V4.get_ptr_mut(affinity_key) {
         // SAFETY: as in `lookup_frontend`; the value is ours to update.
         unsafe {

@@ -95,7 +95,7 @@ pub fn select_backend(
     choice: &mut Choice6,
 ) -> Result<(), Verdict> {
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
-    let affinity_key = AffinityKeyV6 { client: flow.saddr, rev_nat_id: frontend.affinity_id(), _pad: [0; 2] };
+    let affinity_key = AffinityKeyV6 { client: flow.saddr, rev_nat_id: frontend.affinity_id() };
     if affinity && let Some(sticky) = AFFINITY_V6.get_ptr_mut(affinity_key) {
         // SAFETY: as in `lookup_frontend`; the value is ours to update.
         unsafe {

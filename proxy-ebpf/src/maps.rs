@@ -18,7 +18,8 @@ pub static BACKENDS_V4: HashMap<u32, BackendV4> = HashMap::with_max_entries(BACK
 /// Read by userspace to name the frontend of a conntrack entry; the datapath
 /// keeps the VIP in the reply entry itself.
 #[map(name = "REV_NAT_V4")]
-pub static REV_NAT_V4: HashMap<u16, RevNatV4> = HashMap::with_max_entries(REV_NAT_V4_CAPACITY, 0);
+pub static REV_NAT_V4: HashMap<proxy_common::maps::RevNatId, RevNatV4> =
+    HashMap::with_max_entries(REV_NAT_V4_CAPACITY, 0);
 
 #[map(name = "CONNTRACK_V4")]
 pub static CONNTRACK_V4: LruHashMap<CtKeyV4, CtEntryV4> =
@@ -28,7 +29,7 @@ pub static CONNTRACK_V4: LruHashMap<CtKeyV4, CtEntryV4> =
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Stat::COUNT, 0);
 
 #[map(name = "FRONTEND_NAMES_V4")]
-pub static FRONTEND_NAMES_V4: HashMap<u16, FrontendNameV4> =
+pub static FRONTEND_NAMES_V4: HashMap<proxy_common::maps::RevNatId, FrontendNameV4> =
     HashMap::with_max_entries(REV_NAT_V4_CAPACITY, 0);
 
 /// Written by the agent: timeouts and the hairpin address.
@@ -133,7 +134,7 @@ pub static BACKENDS_V6: HashMap<u32, proxy_common::maps_v6::BackendV6> =
 
 /// Read by userspace to name the frontend of an IPv6 conntrack entry, as REV_NAT_V4.
 #[map(name = "REV_NAT_V6")]
-pub static REV_NAT_V6: HashMap<u16, proxy_common::maps_v6::RevNatV6> =
+pub static REV_NAT_V6: HashMap<proxy_common::maps::RevNatId, proxy_common::maps_v6::RevNatV6> =
     HashMap::with_max_entries(proxy_common::maps_v6::REV_NAT_V6_CAPACITY, 0);
 
 #[map(name = "CONNTRACK_V6")]

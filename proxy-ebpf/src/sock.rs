@@ -19,8 +19,8 @@ use aya_ebpf::{
 use proxy_common::{
     maglev::flow_hash,
     maps::{
-        BackendV4, CT_DIR_FORWARD, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP, SOCKET_LB_ALL, SOCKET_LB_HOST_ONLY,
-        SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
+        BackendV4, CT_DIR_FORWARD, CtKeyV4, IPPROTO_TCP, IPPROTO_UDP, RevNatId, SOCKET_LB_ALL,
+        SOCKET_LB_HOST_ONLY, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SockRevNatKeyV4, SockRevNatV4,
     },
     packet::Fragment,
     stats::Stat,
@@ -264,9 +264,9 @@ fn backend_pick(flow: &Flow) -> u32 {
 /// Records the Service this socket's backend stands for, so that recvmsg()
 /// and getpeername() show the Service again.
 #[inline(always)]
-fn remember_service(cookie: u64, backend: &BackendV4, flow: &Flow, rev_nat_id: u16) {
+fn remember_service(cookie: u64, backend: &BackendV4, flow: &Flow, rev_nat_id: RevNatId) {
     let key = SockRevNatKeyV4 { cookie, addr: backend.addr, port: backend.port, _pad: [0; 2] };
-    let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, rev_nat_id };
+    let value = SockRevNatV4 { vip: flow.daddr, port: flow.dport, _pad: [0; 2], rev_nat_id };
     // A full LRU evicts an old socket's entry; the call still goes on.
     // Unconnected UDP sends many datagrams to the same backend: a lookup is
     // cheaper than rewriting the LRU entry each time.

@@ -210,9 +210,15 @@ fn forget_service_of(ctx: &SockAddrContext, addr: &[u8; 16], port: [u8; 2]) {
 /// Records the Service this socket's backend stands for, so that recvmsg() and getpeername() show
 /// it again.
 #[inline(always)]
-fn remember_service(cookie: u64, backend: &BackendV6, vip: [u8; 16], port: [u8; 2], rev_nat_id: u16) {
+fn remember_service(
+    cookie: u64,
+    backend: &BackendV6,
+    vip: [u8; 16],
+    port: [u8; 2],
+    rev_nat_id: proxy_common::maps::RevNatId,
+) {
     let key = SockRevNatKeyV6 { cookie, addr: backend.addr, port: backend.port, _pad: [0; 6] };
-    let value = SockRevNatV6 { vip, port, rev_nat_id };
+    let value = SockRevNatV6 { vip, port, _pad: [0; 2], rev_nat_id };
     // As SOCK_REVNAT_V4: a lookup is cheaper than rewriting the LRU entry for every datagram.
     // SAFETY: the value is compared at once.
     if unsafe { SOCK_REVNAT_V6.get(key) } != Some(&value) {

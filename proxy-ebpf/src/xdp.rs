@@ -359,7 +359,7 @@ fn established(
 struct Pick {
     choice: lb::Choice,
     route: fib::Route,
-    rev_nat_id: u16,
+    rev_nat_id: proxy_common::maps::RevNatId,
 }
 
 /// Picks the backend of a new flow and its route; only a backend on another

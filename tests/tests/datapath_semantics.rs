@@ -253,7 +253,7 @@ fn session_affinity_sticks_until_its_timeout() {
     let mut backends = BTreeSet::new();
     let rev_nat_id =
         h.ct(&ct_key(CLIENT, 41000, WEB_VIP, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap().rev_nat_id;
-    let key = AffinityKeyV4 { client: CLIENT, rev_nat_id, _pad: [0; 2] };
+    let key = AffinityKeyV4 { client: CLIENT, rev_nat_id };
     for sport in 0..40 {
         let mut entry = h.affinity.get(&key, 0).unwrap();
         entry.last_used_ns = 1;

@@ -58,7 +58,7 @@ impl Frontends {
     }
 
     fn add(&mut self, vip: &str, port: u16, proto: u8, backends: &[([u8; 16], u16)]) {
-        let rev_nat_id = self.next_id as u16;
+        let rev_nat_id = self.next_id;
         let key = ServiceKeyV6::new(v6(vip), port.to_be_bytes(), proto, SCOPE_INTERNAL, 0);
         for (slot, (addr, port)) in backends.iter().enumerate() {
             self.next_id += 1;

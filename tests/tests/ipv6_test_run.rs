@@ -61,7 +61,7 @@ struct V6 {
     conntrack: HashMap<MapData, CtKeyV6, CtEntryV6>,
     stats: PerCpuArray<MapData, u64>,
     next_backend_id: u32,
-    next_rev_nat_id: u16,
+    next_rev_nat_id: u32,
 }
 
 impl V6 {

@@ -21,8 +21,8 @@ use anyhow::{Context as _, Result};
 use proxy_common::{
     conntrack::Timeouts,
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, SVC_FLAG_AFFINITY,
-        SnatEntryV4, reply_key_in_snat,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, RevNatId,
+        SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
     },
     maps_v6::{CtEntryV6, CtKeyV6},
 };
@@ -124,7 +124,7 @@ pub fn plan_conntrack_pairs<K: CtKey, E: CtEntry>(
 /// timeout. `frontends` maps rev-NAT id → slot 0 `(flags, affinity_timeout_s)`.
 pub fn plan_affinity(
     entries: &[(AffinityKeyV4, AffinityValueV4)],
-    frontends: &BTreeMap<u16, (u16, u32)>,
+    frontends: &BTreeMap<RevNatId, (u16, u32)>,
     now: u64,
 ) -> Vec<AffinityKeyV4> {
     entries
@@ -507,13 +507,13 @@ mod tests {
     #[test]
     fn affinity_entries_expire_with_their_frontend() {
         let now = 10_000 * S;
-        let entry = |client: u8, rev_nat_id: u16, used_ago: u64| {
+        let entry = |client: u8, rev_nat_id: RevNatId, used_ago: u64| {
             (
-                AffinityKeyV4 { client: [10, 244, 0, client], rev_nat_id, _pad: [0; 2] },
+                AffinityKeyV4 { client: [10, 244, 0, client], rev_nat_id },
                 AffinityValueV4 { last_used_ns: now - used_ago, backend_id: 1, slot: 0 },
             )
         };
-        let frontends: BTreeMap<u16, (u16, u32)> =
+        let frontends: BTreeMap<RevNatId, (u16, u32)> =
             [(1, (SVC_FLAG_AFFINITY, 100)), (2, (0, 100)), (3, (SVC_FLAG_AFFINITY | 2, 10))].into();
         let entries = [
             entry(1, 1, 99 * S),  // kept

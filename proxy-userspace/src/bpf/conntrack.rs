@@ -16,7 +16,7 @@ use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR,
-        SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
+        RevNatId, SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
     },
     maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
 };
@@ -33,7 +33,7 @@ pub trait CtEntry {
     fn last_seen_ns(&self) -> u64;
     fn state(&self) -> u8;
     fn backend_id(&self) -> u32;
-    fn rev_nat_id(&self) -> u16;
+    fn rev_nat_id(&self) -> RevNatId;
 }
 
 macro_rules! conntrack_family {
@@ -53,7 +53,7 @@ macro_rules! conntrack_family {
             fn backend_id(&self) -> u32 {
                 self.backend_id
             }
-            fn rev_nat_id(&self) -> u16 {
+            fn rev_nat_id(&self) -> RevNatId {
                 self.rev_nat_id
             }
         }

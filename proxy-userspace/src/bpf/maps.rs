@@ -77,8 +77,8 @@ map_table! {
     handles {
         services: HashMap<MapData, ServiceKeyV4, ServiceValueV4> = MAP_SERVICES_V4, HashMap, (ServiceKeyV4, ServiceValueV4), usage "services_v4";
         backends: HashMap<MapData, u32, BackendV4> = MAP_BACKENDS_V4, HashMap, (u32, BackendV4), usage "backends_v4";
-        rev_nat: HashMap<MapData, u16, RevNatV4> = MAP_REV_NAT_V4, HashMap, (u16, RevNatV4), usage "rev_nat_v4";
-        names: HashMap<MapData, u16, FrontendNameV4> = MAP_FRONTEND_NAMES_V4, HashMap, (u16, FrontendNameV4);
+        rev_nat: HashMap<MapData, RevNatId, RevNatV4> = MAP_REV_NAT_V4, HashMap, (RevNatId, RevNatV4), usage "rev_nat_v4";
+        names: HashMap<MapData, RevNatId, FrontendNameV4> = MAP_FRONTEND_NAMES_V4, HashMap, (RevNatId, FrontendNameV4);
         conntrack: HashMap<MapData, CtKeyV4, CtEntryV4> = MAP_CONNTRACK_V4, LruHashMap, (CtKeyV4, CtEntryV4), usage "conntrack_v4";
         stats: PerCpuArray<MapData, u64> = MAP_STATS, PerCpuArray, (u32, u64);
         config: Array<MapData, ConfigV4> = MAP_CONFIG, Array, (u32, ConfigV4);
@@ -98,7 +98,7 @@ map_table! {
         /// IPv6 (issue 19): the maps parallel to the IPv4 ones, ids shared with them.
         services_v6: HashMap<MapData, ServiceKeyV6, ServiceValueV6> = MAP_SERVICES_V6, HashMap, (ServiceKeyV6, ServiceValueV6), usage "services_v6";
         backends_v6: HashMap<MapData, u32, BackendV6> = MAP_BACKENDS_V6, HashMap, (u32, BackendV6), usage "backends_v6";
-        rev_nat_v6: HashMap<MapData, u16, RevNatV6> = MAP_REV_NAT_V6, HashMap, (u16, RevNatV6), usage "rev_nat_v6";
+        rev_nat_v6: HashMap<MapData, RevNatId, RevNatV6> = MAP_REV_NAT_V6, HashMap, (RevNatId, RevNatV6), usage "rev_nat_v6";
         conntrack_v6: HashMap<MapData, CtKeyV6, CtEntryV6> = MAP_CONNTRACK_V6, LruHashMap, (CtKeyV6, CtEntryV6), usage "conntrack_v6";
         vips_v6: HashMap<MapData, [u8; 16], VipV6> = MAP_VIPS_V6, HashMap, ([u8; 16], VipV6), usage "vips_v6";
         affinity_v6: HashMap<MapData, AffinityKeyV6, AffinityValueV4> = MAP_AFFINITY_V6, LruHashMap, (AffinityKeyV6, AffinityValueV4), usage "affinity_v6";

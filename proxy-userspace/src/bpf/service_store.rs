@@ -20,26 +20,26 @@ pub trait Store {
     fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>>;
     /// Empty when the store does not manage VIPS_V4.
     fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>>;
-    fn read_name(&self, rev_nat_id: u16) -> Option<String>;
+    fn read_name(&self, rev_nat_id: RevNatId) -> Option<String>;
     fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()>;
     fn del_service(&mut self, key: &ServiceKeyV4) -> Result<()>;
     fn put_backend(&mut self, id: u32, value: BackendV4) -> Result<()>;
     fn del_backend(&mut self, id: u32) -> Result<()>;
-    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()>;
-    fn del_rev_nat(&mut self, id: u16) -> Result<()>;
-    fn put_name(&mut self, id: u16, name: &str) -> Result<()>;
-    fn del_name(&mut self, id: u16) -> Result<()>;
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNatV4) -> Result<()>;
+    fn del_rev_nat(&mut self, id: RevNatId) -> Result<()>;
+    fn put_name(&mut self, id: RevNatId, name: &str) -> Result<()>;
+    fn del_name(&mut self, id: RevNatId) -> Result<()>;
     fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()>;
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()>;
     /// Every frontend's loadBalancerSourceRanges. The defaults are for
     /// stores that do not keep SOURCE_RANGES_V4.
-    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
         Ok(Vec::new())
     }
-    fn put_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+    fn put_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr4) -> Result<()> {
         Ok(())
     }
-    fn del_source_range(&mut self, _rev_nat_id: u16, _range: Cidr4) -> Result<()> {
+    fn del_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr4) -> Result<()> {
         Ok(())
     }
     /// One entry of MAGLEV_V4 (the default is for stores without it).
@@ -69,10 +69,10 @@ pub trait Store {
     fn del_backend6(&mut self, _id: u32) -> Result<()> {
         Ok(())
     }
-    fn put_rev_nat6(&mut self, _id: u16, _value: RevNatV6) -> Result<()> {
+    fn put_rev_nat6(&mut self, _id: RevNatId, _value: RevNatV6) -> Result<()> {
         Err(no_ipv6_maps())
     }
-    fn del_rev_nat6(&mut self, _id: u16) -> Result<()> {
+    fn del_rev_nat6(&mut self, _id: RevNatId) -> Result<()> {
         Ok(())
     }
     fn put_vip6(&mut self, _vip: [u8; 16], _value: VipV4) -> Result<()> {
@@ -91,7 +91,7 @@ fn no_ipv6_maps() -> anyhow::Error {
 pub struct V6Maps {
     services: HashMap<MapData, ServiceKeyV6, ServiceValueV4>,
     backends: HashMap<MapData, u32, BackendV6>,
-    rev_nat: HashMap<MapData, u16, RevNatV6>,
+    rev_nat: HashMap<MapData, RevNatId, RevNatV6>,
     vips: HashMap<MapData, [u8; 16], VipV4>,
 }
 
@@ -100,8 +100,8 @@ pub struct V6Maps {
 pub struct BpfStore {
     services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
     backends: HashMap<MapData, u32, BackendV4>,
-    rev_nat: HashMap<MapData, u16, RevNatV4>,
-    names: HashMap<MapData, u16, FrontendNameV4>,
+    rev_nat: HashMap<MapData, RevNatId, RevNatV4>,
+    names: HashMap<MapData, RevNatId, FrontendNameV4>,
     vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
     source_ranges: Option<LpmTrie<MapData, SourceRangeV4, u8>>,
     maglev: Option<Array<MapData, u32>>,
@@ -113,8 +113,8 @@ impl BpfStore {
     pub fn new(
         services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
         backends: HashMap<MapData, u32, BackendV4>,
-        rev_nat: HashMap<MapData, u16, RevNatV4>,
-        names: HashMap<MapData, u16, FrontendNameV4>,
+        rev_nat: HashMap<MapData, RevNatId, RevNatV4>,
+        names: HashMap<MapData, RevNatId, FrontendNameV4>,
     ) -> Self {
         Self { services, backends, rev_nat, names, vips: None, source_ranges: None, maglev: None, v6: None }
     }
@@ -173,7 +173,7 @@ impl Store for BpfStore {
             None => Ok(Vec::new()),
         }
     }
-    fn read_name(&self, rev_nat_id: u16) -> Option<String> {
+    fn read_name(&self, rev_nat_id: RevNatId) -> Option<String> {
         self.names.get(&rev_nat_id, 0).ok().map(|n| n.as_str().to_owned())
     }
     fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
@@ -188,16 +188,16 @@ impl Store for BpfStore {
     fn del_backend(&mut self, id: u32) -> Result<()> {
         ignore_missing(self.backends.remove(&id))
     }
-    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNatV4) -> Result<()> {
         self.rev_nat.insert(id, value, 0).map_err(map_full)
     }
-    fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+    fn del_rev_nat(&mut self, id: RevNatId) -> Result<()> {
         ignore_missing(self.rev_nat.remove(&id))
     }
-    fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+    fn put_name(&mut self, id: RevNatId, name: &str) -> Result<()> {
         self.names.insert(id, FrontendNameV4::new(name), 0).map_err(map_full)
     }
-    fn del_name(&mut self, id: u16) -> Result<()> {
+    fn del_name(&mut self, id: RevNatId) -> Result<()> {
         ignore_missing(self.names.remove(&id))
     }
     fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
@@ -212,19 +212,19 @@ impl Store for BpfStore {
             None => Ok(()),
         }
     }
-    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
         match &self.source_ranges {
             Some(trie) => read_source_ranges(trie),
             None => Ok(Vec::new()),
         }
     }
-    fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
         match &mut self.source_ranges {
             Some(trie) => trie.insert(&source_range_key(rev_nat_id, range), 1, 0).map_err(map_full),
             None => Ok(()),
         }
     }
-    fn del_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
         match &mut self.source_ranges {
             Some(trie) => ignore_missing(trie.remove(&source_range_key(rev_nat_id, range))),
             None => Ok(()),
@@ -260,10 +260,10 @@ impl Store for BpfStore {
     fn del_backend6(&mut self, id: u32) -> Result<()> {
         ignore_missing(self.v6_mut()?.backends.remove(&id))
     }
-    fn put_rev_nat6(&mut self, id: u16, value: RevNatV6) -> Result<()> {
+    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNatV6) -> Result<()> {
         self.v6_mut()?.rev_nat.insert(id, value, 0).map_err(map_full)
     }
-    fn del_rev_nat6(&mut self, id: u16) -> Result<()> {
+    fn del_rev_nat6(&mut self, id: RevNatId) -> Result<()> {
         ignore_missing(self.v6_mut()?.rev_nat.remove(&id))
     }
     fn put_vip6(&mut self, vip: [u8; 16], value: VipV4) -> Result<()> {
@@ -281,7 +281,7 @@ impl BpfStore {
 }
 
 /// The SOURCE_RANGES_V4 key of one of a frontend's loadBalancerSourceRanges.
-pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> lpm_trie::Key<SourceRangeV4> {
+pub fn source_range_key(rev_nat_id: RevNatId, range: Cidr4) -> lpm_trie::Key<SourceRangeV4> {
     lpm_trie::Key::new(
         SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
         SourceRangeV4::new(rev_nat_id, range.addr.octets()),
@@ -289,14 +289,14 @@ pub fn source_range_key(rev_nat_id: u16, range: Cidr4) -> lpm_trie::Key<SourceRa
 }
 
 /// Every `(rev-NAT id, source range)` SOURCE_RANGES_V4 holds.
-pub fn read_source_ranges(trie: &LpmTrie<MapData, SourceRangeV4, u8>) -> Result<Vec<(u16, Cidr4)>> {
+pub fn read_source_ranges(trie: &LpmTrie<MapData, SourceRangeV4, u8>) -> Result<Vec<(RevNatId, Cidr4)>> {
     let mut out = Vec::new();
     for key in trie.keys() {
         let key = key.context("reading the source ranges map")?;
         let data = key.data();
         let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
         if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
-            out.push((u16::from_be_bytes(data.rev_nat_id), range));
+            out.push((RevNatId::from_be_bytes(data.rev_nat_id), range));
         }
     }
     Ok(out)

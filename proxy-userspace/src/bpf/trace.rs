@@ -35,11 +35,11 @@ impl EventRing {
 }
 
 /// Every programmed frontend's name (FRONTEND_NAMES_V4), by rev-NAT id.
-pub fn frontend_names(pins: &PinDir) -> Result<BTreeMap<u16, String>> {
+pub fn frontend_names(pins: &PinDir) -> Result<BTreeMap<proxy_common::maps::RevNatId, String>> {
     let path = pins.map(MAP_FRONTEND_NAMES_V4);
-    let map: HashMap<MapData, u16, FrontendNameV4> = HashMap::try_from(Map::HashMap(
-        MapData::from_pin(&path).with_context(|| path.display().to_string())?,
-    ))?;
+    let map: HashMap<MapData, proxy_common::maps::RevNatId, FrontendNameV4> = HashMap::try_from(
+        Map::HashMap(MapData::from_pin(&path).with_context(|| path.display().to_string())?),
+    )?;
     Ok(map.iter().filter_map(Result::ok).map(|(id, n)| (id, n.as_str().to_owned())).collect())
 }
 

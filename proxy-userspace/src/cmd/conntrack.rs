@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use anyhow::Result;
 use proxy_common::{
-    maps::{CtEntryV4, CtKeyV4},
+    maps::{CtEntryV4, CtKeyV4, RevNatId},
     maps_v6::{CtEntryV6, CtKeyV6},
 };
 
@@ -20,7 +20,7 @@ use crate::bpf::{
 /// flows of the given frontends (by rev-NAT id), both directions.
 pub fn plan_flush(
     entries: &[(CtKeyV4, CtEntryV4)],
-    rev_nat_ids: Option<&BTreeSet<u16>>,
+    rev_nat_ids: Option<&BTreeSet<RevNatId>>,
     hairpin_addr: [u8; 4],
     snat: &SnatIndex,
 ) -> Vec<CtKeyV4> {
@@ -32,7 +32,10 @@ pub fn plan_flush(
 
 /// [`plan_flush`] for CONNTRACK_V6. Rev-NAT ids are shared between the families, so the ids of a
 /// Service's frontends select its flows of both.
-pub fn plan_flush6(entries: &[(CtKeyV6, CtEntryV6)], rev_nat_ids: Option<&BTreeSet<u16>>) -> Vec<CtKeyV6> {
+pub fn plan_flush6(
+    entries: &[(CtKeyV6, CtEntryV6)],
+    rev_nat_ids: Option<&BTreeSet<RevNatId>>,
+) -> Vec<CtKeyV6> {
     match rev_nat_ids {
         None => entries.iter().map(|(k, _)| *k).collect(),
         Some(ids) => select_pairs(entries, reply_key6, |_, entry| ids.contains(&entry.rev_nat_id)),
@@ -43,9 +46,9 @@ pub fn plan_flush6(entries: &[(CtKeyV6, CtEntryV6)], rev_nat_ids: Option<&BTreeS
 /// (`"namespace/name:port"`; the port name may be empty). `service` is
 /// `namespace/name`.
 pub fn service_rev_nat_ids<'a>(
-    names: impl IntoIterator<Item = (u16, &'a str)>,
+    names: impl IntoIterator<Item = (RevNatId, &'a str)>,
     service: &str,
-) -> BTreeSet<u16> {
+) -> BTreeSet<RevNatId> {
     names
         .into_iter()
         .filter(|(_, name)| name.rsplit_once(':').map_or(*name, |(svc, _)| svc) == service)
@@ -60,7 +63,7 @@ pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
     let ids = match service {
         None => None,
         Some(service) => {
-            let names: Vec<(u16, String)> =
+            let names: Vec<(RevNatId, String)> =
                 maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect();
             let ids = service_rev_nat_ids(names.iter().map(|(id, n)| (*id, n.as_str())), service);
             if ids.is_empty() {

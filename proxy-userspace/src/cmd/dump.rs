@@ -11,7 +11,7 @@ use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
         AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
-        CtEntryV4, CtKeyV4, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
+        CtEntryV4, CtKeyV4, RevNatId, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
     },
     maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
 };
@@ -28,7 +28,7 @@ pub struct ServiceRow {
     pub scope: &'static str,
     pub slot: u16,
     pub service: String,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: RevNatId,
     /// Slot 0: number of active backends; other slots: 0.
     pub count: u16,
     /// Slot 0: number of terminating backends (slots after the active ones).
@@ -92,7 +92,7 @@ pub struct AffinityRow {
     pub frontend: String,
     pub protocol: &'static str,
     pub service: String,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: RevNatId,
     pub backend_id: u32,
     /// `addr:port`, or "(gone)" when the backend was deleted.
     pub backend: String,
@@ -131,7 +131,7 @@ fn backend_label(found: Option<(String, u8)>) -> String {
     }
 }
 
-fn names(maps: &Maps) -> BTreeMap<u16, String> {
+fn names(maps: &Maps) -> BTreeMap<RevNatId, String> {
     maps.names.iter().filter_map(|e| e.ok()).map(|(id, n)| (id, n.as_str().to_owned())).collect()
 }
 
@@ -234,7 +234,7 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
 /// CONNTRACK_V6 with its reply entry's counters, `[addr]:port` notation.
 pub fn conntrack_rows6(
     entries: &[(CtKeyV6, CtEntryV6)],
-    names: &BTreeMap<u16, String>,
+    names: &BTreeMap<RevNatId, String>,
     config: &ConfigV4,
     now: u64,
 ) -> Vec<ConntrackRow> {
@@ -284,7 +284,7 @@ pub fn conntrack_rows6(
 /// entry's counters (found through the hairpin address for hairpin flows).
 pub fn conntrack_rows(
     entries: &[(CtKeyV4, CtEntryV4)],
-    names: &BTreeMap<u16, String>,
+    names: &BTreeMap<RevNatId, String>,
     config: &ConfigV4,
     snat: &crate::bpf::conntrack::SnatIndex,
     now: u64,
@@ -339,7 +339,7 @@ pub fn affinity(maps: &Maps) -> Result<Vec<AffinityRow>> {
             frontends.insert(value.rev_nat_id, value);
         }
     }
-    let rev_nat: BTreeMap<u16, RevNatV4> = maps.rev_nat.iter().filter_map(|e| e.ok()).collect();
+    let rev_nat: BTreeMap<RevNatId, RevNatV4> = maps.rev_nat.iter().filter_map(|e| e.ok()).collect();
     let backends: BTreeMap<u32, BackendV4> = maps.backends.iter().filter_map(|e| e.ok()).collect();
     let entries: Vec<(AffinityKeyV4, AffinityValueV4)> =
         maps.affinity.iter().filter_map(|e| e.ok()).collect();
@@ -353,10 +353,10 @@ pub fn affinity(maps: &Maps) -> Result<Vec<AffinityRow>> {
 /// What affinity rows are resolved against.
 #[derive(Default)]
 pub struct AffinityContext {
-    pub names: BTreeMap<u16, String>,
+    pub names: BTreeMap<RevNatId, String>,
     /// rev-NAT id → the frontend's slot 0.
-    pub frontends: BTreeMap<u16, ServiceValueV4>,
-    pub rev_nat: BTreeMap<u16, RevNatV4>,
+    pub frontends: BTreeMap<RevNatId, ServiceValueV4>,
+    pub rev_nat: BTreeMap<RevNatId, RevNatV4>,
     pub backends: BTreeMap<u32, BackendV4>,
 }
 
@@ -638,7 +638,7 @@ mod tests {
         // A plain flow, idle past its timeout.
         let other = CtEntryV4 { flags: 0, last_seen_ns: now - 70 * S, ..fwd };
         let okey = ct_key([10, 244, 0, 6], 40001, vip, 80, CT_DIR_FORWARD);
-        let names: BTreeMap<u16, String> = [(1, "default/web:http".to_owned())].into();
+        let names: BTreeMap<RevNatId, String> = [(1, "default/web:http".to_owned())].into();
         let config = ConfigV4 { timeout_tcp_syn_ns: 30 * S, ..Default::default() };
         let rows = conntrack_rows(
             &[(fkey, fwd), (rkey, reply), (okey, other)],
@@ -707,7 +707,7 @@ mod tests {
         };
         // A reply entry alone is no row; a forward entry without its reply has no reply counters.
         let lonely = CtKeyV6 { sport: 40001u16.to_be_bytes(), ..forward };
-        let names: BTreeMap<u16, String> = [(7, "default/web:http".to_owned())].into();
+        let names: BTreeMap<RevNatId, String> = [(7, "default/web:http".to_owned())].into();
         let config = ConfigV4::default();
         let rows =
             conntrack_rows6(&[(reply_key, reply), (forward, fwd), (lonely, fwd)], &names, &config, now);
@@ -737,11 +737,8 @@ mod tests {
     #[test]
     fn affinity_rows_resolve_frontend_backend_and_time_left() {
         let now = 100_000 * S;
-        let key = |client: u8, rev_nat_id: u16| AffinityKeyV4 {
-            client: [10, 244, 0, client],
-            rev_nat_id,
-            _pad: [0; 2],
-        };
+        let key =
+            |client: u8, rev_nat_id: RevNatId| AffinityKeyV4 { client: [10, 244, 0, client], rev_nat_id };
         let value =
             |ago: u64, backend_id: u32| AffinityValueV4 { last_used_ns: now - ago * S, backend_id, slot: 0 };
         let ctx = AffinityContext {

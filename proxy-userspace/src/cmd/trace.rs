@@ -14,7 +14,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use proxy_common::{
-    maps::{CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP},
+    maps::{CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, RevNatId},
     trace::{
         EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, TraceEventV4,
     },
@@ -163,7 +163,7 @@ pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: Syste
 }
 
 /// Whether an event passes the command line's filters.
-pub fn matches(event: &TraceEventV4, args: &TraceArgs, service_ids: Option<&[u16]>) -> bool {
+pub fn matches(event: &TraceEventV4, args: &TraceArgs, service_ids: Option<&[RevNatId]>) -> bool {
     if let Some(ids) = service_ids
         && !ids.contains(&event.rev_nat_id)
     {
@@ -197,7 +197,7 @@ pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
     let mut ring = EventRing::open(pins)?;
     let flag = TraceFlag::open(pins)?;
     let mut names = frontend_names(pins)?;
-    let service_ids = |names: &BTreeMap<u16, String>| -> Option<Vec<u16>> {
+    let service_ids = |names: &BTreeMap<RevNatId, String>| -> Option<Vec<RevNatId>> {
         let wanted = args.service.as_ref()?;
         let prefix = format!("{wanted}:");
         Some(names.iter().filter(|(_, n)| n.starts_with(&prefix)).map(|(id, _)| *id).collect())

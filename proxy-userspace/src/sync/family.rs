@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use anyhow::Result;
-use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
+use proxy_common::maps::{BackendV4, RevNatId, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
 use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
 use super::{FrontendKey, Store, Syncer};
@@ -62,7 +62,7 @@ impl<S: Store> Syncer<S> {
         }
     }
 
-    pub(super) fn put_rev_nat_entry(&mut self, fk: &FrontendKey, id: u16) -> Result<()> {
+    pub(super) fn put_rev_nat_entry(&mut self, fk: &FrontendKey, id: RevNatId) -> Result<()> {
         let (port, proto) = (fk.port.to_be_bytes(), fk.proto.number());
         match fk.vip {
             IpAddr::V4(vip) => {
@@ -74,7 +74,7 @@ impl<S: Store> Syncer<S> {
         }
     }
 
-    pub(super) fn del_rev_nat_entry(&mut self, fk: &FrontendKey, id: u16) -> Result<()> {
+    pub(super) fn del_rev_nat_entry(&mut self, fk: &FrontendKey, id: RevNatId) -> Result<()> {
         match fk.vip {
             IpAddr::V4(_) => self.store.del_rev_nat(id),
             IpAddr::V6(_) => self.store.del_rev_nat6(id),

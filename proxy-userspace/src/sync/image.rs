@@ -85,12 +85,13 @@ pub fn desired_backend_flags<'a>(
 pub fn slot_layout(
     active: &[u32],
     terminating: &[u32],
-    rev_nat_id: u16,
+    rev_nat_id: RevNatId,
     flags: u16,
     affinity_timeout_s: u32,
 ) -> Result<Vec<(u16, ServiceValueV4)>> {
     let total = active.len() + terminating.len();
     if total > usize::from(u16::MAX) {
+        // Slots are u16 in the key: a limit per frontend, not on how many frontends there are.
         anyhow::bail!("{total} endpoints exceed the 65535 slots of a frontend");
     }
     let mut slots = Vec::with_capacity(total + 1);
@@ -158,7 +159,7 @@ pub fn cluster_ip_frontends<'a>(
         .collect()
 }
 
-/// The affinity id slot 0 of `frontend` carries ([`ServiceValueV4::slot0_backend_id`]): for a node port,
+/// The affinity id slot 0 of `frontend` carries ([`ServiceValueV4::with_slot0_ids`]): for a node port,
 /// external or load-balancer IP of a Service with `sessionAffinity: ClientIP`, the rev-NAT id of the port's
 /// cluster-IP frontend (`rev_nat_id_of` gives a programmed frontend's), so that AFFINITY_V4 holds one entry per
 /// client and Service port as kube-proxy's affinity sets do (pkg/proxy/nftables/proxier.go: affinity "to a
@@ -168,8 +169,8 @@ pub fn cluster_ip_frontends<'a>(
 pub fn affinity_id(
     frontend: &Frontend,
     cluster_ips: &BTreeMap<ServicePortKey, FrontendKey>,
-    rev_nat_id_of: impl Fn(&FrontendKey) -> Option<u16>,
-) -> u16 {
+    rev_nat_id_of: impl Fn(&FrontendKey) -> Option<RevNatId>,
+) -> RevNatId {
     if frontend.session_affinity_timeout.is_none() || frontend.kind == FrontendKind::ClusterIp {
         return 0;
     }

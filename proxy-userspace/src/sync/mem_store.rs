@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Result;
-use proxy_common::maps::{BackendV4, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
+use proxy_common::maps::{BackendV4, RevNatId, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
 use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
 use crate::{bpf::Store, net::Cidr4};
@@ -23,16 +23,16 @@ pub fn ord(key: &ServiceKeyV4) -> ServiceKeyOrd {
 pub struct MemStore {
     pub services: BTreeMap<ServiceKeyOrd, ServiceValueV4>,
     pub backends: BTreeMap<u32, BackendV4>,
-    pub rev_nat: BTreeMap<u16, RevNatV4>,
-    pub names: BTreeMap<u16, String>,
+    pub rev_nat: BTreeMap<RevNatId, RevNatV4>,
+    pub names: BTreeMap<RevNatId, String>,
     pub vips: BTreeMap<[u8; 4], VipV4>,
-    pub source_ranges: BTreeSet<(u16, Cidr4)>,
+    pub source_ranges: BTreeSet<(RevNatId, Cidr4)>,
     /// MAGLEV_V4 entries written (index → backend id).
     pub maglev: BTreeMap<u32, u32>,
     /// The IPv6 maps: SERVICES_V6 by (vip, port, proto, scope, slot), BACKENDS_V6, REV_NAT_V6, VIPS_V6.
     pub services6: BTreeMap<([u8; 16], u16, u8, u8, u16), ServiceValueV4>,
     pub backends6: BTreeMap<u32, BackendV6>,
-    pub rev_nat6: BTreeMap<u16, RevNatV6>,
+    pub rev_nat6: BTreeMap<RevNatId, RevNatV6>,
     pub vips6: BTreeMap<[u8; 16], VipV4>,
     pub log: Vec<String>,
     /// Refuse inserting new backends once this many exist.
@@ -59,7 +59,7 @@ impl Store for MemStore {
     fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
         Ok(self.vips.iter().map(|(k, v)| (*k, *v)).collect())
     }
-    fn read_name(&self, id: u16) -> Option<String> {
+    fn read_name(&self, id: RevNatId) -> Option<String> {
         self.names.get(&id).cloned()
     }
     fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()> {
@@ -90,21 +90,21 @@ impl Store for MemStore {
         self.backends.remove(&id);
         Ok(())
     }
-    fn put_rev_nat(&mut self, id: u16, value: RevNatV4) -> Result<()> {
+    fn put_rev_nat(&mut self, id: RevNatId, value: RevNatV4) -> Result<()> {
         self.log.push(format!("put revnat {id}"));
         self.rev_nat.insert(id, value);
         Ok(())
     }
-    fn del_rev_nat(&mut self, id: u16) -> Result<()> {
+    fn del_rev_nat(&mut self, id: RevNatId) -> Result<()> {
         self.log.push(format!("del revnat {id}"));
         self.rev_nat.remove(&id);
         Ok(())
     }
-    fn put_name(&mut self, id: u16, name: &str) -> Result<()> {
+    fn put_name(&mut self, id: RevNatId, name: &str) -> Result<()> {
         self.names.insert(id, name.to_owned());
         Ok(())
     }
-    fn del_name(&mut self, id: u16) -> Result<()> {
+    fn del_name(&mut self, id: RevNatId) -> Result<()> {
         self.names.remove(&id);
         Ok(())
     }
@@ -118,14 +118,14 @@ impl Store for MemStore {
         self.vips.remove(&vip);
         Ok(())
     }
-    fn read_source_ranges(&self) -> Result<Vec<(u16, Cidr4)>> {
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
         Ok(self.source_ranges.iter().copied().collect())
     }
-    fn put_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
         self.source_ranges.insert((rev_nat_id, range));
         Ok(())
     }
-    fn del_source_range(&mut self, rev_nat_id: u16, range: Cidr4) -> Result<()> {
+    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
         self.source_ranges.remove(&(rev_nat_id, range));
         Ok(())
     }
@@ -171,12 +171,12 @@ impl Store for MemStore {
         self.backends6.remove(&id);
         Ok(())
     }
-    fn put_rev_nat6(&mut self, id: u16, value: RevNatV6) -> Result<()> {
+    fn put_rev_nat6(&mut self, id: RevNatId, value: RevNatV6) -> Result<()> {
         self.log.push(format!("put revnat6 {id}"));
         self.rev_nat6.insert(id, value);
         Ok(())
     }
-    fn del_rev_nat6(&mut self, id: u16) -> Result<()> {
+    fn del_rev_nat6(&mut self, id: RevNatId) -> Result<()> {
         self.log.push(format!("del revnat6 {id}"));
         self.rev_nat6.remove(&id);
         Ok(())

@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Result;
-use proxy_common::maps::{SVC_FLAG_MAGLEV, ServiceValueV4};
+use proxy_common::maps::{RevNatId, SVC_FLAG_MAGLEV, ServiceValueV4};
 
 use super::{BackendEntry, FrontendKey, Programmed, Store, Syncer};
 use crate::model::BackendAddr;
@@ -30,7 +30,7 @@ impl<S: Store> Syncer<S> {
         self.next_backend_id = max_backend_id.map_or(1, |m| m.wrapping_add(1).max(1));
         self.next_rev_nat_id = max_rev_nat_id.map_or(1, |m| m.wrapping_add(1).max(1));
         self.backend_ids_wrapped = max_backend_id == Some(u32::MAX);
-        self.rev_nat_ids_wrapped = max_rev_nat_id == Some(u16::MAX);
+        self.rev_nat_ids_wrapped = max_rev_nat_id == Some(RevNatId::MAX);
         self.backends = backends;
         self.frontends = frontends;
         Ok(())
@@ -72,7 +72,7 @@ impl<S: Store> Syncer<S> {
             let fk = FrontendKey { vip, port: u16::from_be_bytes(port), proto, scope };
             slots.entry(fk).or_default().insert(slot, value);
         }
-        let mut ranges: BTreeMap<u16, Vec<Cidr4>> = BTreeMap::new();
+        let mut ranges: BTreeMap<RevNatId, Vec<Cidr4>> = BTreeMap::new();
         for (id, range) in self.store.read_source_ranges()? {
             ranges.entry(id).or_default().push(range);
         }
@@ -103,15 +103,15 @@ impl<S: Store> Syncer<S> {
         id
     }
 
-    pub(super) fn allocate_rev_nat_id(&mut self) -> Option<u16> {
+    pub(super) fn allocate_rev_nat_id(&mut self) -> Option<RevNatId> {
         if !self.rev_nat_ids_wrapped && self.next_rev_nat_id != 0 {
             let id = self.next_rev_nat_id;
             self.next_rev_nat_id = id.wrapping_add(1);
             self.rev_nat_ids_wrapped = self.next_rev_nat_id == 0;
             return Some(id);
         }
-        let used: BTreeSet<u16> = self.frontends.values().map(|f| f.rev_nat_id).collect();
-        if used.len() >= usize::from(u16::MAX) {
+        let used: BTreeSet<RevNatId> = self.frontends.values().map(|f| f.rev_nat_id).collect();
+        if used.len() as u64 >= u64::from(RevNatId::MAX) {
             return None;
         }
         while self.next_rev_nat_id == 0 || used.contains(&self.next_rev_nat_id) {

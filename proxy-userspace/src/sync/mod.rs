@@ -39,7 +39,7 @@ pub use image::{
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Programmed {
-    rev_nat_id: u16,
+    rev_nat_id: RevNatId,
     name: String,
     /// Slots `1..=count`: backends for new connections.
     backend_ids: Vec<u32>,
@@ -49,7 +49,7 @@ struct Programmed {
     flags: u16,
     affinity_timeout_s: u32,
     /// The rev-NAT id its clients' affinity is kept under when not its own ([`image::affinity_id`]).
-    affinity_id: u16,
+    affinity_id: RevNatId,
     /// Sorted.
     source_ranges: Vec<Cidr4>,
     /// The Maglev table this frontend uses, and the backend ids written to it
@@ -83,7 +83,7 @@ pub struct Syncer<S: Store = BpfStore> {
     /// VIP → frontends on it, as written to VIPS_V4.
     vips: BTreeMap<IpAddr, u32>,
     next_backend_id: u32,
-    next_rev_nat_id: u16,
+    next_rev_nat_id: RevNatId,
     /// Whether the id counters wrapped around: until then every id at or
     /// above the counter is free, and allocation needs no search.
     backend_ids_wrapped: bool,

@@ -133,7 +133,7 @@ impl<S: Store> Syncer<S> {
         fk: FrontendKey,
         frontend: &Frontend,
         name: &str,
-        affinity_id: u16,
+        affinity_id: RevNatId,
         wanted_flags: &BTreeMap<(BackendAddr, Protocol), u8>,
         report: &mut SyncReport,
     ) -> Result<()> {
@@ -168,7 +168,7 @@ impl<S: Store> Syncer<S> {
         let previous = self.frontends.get(&fk).cloned();
         let rev_nat_id = match &previous {
             Some(p) => p.rev_nat_id,
-            None => self.allocate_rev_nat_id().context("all 65535 rev-NAT ids are in use")?,
+            None => self.allocate_rev_nat_id().context("every rev-NAT id is in use")?,
         };
         let mut slots = slot_layout(&ids, &terminating_ids, rev_nat_id, flags, affinity_timeout_s)?;
         // The table is written before slot 0 points at it; its entries name
@@ -179,7 +179,7 @@ impl<S: Store> Syncer<S> {
             }
             None => (None, Vec::new()),
         };
-        slots[0].1.backend_id = ServiceValueV4::slot0_backend_id(maglev_table, affinity_id);
+        slots[0].1 = slots[0].1.with_slot0_ids(maglev_table, affinity_id);
         let flags = slots[0].1.flags;
         self.write_frontend(fk, rev_nat_id, name, previous.as_ref(), &slots, &source_ranges)?;
         if previous.is_some() {
@@ -252,7 +252,7 @@ impl<S: Store> Syncer<S> {
     fn write_frontend(
         &mut self,
         fk: FrontendKey,
-        rev_nat_id: u16,
+        rev_nat_id: RevNatId,
         name: &str,
         previous: Option<&Programmed>,
         slots: &[(u16, ServiceValueV4)],

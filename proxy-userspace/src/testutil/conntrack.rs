@@ -53,7 +53,7 @@ pub const BACKEND6: [u8; 16] = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 
 
 /// An IPv6 flow CLIENT6:sport → VIP6:53 DNATed to BACKEND6 (backend 17, open, seen at 0), both
 /// entries.
-pub fn flow6(sport: u16, proto: u8, rev_nat_id: u16) -> [(CtKeyV6, CtEntryV6); 2] {
+pub fn flow6(sport: u16, proto: u8, rev_nat_id: proxy_common::maps::RevNatId) -> [(CtKeyV6, CtEntryV6); 2] {
     let fkey = CtKeyV6 {
         saddr: CLIENT6,
         daddr: VIP6,

@@ -339,10 +339,10 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
                     flags: BACKEND_FLAG_ACTIVE,
                 };
                 raw_backends.insert(id, b, 0)?;
-                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u16::MAX, ..Default::default() };
+                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u32::MAX, ..Default::default() };
                 raw_services.insert(key(j as u16 + 1), slot, 0)?;
             }
-            let master = ServiceValueV4 { count: 3, rev_nat_id: u16::MAX, ..Default::default() };
+            let master = ServiceValueV4 { count: 3, rev_nat_id: u32::MAX, ..Default::default() };
             raw_services.insert(key(0), master, 0)?;
             raw_written += 1;
         }
@@ -363,10 +363,10 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
                     flags: BACKEND_FLAG_ACTIVE,
                 };
                 raw_backends6.insert(id, b, 0)?;
-                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u16::MAX, ..Default::default() };
+                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u32::MAX, ..Default::default() };
                 raw_services6.insert(key(j as u16 + 1), slot, 0)?;
             }
-            let master = ServiceValueV4 { count: 3, rev_nat_id: u16::MAX, ..Default::default() };
+            let master = ServiceValueV4 { count: 3, rev_nat_id: u32::MAX, ..Default::default() };
             raw_services6.insert(key(0), master, 0)?;
             raw6_written += 1;
         }

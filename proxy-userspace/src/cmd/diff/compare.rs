@@ -8,7 +8,7 @@ use std::{
     net::IpAddr,
 };
 
-use proxy_common::maps::{SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_MAGLEV, ServiceValueV4};
+use proxy_common::maps::{RevNatId, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_MAGLEV, ServiceValueV4};
 
 use super::render::{
     Key, backend_addr, backend_label, backend_state, frontend_label, list, proto_name, rev_nat_label,
@@ -102,7 +102,7 @@ fn missing_and_extra<T: Ord + Display>(have: &BTreeSet<T>, want: &BTreeSet<T>) -
 
 /// Slot 0's flags (but the Maglev bit, the syncer's choice), affinity timeout and affinity id against the wanted
 /// ones.
-fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4, affinity_id: u16) -> Vec<String> {
+fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4, affinity_id: RevNatId) -> Vec<String> {
     let mut problems = Vec::new();
     let flags = frontend_flags(frontend);
     if master.flags & !SVC_FLAG_MAGLEV != flags {
@@ -113,7 +113,7 @@ fn slot0_problems(frontend: &Frontend, master: &ServiceValueV4, affinity_id: u16
         problems.push(format!("affinity timeout {} s, want {timeout} s", master.affinity_timeout_s));
     }
     if master.named_affinity_id() != affinity_id {
-        let id = |id: u16| if id == 0 { "its own".to_owned() } else { format!("rev-NAT id {id}'s") };
+        let id = |id: RevNatId| if id == 0 { "its own".to_owned() } else { format!("rev-NAT id {id}'s") };
         problems.push(format!(
             "keeps affinity under {}, want {} (the Service port's cluster IP)",
             id(master.named_affinity_id()),
@@ -130,7 +130,7 @@ struct Comparison<'a> {
     /// Backend ids some slot points at.
     referenced: BTreeSet<u32>,
     /// The rev-NAT ids of the frontends in the services map.
-    used_rev_nat: BTreeSet<u16>,
+    used_rev_nat: BTreeSet<RevNatId>,
     /// Each wanted Service port's cluster-IP frontend, whose rev-NAT id its other frontends keep affinity under.
     cluster_ips: BTreeMap<ServicePortKey, FrontendKey>,
     /// Slot 0 of every frontend in the services map.
@@ -417,7 +417,7 @@ impl Comparison<'_> {
     /// rev-NAT, source-range and names entries of no frontend.
     fn orphan_entries(&mut self) {
         let state = self.state;
-        let name_of = |id: &u16| state.names.get(id).cloned().unwrap_or_default();
+        let name_of = |id: &RevNatId| state.names.get(id).cloned().unwrap_or_default();
         for (id, r) in &state.rev_nat {
             if !self.used_rev_nat.contains(id) {
                 let detail = format!("rev-NAT id {id} belongs to no frontend");

@@ -7,7 +7,7 @@ use std::{
 
 use anyhow::Result;
 use proxy_common::maps::{
-    BackendV4, FrontendNameV4, RevNatV4, SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4,
+    BackendV4, FrontendNameV4, RevNatId, RevNatV4, SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4,
 };
 use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
@@ -88,12 +88,12 @@ impl From<RevNatV6> for RevNatEntry {
 pub struct MapState {
     pub services: Vec<(SlotKey, ServiceValueV4)>,
     pub backends: BTreeMap<u32, BackendEntry>,
-    pub rev_nat: BTreeMap<u16, RevNatEntry>,
-    pub names: BTreeMap<u16, String>,
+    pub rev_nat: BTreeMap<RevNatId, RevNatEntry>,
+    pub names: BTreeMap<RevNatId, String>,
     /// VIP → the number of frontends VIPS_V4 or VIPS_V6 counts on it.
     pub vips: BTreeMap<IpAddr, u32>,
     /// rev-NAT id → its source ranges.
-    pub source_ranges: BTreeMap<u16, BTreeSet<Cidr4>>,
+    pub source_ranges: BTreeMap<RevNatId, BTreeSet<Cidr4>>,
     /// Maglev table number → its entries (backend ids), for the tables slot 0s name.
     pub maglev: BTreeMap<u32, Vec<u32>>,
     /// NODEPORT_CONFIG's Maglev seed (every table is built with it).
@@ -124,7 +124,7 @@ impl MapState {
             rev_nat: rev_nat4.chain(rev_nat6).collect(),
             names: read_entries(&maps.names, "names")?
                 .into_iter()
-                .map(|(id, n): (u16, FrontendNameV4)| (id, n.as_str().to_owned()))
+                .map(|(id, n): (RevNatId, FrontendNameV4)| (id, n.as_str().to_owned()))
                 .collect(),
             vips: vips4.chain(vips6).collect(),
             source_ranges: BTreeMap::new(),
