@@ -264,6 +264,72 @@ impl Clash {
     }
 }
 
+/// A conntrack key of either family ([`crate::maps::CtKeyV4`], [`crate::maps_v6::CtKeyV6`]), so
+/// that the clash checks below are written once for both.
+pub trait FlowKey: Copy {
+    type Addr: Copy + PartialEq;
+    fn saddr(&self) -> Self::Addr;
+    fn daddr(&self) -> Self::Addr;
+    fn sport(&self) -> [u8; 2];
+    fn dport(&self) -> [u8; 2];
+    fn proto(&self) -> u8;
+    /// A forward-direction key.
+    fn forward(saddr: Self::Addr, daddr: Self::Addr, sport: [u8; 2], dport: [u8; 2], proto: u8) -> Self;
+}
+
+macro_rules! flow_key {
+    ($($key:ty, $addr:ty);*) => {$(
+        impl FlowKey for $key {
+            type Addr = $addr;
+            #[inline(always)]
+            fn saddr(&self) -> $addr { self.saddr }
+            #[inline(always)]
+            fn daddr(&self) -> $addr { self.daddr }
+            #[inline(always)]
+            fn sport(&self) -> [u8; 2] { self.sport }
+            #[inline(always)]
+            fn dport(&self) -> [u8; 2] { self.dport }
+            #[inline(always)]
+            fn proto(&self) -> u8 { self.proto }
+            #[inline(always)]
+            fn forward(saddr: $addr, daddr: $addr, sport: [u8; 2], dport: [u8; 2], proto: u8) -> Self {
+                Self { saddr, daddr, sport, dport, proto, direction: CT_DIR_FORWARD, _pad: [0; 2] }
+            }
+        }
+    )*};
+}
+flow_key!(crate::maps::CtKeyV4, [u8; 4]; crate::maps_v6::CtKeyV6, [u8; 16]);
+
+/// The forward key of the translated flow whose reply entry holds a new flow's reply tuple
+/// `reply_key` (`backend → client:port`): `client`'s flow (the reply's destination, or for a
+/// hairpin flow its source) from `client_port` to `frontend`, the address and port its reply entry
+/// un-NATs to. `client_port` is the reply's destination port, or the client's own port when the
+/// flow was remapped (its reverse SNAT entry).
+#[inline(always)]
+pub fn clashing_forward_key<K: FlowKey>(
+    reply_key: &K,
+    client: K::Addr,
+    client_port: [u8; 2],
+    frontend: (K::Addr, [u8; 2]),
+) -> K {
+    K::forward(client, frontend.0, client_port, frontend.1, reply_key.proto())
+}
+
+/// Whether a forward entry sending its flow to `backend` is the flow of the reply entry under
+/// `reply_key` (the reply's source is that backend): a forward entry under the same key may be a
+/// later flow's, whose reply tuple is another.
+#[inline(always)]
+pub fn forward_points_back<K: FlowKey>(reply_key: &K, backend: (K::Addr, [u8; 2])) -> bool {
+    backend.0 == reply_key.saddr() && backend.1 == reply_key.sport()
+}
+
+impl ClashingFlow {
+    /// A reply entry whose forward entry is gone: nothing can use it.
+    pub const fn orphan(reply_flags_seen: u8) -> Self {
+        ClashingFlow { state: None, forward_flags_seen: 0, reply_flags_seen, idle: true }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,6 +432,45 @@ mod tests {
         assert_eq!(Clash::resolve(IPPROTO_TCP, TCP_SYN, half), Clash::Remap);
         // UDP cannot tell a new exchange from the old one: always both.
         assert_eq!(Clash::resolve(IPPROTO_UDP, 0, flow(CtState::Open, 0, 0)), Clash::Remap);
+    }
+
+    /// The clash checks read both families' keys alike: the flow a reply entry belongs to is found
+    /// from the reply tuple and the frontend the entry un-NATs to.
+    #[test]
+    fn the_clashing_flow_is_found_alike_in_both_families() {
+        use crate::maps::CtKeyV4;
+        use crate::maps_v6::CtKeyV6;
+        let (client, backend, vip) = ([10, 244, 0, 5], [10, 244, 0, 9], [10, 96, 0, 10]);
+        let forward = CtKeyV4 {
+            saddr: client,
+            daddr: vip,
+            sport: [0x9c, 0x40],
+            dport: [0, 80],
+            proto: 6,
+            ..Default::default()
+        };
+        let reply = forward.reply_of(backend, [0x1f, 0x90]);
+        assert_eq!(clashing_forward_key(&reply, reply.daddr, reply.dport, (vip, [0, 80])), forward);
+        assert!(forward_points_back(&reply, (backend, [0x1f, 0x90])));
+        assert!(!forward_points_back(&reply, (backend, [0, 80])), "another port of the backend");
+        assert!(!forward_points_back(&reply, ([10, 244, 0, 8], [0x1f, 0x90])), "another backend");
+
+        let v6 = |last: u8| [0xfd, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last];
+        let forward6 = CtKeyV6 {
+            saddr: v6(5),
+            daddr: v6(0xa),
+            sport: [0x9c, 0x40],
+            dport: [0, 53],
+            proto: 17,
+            ..Default::default()
+        };
+        // A remapped flow: its reply comes to the remapped port; the forward key has the client's own.
+        let mut reply6 = forward6.reply_of(v6(9), [0, 53]);
+        reply6.dport = [0xee, 0x48];
+        assert_eq!(clashing_forward_key(&reply6, reply6.daddr, [0x9c, 0x40], (v6(0xa), [0, 53])), forward6);
+        assert!(forward_points_back(&reply6, (v6(9), [0, 53])));
+        assert!(!forward_points_back(&reply6, (v6(8), [0, 53])));
+        assert_eq!(Clash::resolve(IPPROTO_UDP, 0, ClashingFlow::orphan(0)), Clash::Yield);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub const MAP_CONNTRACK_V6: &str = "CONNTRACK_V6";
 pub const MAP_VIPS_V6: &str = "VIPS_V6";
 pub const MAP_FRAGMENTS_V6: &str = "FRAGMENTS_V6";
 pub const MAP_AFFINITY_V6: &str = "AFFINITY_V6";
+pub const MAP_SNAT_V6: &str = "SNAT_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
@@ -22,6 +23,8 @@ pub const CONNTRACK_V6_CAPACITY: u32 = 262_144;
 pub const VIPS_V6_CAPACITY: u32 = 65_536;
 pub const FRAGMENTS_V6_CAPACITY: u32 = 8_192;
 pub const AFFINITY_V6_CAPACITY: u32 = 65_536;
+/// One forward and one reverse entry per remapped flow, as SNAT_V4 beside CONNTRACK_V4.
+pub const SNAT_V6_CAPACITY: u32 = CONNTRACK_V6_CAPACITY;
 
 /// The source of a pod's packets to itself through its IPv6 Service (hairpin), as
 /// [`crate::maps::DEFAULT_HAIRPIN_ADDR`] for IPv4: `100::42:1`, in RFC 6666's discard-only prefix
@@ -149,6 +152,20 @@ pub struct AffinityKeyV6 {
     pub rev_nat_id: crate::maps::RevNatId,
 }
 
+/// One direction of an IPv6 flow whose client tuple was rewritten, as [`crate::maps::SnatEntryV4`]:
+/// SNAT_V6 maps the flow's own forward key (pre-DNAT) to the address and port the client became,
+/// and the reply key (`backend → client:remapped port`) to the client's own. For now only
+/// remapped flows ([`crate::maps::CT_FLAG_REMAP`], port-reuse clashes): the address is the
+/// client's own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SnatEntryV6 {
+    pub created_ns: u64,
+    pub addr: [u8; 16],
+    pub port: [u8; 2],
+    pub _pad: [u8; 6],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -160,6 +177,7 @@ mod pod {
     unsafe impl aya::Pod for CtEntryV6 {}
     unsafe impl aya::Pod for FragmentKeyV6 {}
     unsafe impl aya::Pod for AffinityKeyV6 {}
+    unsafe impl aya::Pod for SnatEntryV6 {}
 }
 
 #[cfg(test)]
@@ -176,6 +194,7 @@ mod tests {
         assert_eq!(size_of::<CtEntryV6>(), 4 * 8 + 4 + 16 + 2 + 1 + 1 + 4 + 1 + 3);
         assert_eq!(size_of::<FragmentKeyV6>(), 16 + 16 + 4 + 1 + 3);
         assert_eq!(size_of::<AffinityKeyV6>(), 16 + 4);
+        assert_eq!(size_of::<SnatEntryV6>(), 8 + 16 + 2 + 6);
     }
 
     #[test]

@@ -1,36 +1,50 @@
 //! IPv6 conntrack: CONNTRACK_V6 with the states, transitions and timeouts of IPv4's
 //! (`proxy_common::conntrack`: `CtState`, `record_packet`, `reply_moves_state`, `Timeouts`), and
 //! the same pairing of a flow's forward and reply entries. Reply entries are keyed by
-//! `backend → client`, or `backend → HAIRPIN_ADDR_V6` for a hairpin flow; no SNAT or remapped flows
-//! yet.
+//! `backend → client`, `backend → HAIRPIN_ADDR_V6` for a hairpin flow, or `backend →
+//! client:remapped port` for a flow whose source port was remapped (port reuse, `snat6`).
 use proxy_common::{
-    conntrack::{CtState, Timeouts, record_packet, reply_moves_state},
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN},
+    conntrack::{
+        Clash, ClashingFlow, CtState, Timeouts, clashing_forward_key, forward_points_back, record_packet,
+        reply_moves_state,
+    },
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP},
     maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
-use crate::{maps::CONNTRACK_V6, parse6::Flow6, verdict::Verdict};
+use crate::{
+    config, conntrack,
+    maps::{CONNTRACK_V6, SNAT_V6},
+    parse6::Flow6,
+    snat6, stats,
+    verdict::Verdict,
+};
 
 #[inline(always)]
 pub fn lookup(key: &CtKeyV6) -> Option<*mut CtEntryV6> {
     CONNTRACK_V6.get_ptr_mut(key)
 }
 
-/// The key of a forward entry's reply entry: `backend → client`, or `backend → hairpin address`
-/// for a pod's flow to itself.
+/// The key of a forward entry's reply entry: `backend → client`, `backend → hairpin address` for a
+/// pod's flow to itself, or `backend → client:remapped port` for a remapped flow — `None` when its
+/// remapped port is gone from SNAT_V6 (evicted): nothing can find its replies any more.
 ///
 /// # Safety
 /// `forward` must come from [`lookup`] in this program run.
 #[inline(always)]
-unsafe fn reply_key(forward_key: &CtKeyV6, forward: *const CtEntryV6) -> CtKeyV6 {
+unsafe fn reply_key(forward_key: &CtKeyV6, forward: *const CtEntryV6) -> Option<CtKeyV6> {
     // SAFETY: per the contract above.
     let mut key = unsafe { forward_key.reply_of((*forward).nat_addr, (*forward).nat_port) };
     // SAFETY: as above.
-    if unsafe { (*forward).flags } & CT_FLAG_HAIRPIN != 0 {
+    let flags = unsafe { (*forward).flags };
+    if flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = HAIRPIN_ADDR_V6;
     }
-    key
+    if flags & CT_FLAG_REMAP != 0 {
+        key.dport = snat6::forward(forward_key)?;
+    }
+    Some(key)
 }
 
 /// Whether a flow has been idle past its state's timeout: the reply direction is consulted only
@@ -54,7 +68,7 @@ pub unsafe fn expired(
         return false;
     }
     // SAFETY: as above.
-    match lookup(&unsafe { reply_key(forward_key, forward) }) {
+    match unsafe { reply_key(forward_key, forward) }.and_then(|key| lookup(&key)) {
         // SAFETY: a valid map value for this program run.
         Some(reply) => timeouts.expired(forward.state, unsafe { (*reply).last_seen_ns }, now),
         None => true,
@@ -68,8 +82,13 @@ pub unsafe fn expired(
 #[inline(always)]
 pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
     // SAFETY: per the contract above; the key is built before either entry goes.
-    let reply_key = unsafe { reply_key(forward_key, forward) };
-    let _ = CONNTRACK_V6.remove(reply_key);
+    if let Some(reply_key) = unsafe { reply_key(forward_key, forward) } {
+        let _ = CONNTRACK_V6.remove(reply_key);
+        // SAFETY: as above.
+        if unsafe { (*forward).flags } & CT_FLAG_REMAP != 0 {
+            snat6::remove(forward_key, &reply_key);
+        }
+    }
     let _ = CONNTRACK_V6.remove(*forward_key);
 }
 
@@ -82,7 +101,7 @@ pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
 #[inline(always)]
 pub unsafe fn keep_reply(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
     // SAFETY: per the contract above.
-    let key = unsafe { reply_key(forward_key, forward) };
+    let Some(key) = (unsafe { reply_key(forward_key, forward) }) else { return };
     if lookup(&key).is_some() {
         return;
     }
@@ -172,6 +191,9 @@ pub unsafe fn track_reply(
 
 /// Creates the reply entry, then the forward entry, so that no reply can arrive for a flow whose
 /// un-NAT is not yet known. One entry on the stack, the reply's, then turned into the forward one.
+/// A remapped port taken for a flow that cannot be recorded is not given back: inserts into an
+/// LRU map evict rather than fail, and SNAT_V6's LRU reclaims it (no frame here has room for the
+/// keys the clean-up needs).
 #[inline(always)]
 #[allow(
     clippy::needless_borrows_for_generic_args,
@@ -184,7 +206,7 @@ pub fn create(
     backend_id: u32,
     rev_nat_id: proxy_common::maps::RevNatId,
     now: u64,
-    hairpin: bool,
+    reply_to: ReplyTo6,
 ) -> Result<(), Verdict> {
     let mut entry = CtEntryV6 {
         created_ns: now,
@@ -194,13 +216,14 @@ pub fn create(
         nat_port: flow.dport,
         rev_nat_id,
         state: CtState::initial(flow.proto, flow.tcp_flags) as u8,
-        flags: if hairpin { CT_FLAG_HAIRPIN } else { 0 },
+        flags: reply_to.flags,
         ..Default::default()
     };
     let mut reply_key = forward_key.reply_of(backend.addr, backend.port);
-    if hairpin {
+    if reply_to.flags & CT_FLAG_HAIRPIN != 0 {
         reply_key.daddr = HAIRPIN_ADDR_V6;
     }
+    reply_key.dport = reply_to.port;
     CONNTRACK_V6.insert(reply_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     entry.packets = 1;
     entry.bytes = u64::from(flow.ip_len());
@@ -209,4 +232,109 @@ pub fn create(
     entry.tcp_flags_seen = flow.tcp_flags;
     CONNTRACK_V6.insert(forward_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     Ok(())
+}
+
+/// Where a new flow's replies come back to, as IPv4's `conntrack::ReplyTo`: the client's own port,
+/// or the remapped one (`CT_FLAG_REMAP`), and the flow's `CT_FLAG_*`. Every byte a field.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct ReplyTo6 {
+    pub port: [u8; 2],
+    pub flags: u8,
+    _pad: u8,
+}
+
+impl ReplyTo6 {
+    /// Replies to the client's own `port`.
+    pub const fn client(port: [u8; 2]) -> Self {
+        ReplyTo6 { port, flags: 0, _pad: 0 }
+    }
+
+    /// Replies to the client at the remapped `port`; `direct`: a flow to a pod's own address, not
+    /// a Service's.
+    pub const fn remap(port: [u8; 2], direct: bool) -> Self {
+        let flags = if direct { CT_FLAG_REMAP | proxy_common::maps::CT_FLAG_DIRECT } else { CT_FLAG_REMAP };
+        ReplyTo6 { port, flags, _pad: 0 }
+    }
+
+    pub const fn with_flag(self, flag: u8) -> Self {
+        ReplyTo6 { flags: self.flags | flag, ..self }
+    }
+
+    pub const fn is(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Whether a new flow of `flow`'s client may have `backend:backend_port → client:port` as its
+/// reply tuple, as IPv4's `conntrack::claim` (the decision is `proxy_common::conntrack::Clash`,
+/// shared): `None` when no translated flow has it (one that had it but was over has just been
+/// removed: it yields), otherwise how the clash is resolved (`Remap`: this flow's source port must
+/// be remapped; `Leave`: a TCP segment that starts nothing). Not inlined: a stage of its own,
+/// called from the program, with its keys out of the other stages' frames. Hairpin reply tuples
+/// (`pod → HAIRPIN_ADDR_V6`) are never a pod's own, so only plain and remapped flows can clash.
+#[inline(never)]
+pub fn claim(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2]) -> Option<Clash> {
+    let reply_key = CtKeyV6 {
+        saddr: *backend,
+        daddr: flow.saddr,
+        sport: backend_port,
+        dport: flow.sport,
+        proto: flow.proto,
+        direction: CT_DIR_REPLY,
+        _pad: [0; 2],
+    };
+    let reply = lookup(&reply_key)?;
+    // Read only now: most packets that get here clash with nothing.
+    let now = conntrack::now();
+    // SAFETY: a map value valid for this program run, read in place.
+    let (reply_flags, reply_flags_seen, frontend) =
+        unsafe { ((*reply).flags, (*reply).tcp_flags_seen, ((*reply).nat_addr, (*reply).nat_port)) };
+    // The flow the reply entry belongs to, if its forward entry is still there and still that
+    // flow's (pointing back at the reply's source); a remapped flow's forward key has the client's
+    // own port, from its reverse SNAT entry.
+    let mut forward_key = clashing_forward_key(&reply_key, reply_key.daddr, reply_key.dport, frontend);
+    let remapped = reply_flags & CT_FLAG_REMAP != 0;
+    let original = if remapped { snat6::reverse(&reply_key) } else { None };
+    let mut forward: *mut CtEntryV6 = core::ptr::null_mut();
+    if !remapped || original.is_some() {
+        if let Some(port) = original {
+            forward_key.sport = port;
+        }
+        if let Some(ptr) = lookup(&forward_key)
+            // SAFETY: as above.
+            && forward_points_back(&reply_key, unsafe { ((*ptr).nat_addr, (*ptr).nat_port) })
+        {
+            forward = ptr;
+        }
+    }
+    let existing = if forward.is_null() {
+        ClashingFlow::orphan(reply_flags_seen)
+    } else {
+        // SAFETY: as above.
+        let (state, forward_flags_seen) = unsafe { ((*forward).state, (*forward).tcp_flags_seen) };
+        ClashingFlow {
+            state: Some(state),
+            forward_flags_seen,
+            reply_flags_seen,
+            // SAFETY: as above.
+            idle: unsafe { expired(&forward_key, forward, &config::get().timeouts, now) },
+        }
+    };
+    match Clash::resolve(flow.proto, flow.tcp_flags, existing) {
+        Clash::Yield => {
+            if forward.is_null() {
+                let _ = CONNTRACK_V6.remove(reply_key);
+                if remapped {
+                    let _ = SNAT_V6.remove(reply_key);
+                }
+            } else {
+                // SAFETY: as above.
+                unsafe { remove_pair(&forward_key, forward) };
+            }
+            stats::count(Stat::ClashYielded);
+            None
+        }
+        other => Some(other),
+    }
 }

@@ -4,14 +4,17 @@
 //! about translated flows, un-NATed for the client (`icmp6`). A chain of its own, as
 //! `ingress6`.
 use aya_ebpf::programs::TcContext;
-use proxy_common::{maps::CT_DIR_REPLY, stats::Stat};
+use proxy_common::{
+    maps::{CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_REMAP},
+    stats::Stat,
+};
 
 use crate::{
     conntrack, conntrack6, fib, icmp6,
     maps::FLOW6_SCRATCH,
     nat6,
     parse6::{self, Flow6},
-    stats,
+    snat6, stats,
     verdict::{Verdict, finish},
 };
 
@@ -32,12 +35,21 @@ fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     }
 }
 
-/// A reply of a translated flow: its source back to the Service. Not inlined: a stage of its own
-/// beside `parse6::flow`, as both would not fit on the stack together.
+/// A reply of a translated flow: its source back to the Service, and for a flow whose source port
+/// was remapped (port reuse) its destination port back to the client's own (SNAT_V6) — the only
+/// change for a direct flow, which no Service translated. Not inlined: a stage of its own beside
+/// `parse6::flow`, as both would not fit on the stack together.
 #[inline(never)]
 fn unnat(ctx: &TcContext, flow: &Flow6) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
+    // SAFETY: a map value valid for this program run.
+    let flags = unsafe { (*entry).flags };
+    let client_port = if flags & CT_FLAG_REMAP != 0 {
+        snat6::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?
+    } else {
+        flow.dport
+    };
     let now = conntrack::now();
     // SAFETY: a map value valid for this program run, read in place (see `conntrack6::expired`).
     let (vip, vip_port) = unsafe {
@@ -45,12 +57,15 @@ fn unnat(ctx: &TcContext, flow: &Flow6) -> Result<Verdict, Verdict> {
         conntrack6::track_reply(
             entry,
             flow,
-            &(flow.daddr, flow.dport),
+            &(flow.daddr, client_port),
             &((*entry).nat_addr, (*entry).nat_port),
         );
         (&(*entry).nat_addr, (*entry).nat_port)
     };
     nat6::rewrite_source(ctx, flow, vip, vip_port)?;
-    stats::count(Stat::ReverseNat);
+    nat6::rewrite_destination_port(ctx, flow, client_port)?;
+    if flags & CT_FLAG_DIRECT == 0 {
+        stats::count(Stat::ReverseNat);
+    }
     Ok(Verdict::NEXT)
 }

@@ -6,19 +6,21 @@
 //! has the 512-byte stack to itself beside the entry point's frame.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    conntrack::starts_tcp_flow,
+    conntrack::{Clash, starts_tcp_flow},
     maps::{
-        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, SVC_FLAG_NO_LOCAL_ENDPOINTS,
-        SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, IPPROTO_TCP,
+        SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
     },
-    maps_v6::{CtEntryV6, HAIRPIN_ADDR_V6},
+    maps_v6::{BackendV6, CtEntryV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
 
 use crate::{
-    config, conntrack, conntrack6, fib, lb6,
+    config, conntrack,
+    conntrack6::{self, ReplyTo6},
+    fib, lb6,
     maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
-    nat6, parse6, reject6, stats,
+    nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
 };
 
@@ -33,6 +35,8 @@ enum Step {
     Refuse,
     Established,
     NewFlow,
+    /// A packet to no Service (a pod, most often).
+    Direct,
 }
 
 /// What [`classify`] looked up, for the stage that follows: raw pointers, null when absent.
@@ -40,6 +44,8 @@ struct Found {
     frontend: *const ServiceValueV4,
     entry: *mut CtEntryV6,
     now: u64,
+    /// Where a new flow's replies come back to: the client's port, or its remapped one.
+    reply_to: ReplyTo6,
 }
 
 /// An IPv6 packet leaving a pod, carried out to the end: the kernel's action.
@@ -54,7 +60,12 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     // SAFETY: a per-CPU value, used by this program run alone.
     let flow = unsafe { &mut *flow };
     parse6::flow(ctx, flow).map_err(Verdict::pass)?;
-    let mut found = Found { frontend: core::ptr::null(), entry: core::ptr::null_mut(), now: 0 };
+    let mut found = Found {
+        frontend: core::ptr::null(),
+        entry: core::ptr::null_mut(),
+        now: 0,
+        reply_to: ReplyTo6::client(flow.sport),
+    };
     match classify(flow, &mut found) {
         Step::Pass(stat) => Err(Verdict::pass(stat)),
         Step::Drop(stat) => Err(Verdict::drop(stat)),
@@ -72,8 +83,33 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
             // frontend to a map value before choosing this step.
             let (choice, frontend) = unsafe { (&mut *choice, &*found.frontend) };
             lb6::select_backend(flow, frontend, found.now, choice)?;
-            new_flow(ctx, flow, &found, choice)
+            // A live flow of this client may already have the reply tuple (the same backend
+            // through another Service, or directly from this port): this one's source port is
+            // then remapped. A hairpin flow's reply tuple is no pod's own.
+            let backend = &choice.backend;
+            if backend.addr != flow.saddr && conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
+                found.reply_to =
+                    ReplyTo6::remap(snat6::remap(flow, &backend.addr, backend.port, found.now)?, false);
+            }
+            let verdict = new_flow(ctx, flow, &found, choice)?;
+            if found.reply_to.is(CT_FLAG_REMAP) {
+                // In a stage of its own: `new_flow` has no room left for it.
+                return remapped_source(ctx, flow, found.reply_to.port);
+            }
+            Ok(verdict)
         }
+        // Untouched, unless a translated flow of the same client already has its reply tuple: the
+        // client reused a source port for a pod it had reached through a Service. The translated
+        // flow yields the tuple if it is over; otherwise this flow's source port is remapped, so
+        // that the replies of each reach the right socket (netfilter's clash resolution).
+        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
+            Some(Clash::Remap) => {
+                let now = conntrack::now();
+                let port = snat6::remap(flow, &flow.daddr, flow.dport, now)?;
+                direct(ctx, flow, now, port)
+            }
+            _ => Err(Verdict::pass(Stat::PassNoService)),
+        },
     }
 }
 
@@ -108,6 +144,11 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         if lb6::is_vip(&flow.daddr) {
             // A port the Service does not have.
             return Step::Refuse;
+        }
+        // Only a packet that may start a flow can clash (UDP, a bare TCP SYN): established TCP to
+        // a pod pays no lookup for it (the SYN that opened it had the clash resolved).
+        if flow.has_l4_header() && (flow.proto != IPPROTO_TCP || starts_tcp_flow(flow.tcp_flags)) {
+            return Step::Direct;
         }
         return Step::Pass(Stat::PassNoService);
     };
@@ -146,6 +187,11 @@ fn established(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<V
     };
     nat6::rewrite_destination(ctx, flow, backend, backend_port)?;
     stats::count(Stat::DnatEstablished);
+    if flags & CT_FLAG_REMAP != 0 {
+        // The remapped port was evicted: nothing could un-NAT the replies.
+        let port = snat6::forward(&key).ok_or(Verdict::drop(Stat::ConntrackInsertFailed))?;
+        nat6::rewrite_source_port(ctx, flow, port)?;
+    }
     if flags & CT_FLAG_HAIRPIN != 0 {
         nat6::rewrite_source_addr(ctx, flow, &HAIRPIN_ADDR_V6)?;
         return Ok(Verdict::BOUNCE);
@@ -169,7 +215,8 @@ fn new_flow(
     // The pod reached itself: its source becomes the hairpin address, so that its answer comes
     // back through this program (as IPv4's hairpin), and the packet goes straight back to it.
     let hairpin = backend.addr == flow.saddr;
-    conntrack6::create(flow, &key, backend, backend_id, frontend.rev_nat_id, found.now, hairpin)?;
+    let reply_to = if hairpin { found.reply_to.with_flag(CT_FLAG_HAIRPIN) } else { found.reply_to };
+    conntrack6::create(flow, &key, backend, backend_id, frontend.rev_nat_id, found.now, reply_to)?;
     nat6::rewrite_destination(ctx, flow, &backend.addr, backend.port)?;
     stats::count(Stat::DnatNew);
     if hairpin {
@@ -177,6 +224,27 @@ fn new_flow(
         stats::count(Stat::Hairpin);
         return Ok(Verdict::BOUNCE);
     }
+    Ok(Verdict::NEXT)
+}
+
+/// A new flow's source port becomes its remapped one (`Found::reply_to`).
+#[inline(never)]
+fn remapped_source(ctx: &TcContext, flow: &parse6::Flow6, port: [u8; 2]) -> Result<Verdict, Verdict> {
+    nat6::rewrite_source_port(ctx, flow, port)?;
+    stats::count(Stat::PortRemapped);
+    Ok(Verdict::NEXT)
+}
+
+/// A packet to a pod's own address whose reply tuple a live translated flow of the client has
+/// (`Step::Direct`): recorded as a direct flow (`CT_FLAG_DIRECT`) on the remapped source `port`,
+/// so that its replies get the client's port back and are never un-NATed to the Service.
+#[inline(never)]
+fn direct(ctx: &TcContext, flow: &parse6::Flow6, now: u64, port: [u8; 2]) -> Result<Verdict, Verdict> {
+    let key = flow.ct_key(CT_DIR_FORWARD);
+    let pod = BackendV6 { addr: flow.daddr, port: flow.dport, proto: flow.proto, flags: 0 };
+    conntrack6::create(flow, &key, &pod, 0, 0, now, ReplyTo6::remap(port, true))?;
+    nat6::rewrite_source_port(ctx, flow, port)?;
+    stats::count(Stat::PortRemapped);
     Ok(Verdict::NEXT)
 }
 

@@ -40,6 +40,7 @@ mod parse6;
 mod reject;
 mod reject6;
 mod snat;
+mod snat6;
 mod sock;
 mod sock6;
 mod stats;

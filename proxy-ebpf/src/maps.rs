@@ -141,6 +141,12 @@ pub static REV_NAT_V6: HashMap<proxy_common::maps::RevNatId, proxy_common::maps_
 pub static CONNTRACK_V6: LruHashMap<proxy_common::maps_v6::CtKeyV6, proxy_common::maps_v6::CtEntryV6> =
     LruHashMap::with_max_entries(proxy_common::maps_v6::CONNTRACK_V6_CAPACITY, 0);
 
+/// The remapped source ports of IPv6 flows that clashed with a live translated flow's reply tuple
+/// (`snat6`; see [`proxy_common::maps_v6::SnatEntryV6`]), as SNAT_V4.
+#[map(name = "SNAT_V6")]
+pub static SNAT_V6: LruHashMap<proxy_common::maps_v6::CtKeyV6, proxy_common::maps_v6::SnatEntryV6> =
+    LruHashMap::with_max_entries(proxy_common::maps_v6::SNAT_V6_CAPACITY, 0);
+
 #[map(name = "VIPS_V6")]
 pub static VIPS_V6: HashMap<[u8; 16], proxy_common::maps_v6::VipV6> =
     HashMap::with_max_entries(proxy_common::maps_v6::VIPS_V6_CAPACITY, 0);

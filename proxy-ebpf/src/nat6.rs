@@ -125,3 +125,15 @@ pub fn rewrite_source_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Re
 pub fn rewrite_destination_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Result<(), Verdict> {
     rewrite_addr(ctx, flow, IP6_OFF_DADDR, &flow.daddr, addr)
 }
+
+/// A remapped flow (port reuse): the client's source port becomes the remapped one.
+#[inline(always)]
+pub fn rewrite_source_port(ctx: &TcContext, flow: &Flow6, port: [u8; 2]) -> Result<(), Verdict> {
+    rewrite_port(ctx, flow, L4_OFF_SPORT, flow.sport, port)
+}
+
+/// A reply of a remapped flow: the destination port goes back to the client's own.
+#[inline(always)]
+pub fn rewrite_destination_port(ctx: &TcContext, flow: &Flow6, port: [u8; 2]) -> Result<(), Verdict> {
+    rewrite_port(ctx, flow, L4_OFF_DPORT, flow.dport, port)
+}

@@ -102,6 +102,8 @@ map_table! {
         conntrack_v6: HashMap<MapData, CtKeyV6, CtEntryV6> = MAP_CONNTRACK_V6, LruHashMap, (CtKeyV6, CtEntryV6), usage "conntrack_v6";
         vips_v6: HashMap<MapData, [u8; 16], VipV6> = MAP_VIPS_V6, HashMap, ([u8; 16], VipV6), usage "vips_v6";
         affinity_v6: HashMap<MapData, AffinityKeyV6, AffinityValueV4> = MAP_AFFINITY_V6, LruHashMap, (AffinityKeyV6, AffinityValueV4), usage "affinity_v6";
+        /// Remapped source ports of IPv6 flows (port-reuse clashes), as `snat` for IPv4.
+        snat_v6: HashMap<MapData, CtKeyV6, SnatEntryV6> = MAP_SNAT_V6, LruHashMap, (CtKeyV6, SnatEntryV6);
     }
     pinned {
         MAP_EVENTS;
