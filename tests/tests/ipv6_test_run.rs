@@ -26,8 +26,8 @@ use proxy_common::{
     checksum,
     conntrack::CtState,
     maps::{
-        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
-        SVC_FLAG_AFFINITY, ServiceValueV4, VipV4,
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, IPPROTO_TCP,
+        IPPROTO_UDP, SCOPE_INTERNAL, SVC_FLAG_AFFINITY, ServiceValueV4, VipV4,
     },
     maps_v6::{BackendV6, CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, ServiceKeyV6},
     packet::{TCP_ACK, TCP_RST, TCP_SYN},
@@ -698,4 +698,152 @@ fn an_ipv4_packet_is_still_translated_as_before() {
     assert_eq!(out, Packet { dst: backend, dport: 8080, ..syn }.frame());
     assert!(checksums_valid(&out));
     assert_eq!(h.stat(Stat::DnatNew), 1);
+}
+
+/// The source address and port of a frame built here.
+fn source(frame: &[u8]) -> ([u8; 16], u16) {
+    let (at, _, src, _) = parts(frame);
+    (src, u16::from_be_bytes([frame[at], frame[at + 1]]))
+}
+
+/// The SNAT range the remapped ports come from (the agent's default, nothing configured here).
+const REMAP_PORTS: std::ops::RangeInclusive<u16> = 61000..=65535;
+
+/// Port reuse: a pod reached backend B through the Service from port P, and while that
+/// connection lives it dials B directly from P (a StatefulSet peer, a Kafka client). The direct
+/// flow's source port is remapped — netfilter's clash resolution — so that B's replies to it reach
+/// the client's socket from B itself, never un-NATed to the Service, and the translated flow's
+/// replies still come from the Service.
+#[test]
+fn a_direct_flow_reusing_the_port_of_a_live_translated_flow_is_remapped() {
+    let v6 = V6::new();
+    let (_, out) = v6.ingress(&Packet6::tcp(CLIENT6, 40200, WEB6, 80, TCP_SYN).frame());
+    let (backend, _) = destination(&out);
+    let syn_ack = Packet6::tcp(backend, 8080, CLIENT6, 40200, TCP_SYN | TCP_ACK);
+    assert_eq!(v6.egress(&syn_ack.frame()).1, Packet6 { src: WEB6, sport: 80, ..syn_ack.clone() }.frame());
+    v6.ingress(&Packet6::tcp(CLIENT6, 40200, WEB6, 80, TCP_ACK).frame());
+
+    let direct = Packet6::tcp(CLIENT6, 40200, backend, 8080, TCP_SYN);
+    let (ret, out) = v6.ingress(&direct.frame());
+    assert_eq!(ret, PASS);
+    let (_, remapped) = source(&out);
+    assert!(REMAP_PORTS.contains(&remapped), "source port {remapped} remapped into the SNAT range");
+    assert_eq!(out, Packet6 { sport: remapped, ..direct.clone() }.frame(), "only the source port changed");
+    assert!(l4_checksum_valid(&out));
+    assert_eq!(v6.stat(Stat::PortRemapped), 1);
+    let fwd =
+        v6.ct(&ct_key6(CLIENT6, 40200, backend, 8080, IPPROTO_TCP, CT_DIR_FORWARD)).expect("direct flow");
+    assert_eq!(fwd.flags, CT_FLAG_REMAP | CT_FLAG_DIRECT);
+
+    // B answers the remapped port: the client's port comes back, the source stays B.
+    let answer = Packet6::tcp(backend, 8080, CLIENT6, remapped, TCP_SYN | TCP_ACK);
+    let (ret, out) = v6.egress(&answer.frame());
+    assert_eq!(ret, PASS);
+    assert_eq!(out, Packet6 { dport: 40200, ..answer }.frame(), "from B to port 40200, not from the VIP");
+    assert!(l4_checksum_valid(&out));
+    // The direct flow's next segment keeps its port; the translated flow is untouched.
+    let ack = Packet6 { payload: b"hello".to_vec(), ..Packet6::tcp(CLIENT6, 40200, backend, 8080, TCP_ACK) };
+    assert_eq!(v6.ingress(&ack.frame()).1, Packet6 { sport: remapped, ..ack }.frame());
+    let reply = Packet6 {
+        payload: b"via the Service".to_vec(),
+        ..Packet6::tcp(backend, 8080, CLIENT6, 40200, TCP_ACK)
+    };
+    assert_eq!(v6.egress(&reply.frame()).1, Packet6 { src: WEB6, sport: 80, ..reply }.frame());
+    let via = Packet6::tcp(CLIENT6, 40200, WEB6, 80, TCP_ACK);
+    assert_eq!(v6.ingress(&via.frame()).1, Packet6 { dst: backend, dport: 8080, ..via }.frame());
+    // ReverseNat counts the Service's replies only.
+    assert_eq!(v6.stat(Stat::ReverseNat), 2);
+
+    // A segment that starts nothing, from another port, while a live translated flow holds its
+    // tuple: left alone.
+    v6.ingress(&Packet6::tcp(CLIENT6, 40201, WEB6, 80, TCP_SYN).frame());
+    let fwd = v6.ct(&ct_key6(CLIENT6, 40201, WEB6, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+    let stray = Packet6::tcp(CLIENT6, 40201, fwd.nat_addr, 8080, TCP_ACK).frame();
+    assert_eq!(v6.ingress(&stray), (PASS, stray.clone()));
+
+    // UDP the same way: a resolver asking the Service, then the pod by address from one port.
+    v6.ingress(&Packet6::udp(CLIENT6, 56400, DNS6, 53, b"q1").frame());
+    let query = Packet6::udp(CLIENT6, 56400, DNS6_BACKEND, 53, b"q2");
+    let (_, out) = v6.ingress(&query.frame());
+    let (_, remapped) = source(&out);
+    assert!(REMAP_PORTS.contains(&remapped));
+    let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, remapped, b"a2");
+    assert_eq!(v6.egress(&answer.frame()).1, Packet6 { dport: 56400, ..answer }.frame());
+    let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, 56400, b"a1");
+    assert_eq!(v6.egress(&answer.frame()).1, Packet6 { src: DNS6, ..answer }.frame());
+}
+
+/// The same reuse after the translated connection is over (reset; or idle past its timeout): it
+/// yields its tuple, and the direct flow is not translated at all, nor are its replies.
+#[test]
+fn a_direct_flow_reusing_the_port_of_a_closed_translated_flow_is_untouched() {
+    let mut v6 = V6::new();
+    let (_, out) = v6.ingress(&Packet6::tcp(CLIENT6, 40300, WEB6, 80, TCP_SYN).frame());
+    let (backend, _) = destination(&out);
+    v6.egress(&Packet6::tcp(backend, 8080, CLIENT6, 40300, TCP_SYN | TCP_ACK).frame());
+    v6.ingress(&Packet6::tcp(CLIENT6, 40300, WEB6, 80, TCP_ACK).frame());
+    v6.ingress(&Packet6::tcp(CLIENT6, 40300, WEB6, 80, TCP_RST | TCP_ACK).frame());
+    let fwd_key = ct_key6(CLIENT6, 40300, WEB6, 80, IPPROTO_TCP, CT_DIR_FORWARD);
+    assert_eq!(v6.ct(&fwd_key).unwrap().state, CtState::Closed as u8);
+
+    let direct = Packet6::tcp(CLIENT6, 40300, backend, 8080, TCP_SYN).frame();
+    assert_eq!(v6.ingress(&direct), (PASS, direct.clone()), "untouched");
+    assert_eq!((v6.stat(Stat::ClashYielded), v6.stat(Stat::PortRemapped)), (1, 0));
+    assert!(v6.ct(&fwd_key).is_none(), "the closed flow's entries are gone");
+    assert!(v6.ct(&ct_key6(backend, 8080, CLIENT6, 40300, IPPROTO_TCP, CT_DIR_REPLY)).is_none());
+    let answer = Packet6::tcp(backend, 8080, CLIENT6, 40300, TCP_SYN | TCP_ACK).frame();
+    assert_eq!(v6.egress(&answer), (PASS, answer.clone()), "B's answer reaches the client from B");
+
+    // Expired: a UDP flow idle past its timeout (its entries aged by hand) yields the same way.
+    v6.ingress(&Packet6::udp(CLIENT6, 56410, DNS6, 53, b"q").frame());
+    for key in [
+        ct_key6(CLIENT6, 56410, DNS6, 53, IPPROTO_UDP, CT_DIR_FORWARD),
+        ct_key6(DNS6_BACKEND, 53, CLIENT6, 56410, IPPROTO_UDP, CT_DIR_REPLY),
+    ] {
+        let entry = v6.conntrack.get(&key, 0).unwrap();
+        v6.conntrack.insert(key, CtEntryV6 { last_seen_ns: 1, ..entry }, 0).unwrap();
+    }
+    let query = Packet6::udp(CLIENT6, 56410, DNS6_BACKEND, 53, b"direct").frame();
+    assert_eq!(v6.ingress(&query), (PASS, query.clone()));
+    let answer = Packet6::udp(DNS6_BACKEND, 53, CLIENT6, 56410, b"from the pod").frame();
+    assert_eq!(v6.egress(&answer), (PASS, answer.clone()));
+    assert_eq!(v6.stat(Stat::ClashYielded), 2);
+}
+
+/// Two Services in front of one backend, one client port to both at once: the second flow's reply
+/// tuple is the first's, so its port is remapped, and each reply comes from the Service it was
+/// sent to.
+#[test]
+fn two_v6_services_with_one_backend_share_a_client_port() {
+    let mut v6 = V6::new();
+    let (one, two, shared) = (addr6(0x51, 0x0096), addr6(0x52, 0x0096), addr6(0x40, 0x0244));
+    v6.frontend(one, 80, IPPROTO_TCP, &[(shared, 8080)]);
+    v6.frontend(two, 80, IPPROTO_TCP, &[(shared, 8080)]);
+    let first = Packet6::tcp(CLIENT6, 40400, one, 80, TCP_SYN);
+    assert_eq!(v6.ingress(&first.frame()).1, Packet6 { dst: shared, dport: 8080, ..first }.frame());
+    let second = Packet6::tcp(CLIENT6, 40400, two, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&second.frame());
+    assert_eq!(ret, PASS);
+    let (_, remapped) = source(&out);
+    assert!(REMAP_PORTS.contains(&remapped), "port {remapped}");
+    assert_eq!(out, Packet6 { sport: remapped, dst: shared, dport: 8080, ..second }.frame());
+    assert!(l4_checksum_valid(&out));
+    let fwd = v6.ct(&ct_key6(CLIENT6, 40400, two, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+    assert_eq!(fwd.flags, CT_FLAG_REMAP);
+
+    let to_first = Packet6::tcp(shared, 8080, CLIENT6, 40400, TCP_SYN | TCP_ACK);
+    assert_eq!(v6.egress(&to_first.frame()).1, Packet6 { src: one, sport: 80, ..to_first }.frame());
+    let to_second = Packet6::tcp(shared, 8080, CLIENT6, remapped, TCP_SYN | TCP_ACK);
+    let (_, out) = v6.egress(&to_second.frame());
+    assert_eq!(out, Packet6 { src: two, sport: 80, dport: 40400, ..to_second }.frame());
+    assert!(l4_checksum_valid(&out));
+    // Both go on: the second flow's segments keep the remapped port.
+    let ack = Packet6::tcp(CLIENT6, 40400, two, 80, TCP_ACK);
+    assert_eq!(
+        v6.ingress(&ack.frame()).1,
+        Packet6 { sport: remapped, dst: shared, dport: 8080, ..ack }.frame()
+    );
+    let ack = Packet6::tcp(CLIENT6, 40400, one, 80, TCP_ACK);
+    assert_eq!(v6.ingress(&ack.frame()).1, Packet6 { dst: shared, dport: 8080, ..ack }.frame());
+    assert_eq!(v6.stat(Stat::ReverseNat), 2);
 }
