@@ -108,6 +108,30 @@ fn curl_exit(cluster: &Cluster, url: &str, max_time: &str) -> Option<i32> {
     out.status.code()
 }
 
+/// The agent's log line without its terminal colour codes (`ESC [ … m`).
+fn without_colours(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `kproxy_topology_service_ports` for IPv4 from the agent's metrics page.
+fn topology_ports(cluster: &Cluster, topology: &str) -> u64 {
+    let (code, page) = cluster.node_curl("http://127.0.0.1:10249/metrics");
+    assert_eq!(code, 200, "{page}");
+    let series = format!("kproxy_topology_service_ports{{ip_family=\"IPv4\",topology=\"{topology}\"}} ");
+    let line =
+        page.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("no {series} in:\n{page}"));
+    line[series.len()..].parse().unwrap()
+}
+
 #[test]
 fn node_hints_keep_traffic_on_this_node_and_zone_hints_in_this_zone() {
     let mut cluster = Cluster::start("topology");
@@ -115,6 +139,16 @@ fn node_hints_keep_traffic_on_this_node_and_zone_hints_in_this_zone() {
     cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 1)]);
     // PreferSameNode: every ready endpoint has a node hint and one is for node-1.
     assert_eq!(answers(&cluster, "http://10.96.0.150/", 30), only("web-1", 30));
+    // The operator sees why: the gauge and the agent's line naming the Service port and the rule.
+    assert_eq!(topology_ports(&cluster, "PreferSameNode"), 1);
+    assert_eq!(topology_ports(&cluster, "PreferSameZone"), 0);
+    let told = cluster.agent_log();
+    let line = told
+        .lines()
+        .find(|l| l.contains("topology chose this Service port's endpoints") && l.contains("default/topo"))
+        .unwrap_or_else(|| panic!("no topology line in the agent's log:\n{told}"));
+    let line = without_colours(line);
+    assert!(line.contains("topology=PreferSameNode") && line.contains("endpoints_chosen=1"), "{line}");
 
     // Zone hints only, and the agent knows no zone: every endpoint (kube-proxy ignores zone hints when
     // the node has no topology.kubernetes.io/zone label).
@@ -129,6 +163,7 @@ fn node_hints_keep_traffic_on_this_node_and_zone_hints_in_this_zone() {
     cluster.start_agent();
     cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 1)]);
     assert_eq!(answers(&cluster, "http://10.96.0.150/", 30), only("web-3", 30));
+    assert_eq!(topology_ports(&cluster, "PreferSameZone"), 1);
 
     // One ready endpoint without a hint: hints are ignored (kube-proxy: "one or more endpoints is
     // missing a zone hint").
@@ -140,6 +175,7 @@ fn node_hints_keep_traffic_on_this_node_and_zone_hints_in_this_zone() {
     cluster.wait_for_frontends(&[("10.96.0.150:80", "TCP", 3)]);
     let spread = answers(&cluster, "http://10.96.0.150/", 60);
     assert_eq!(spread.keys().collect::<Vec<_>>(), ["web-1", "web-2", "web-3"], "{spread:?}");
+    assert_eq!(topology_ports(&cluster, "PreferSameZone"), 0);
 }
 
 #[test]
