@@ -422,8 +422,18 @@ pub struct SocketLbConfigV4 {
     /// The agent's network namespace, for [`SOCKET_LB_HOST_ONLY`].
     pub host_netns_cookie: u64,
     pub mode: u32,
-    pub _pad: u32,
+    /// [`SOCKET_LB_BARE_COVERED_VETHS`], or 0. Was padding: a datapath
+    /// loaded before it reads 0 there, the earlier behaviour.
+    pub flags: u32,
 }
+
+/// The veths of the pods the hooks cover carry no tc program
+/// (`--pod-veth-tc auto` with `--socket-lb on`): a reply of such a pod is
+/// seen by no kproxy program before it leaves the node, so the external
+/// ingress does not source-NAT a flow to a local backend it would otherwise
+/// masquerade (a client outside `--cluster-cidr` reaching a cluster IP) —
+/// the external egress un-NATs the reply on its way out instead.
+pub const SOCKET_LB_BARE_COVERED_VETHS: u32 = 1;
 
 /// Socket-level load balancing off: the tc path translates everything.
 pub const SOCKET_LB_OFF: u32 = 0;

@@ -1,9 +1,9 @@
 use proxy_common::{
     conntrack::Timeouts,
-    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR, NodePortConfigV4},
+    maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR, NodePortConfigV4, SOCKET_LB_BARE_COVERED_VETHS},
 };
 
-use crate::maps::{CONFIG, NODEPORT_CONFIG};
+use crate::maps::{CONFIG, NODEPORT_CONFIG, SOCKET_LB_CONFIG};
 
 /// The agent's settings, with defaults where it wrote none (a datapath
 /// loaded by `kproxy load` before any agent ran).
@@ -23,4 +23,11 @@ pub fn get() -> Config {
 #[inline(always)]
 pub fn nodeport() -> NodePortConfigV4 {
     NODEPORT_CONFIG.get(0).copied().unwrap_or(NodePortConfigV4::default())
+}
+
+/// Whether the veths of covered pods may carry no tc program, so a local
+/// backend's reply meets kproxy only on the external interface's egress.
+#[inline(always)]
+pub fn bare_covered_veths() -> bool {
+    SOCKET_LB_CONFIG.get(0).is_some_and(|c| c.flags & SOCKET_LB_BARE_COVERED_VETHS != 0)
 }

@@ -361,10 +361,13 @@ fn plan_new_flow<const EXTERNAL: bool>(
         let backend_route = fib::route(ctx, ifindex, flow.saddr, choice.backend.addr, fib::CHECK_SKB)?;
         // A backend reached through the interface the client came in on
         // would answer the client directly; a client outside the cluster
-        // reaching a cluster IP is masqueraded like kube-proxy does.
+        // reaching a cluster IP is masqueraded like kube-proxy does — but not
+        // to a local backend when covered pods' veths may have no program to
+        // turn its reply back (the external egress un-NATs it instead).
         let remote = backend_route.ifindex == ifindex;
-        let masquerade =
-            frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 && !config::nodeport().in_cluster_cidr(flow.saddr);
+        let masquerade = frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0
+            && !config::nodeport().in_cluster_cidr(flow.saddr)
+            && (remote || !config::bare_covered_veths());
         if remote || masquerade {
             // SAFETY: the value is copied out at once.
             let node_addr = unsafe { EXTERNAL_IFACES.get(ifindex) }

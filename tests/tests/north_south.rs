@@ -295,6 +295,48 @@ ports: [{{name: tcp, port: {port}, protocol: TCP}}]
         (fields[0].parse().unwrap(), fields[1].parse().unwrap())
     }
 
+    /// Moves every process of each pod into its node's `--cgroup-root` (`--socket-lb on`) and
+    /// waits until the agent has taken tc off the pod's veth (`--pod-veth-tc auto`), eth0 keeping
+    /// its programs.
+    fn cover_every_pod(&self) {
+        // web-a on node 0, web-b and dns-b on node 1.
+        for (pod, node) in self._pods.iter().zip([0, 1, 1]) {
+            use std::os::unix::fs::MetadataExt;
+            let netns = std::fs::metadata(pod.netns_path()).unwrap().ino();
+            let procs = self._cgroups[node].path().join("cgroup.procs");
+            for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+                let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == netns) {
+                    // A process may exit meanwhile.
+                    let _ = std::fs::write(&procs, pid.to_string());
+                }
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let links: Vec<String> = std::fs::read_dir(self.pins[node].join("links"))
+                    .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+                    .unwrap_or_default();
+                let veth = format!("{}@", pod.host_veth());
+                if !links.iter().any(|l| l.starts_with(&veth)) {
+                    assert!(
+                        links.iter().any(|l| l.starts_with("eth0@")),
+                        "node {node}: eth0 keeps tc: {links:?}"
+                    );
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {node}: {} keeps tc: {links:?}\n{}",
+                    pod.host_veth(),
+                    self.agents[node].log()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
     fn agent_logs(&self) -> String {
         self.agents.iter().enumerate().map(|(i, a)| format!("--- node {i}\n{}", a.log())).collect()
     }
@@ -774,40 +816,7 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
 #[test]
 fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
     let cluster = NorthSouth::start_with("np-notc", &["--socket-lb", "on", "--pod-veth-tc", "auto"]);
-    // web-a on node 0, web-b and dns-b on node 1.
-    for (pod, node) in cluster._pods.iter().zip([0, 1, 1]) {
-        use std::os::unix::fs::MetadataExt;
-        let netns = std::fs::metadata(pod.netns_path()).unwrap().ino();
-        let procs = cluster._cgroups[node].path().join("cgroup.procs");
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-            if std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == netns) {
-                // A process may exit meanwhile.
-                let _ = std::fs::write(&procs, pid.to_string());
-            }
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let links: Vec<String> = std::fs::read_dir(cluster.pins[node].join("links"))
-                .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-                .unwrap_or_default();
-            let veth = format!("{}@", pod.host_veth());
-            if !links.iter().any(|l| l.starts_with(&veth)) {
-                assert!(
-                    links.iter().any(|l| l.starts_with("eth0@")),
-                    "node {node}: eth0 keeps tc: {links:?}"
-                );
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "node {node}: {} keeps tc: {links:?}\n{}",
-                pod.host_veth(),
-                cluster.agents[node].log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    cluster.cover_every_pod();
     nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natted(&cluster);
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..16 {
@@ -834,4 +843,25 @@ fn nodeport_and_external_ips_reach_backends_whose_veths_have_no_tc_program() {
         }
         assert_eq!(seen, [WEB_A.to_string(), WEB_B.to_string()].into(), "{url} from web-a");
     }
+}
+
+/// `--socket-lb on --pod-veth-tc auto` with every pod covered, and a router sending the service
+/// CIDR to node 0: an outside client reaching the cluster IP is answered from it by both backends.
+/// The remote one (web-b) is masqueraded as with tc and sees node 0's address; the local one
+/// (web-a, no tc program on its veth to turn a reply to node 0's SNAT port back) is reached
+/// un-SNATed — it sees the client's own address, and its reply is un-NATed by eth0's egress.
+#[test]
+fn cluster_ips_from_outside_reach_backends_whose_veths_have_no_tc_program() {
+    let cluster = NorthSouth::start_with("cip-notc", &["--socket-lb", "on", "--pod-veth-tc", "auto"]);
+    cluster.cover_every_pod();
+    let node0 = cluster.multi.node_ip(0);
+    cluster.multi.external_exec(["ip", "route", "add", "10.96.0.0/12", "via", &node0.to_string()]).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..16 {
+        let (backend, source) = cluster
+            .whoami("http://10.96.0.100/whoami", &[])
+            .unwrap_or_else(|e| panic!("the cluster IP from outside: {e}\n{}", cluster.agent_logs()));
+        assert_eq!(seen.insert(backend, source).unwrap_or(source), source, "backend {backend}");
+    }
+    assert_eq!(seen, [(WEB_A, CLIENT), (WEB_B, node0)].into(), "backend → the source it saw");
 }

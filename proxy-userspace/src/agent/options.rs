@@ -41,6 +41,8 @@ pub struct AgentConfig {
     pub bind_address_hard_fail: bool,
     pub model: ModelOptions,
     pub conntrack: ConntrackOptions,
+    /// `--bpf-lb-map-max`: entries of the services, backends, rev-NAT, names and VIPs maps it creates.
+    pub lb_map_max: u32,
     pub north_south: NorthSouthOptions,
     pub socket_lb: SocketLbOptions,
     /// `--lb-algorithm=maglev`: tables for NodePort, ExternalIP and LB frontends.
@@ -71,8 +73,8 @@ pub enum PodVethTc {
     /// With `--socket-lb on`, none on the veths of pods whose every process is in
     /// `--cgroup-root` (their sockets are translated at connect()/sendmsg()); tc everywhere else.
     Auto,
-    /// On every pod veth, whatever the socket hooks cover. The default: a masqueraded flow from
-    /// outside the cluster to a cluster IP is un-NATed only by the backend veth's program.
+    /// On every pod veth, whatever the socket hooks cover. The default (docs/architecture.md: what
+    /// `auto` still leaves to tc, and how it differs from kube-proxy).
     #[default]
     On,
 }
@@ -123,7 +125,15 @@ impl SocketLbOptions {
             SocketLbMode::HostOnly => SOCKET_LB_HOST_ONLY,
             SocketLbMode::Off => SOCKET_LB_OFF,
         };
-        Ok(SocketLbConfigV4 { host_netns_cookie: own_netns_cookie()?, mode, _pad: 0 })
+        Ok(SocketLbConfigV4 { host_netns_cookie: own_netns_cookie()?, mode, flags: self.datapath_flags() })
+    }
+
+    /// SOCKET_LB_CONFIG's flags: whether covered pods' veths may be left bare.
+    fn datapath_flags(&self) -> u32 {
+        match self.coverage() {
+            coverage::Coverage::Nothing => 0,
+            _ => proxy_common::maps::SOCKET_LB_BARE_COVERED_VETHS,
+        }
     }
 }
 
@@ -244,6 +254,11 @@ mod tests {
         assert_eq!(options(SocketLbMode::On, PodVethTc::On).coverage(), Coverage::Nothing);
         assert_eq!(options(SocketLbMode::HostOnly, PodVethTc::Auto).coverage(), Coverage::Nothing);
         assert_eq!(options(SocketLbMode::Off, PodVethTc::Auto).coverage(), Coverage::Nothing);
+        // The datapath is told only when some veth may be bare.
+        let bare = proxy_common::maps::SOCKET_LB_BARE_COVERED_VETHS;
+        assert_eq!(options(SocketLbMode::On, PodVethTc::Auto).datapath_flags(), bare);
+        assert_eq!(options(SocketLbMode::On, PodVethTc::On).datapath_flags(), 0);
+        assert_eq!(options(SocketLbMode::HostOnly, PodVethTc::Auto).datapath_flags(), 0);
         assert_eq!(Coverage::Nothing.covered(&["veth0".into()]).unwrap(), BTreeSet::new());
         assert_eq!(
             Coverage::Everything.covered(&["veth0".into()]).unwrap(),
