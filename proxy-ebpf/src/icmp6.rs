@@ -1,11 +1,13 @@
 //! ICMPv6 errors about translated IPv6 flows, on their way to the client (the egress program): the
 //! quoted client → backend packet becomes the one the client sent — its destination back to the
 //! Service, address and port, with the ICMPv6 checksum — and the outer source too when the backend
-//! itself sent the error. Which messages, and the checks: `proxy_common::icmp6::quoted6`. The
+//! itself sent the error — and for a flow whose source port was remapped (port reuse) its source
+//! port back to the client's own. Which messages, and the checks: `proxy_common::icmp6::quoted6`. The
 //! quote's own L4 checksum is left stale, as for IPv4: receivers do not check a quote's.
 use aya_ebpf::{bindings::BPF_F_PSEUDO_HDR, programs::TcContext};
 use proxy_common::{
-    icmp6::{ICMP6_OFF_CHECK, QUOTE6_OFF_DADDR, QUOTE6_OFF_DPORT, quoted6},
+    icmp6::{ICMP6_OFF_CHECK, QUOTE6_OFF_DADDR, QUOTE6_OFF_DPORT, QUOTE6_OFF_SPORT, quoted6},
+    maps::CT_FLAG_REMAP,
     maps_v6::CtKeyV6,
     packet::ETH_HLEN,
     packet6::{IP6_OFF_SADDR, IPV6_HLEN},
@@ -13,7 +15,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack6, maps::ICMP6_SCRATCH, nat6::replace_addr, parse6::load_into, stats, verdict::Verdict,
+    conntrack6, maps::ICMP6_SCRATCH, nat6::replace_addr, parse6::load_into, snat6, stats, verdict::Verdict,
 };
 
 /// Where an ICMPv6 error's outer header and the span of its message kproxy reads are loaded (a
@@ -36,17 +38,19 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
     load_into(ctx, at, &mut scratch.message).map_err(|_| not_ours)?;
     let key: CtKeyV6 = quoted6(&scratch.outer, &scratch.message).ok_or(not_ours)?;
     let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
-    let failed = |_| Verdict::drop(Stat::RewriteFailed);
     let check = Some(at + ICMP6_OFF_CHECK);
     // SAFETY: a map value valid for this program run, read in place.
-    let (vip, vip_port) = unsafe { (&(*entry).nat_addr, (*entry).nat_port) };
+    let (vip, vip_port, flags) = unsafe { (&(*entry).nat_addr, (*entry).nat_port, (*entry).flags) };
+    // A flow whose source port was remapped (port reuse): the quote gets the client's own port, or
+    // the client's stack finds no socket for it (a packet too big would be lost on the flow). Its
+    // remapped port gone from SNAT_V6, nothing can say which port that was.
+    if flags & CT_FLAG_REMAP != 0 {
+        let client_port = snat6::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?;
+        replace_port(ctx, at + QUOTE6_OFF_SPORT, key.dport, client_port)?;
+    }
     // The quoted destination: inside the message, so in the ICMPv6 checksum as data.
     replace_addr(ctx, check, at + QUOTE6_OFF_DADDR, &key.saddr, vip, 0)?;
-    if key.sport != vip_port {
-        let (old, new) = (u64::from(u16::from_ne_bytes(key.sport)), u64::from(u16::from_ne_bytes(vip_port)));
-        ctx.l4_csum_replace(at + ICMP6_OFF_CHECK, old, new, 2).map_err(failed)?;
-        ctx.store(at + QUOTE6_OFF_DPORT, &(new as u16), 0).map_err(failed)?;
-    }
+    replace_port(ctx, at + QUOTE6_OFF_DPORT, key.sport, vip_port)?;
     // Sent by the backend itself (a port unreachable): from the Service, through the pseudo-header.
     if scratch.outer[IP6_OFF_SADDR..IP6_OFF_SADDR + 16] == key.saddr {
         let flags = u64::from(BPF_F_PSEUDO_HDR);
@@ -54,4 +58,16 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
     }
     stats::count(Stat::IcmpErrorUnnat);
     Ok(Verdict::NEXT)
+}
+
+/// A port inside the ICMPv6 message (the quote), `old` → `new`, with the message's checksum.
+#[inline(always)]
+fn replace_port(ctx: &TcContext, offset: usize, old: [u8; 2], new: [u8; 2]) -> Result<(), Verdict> {
+    if old == new {
+        return Ok(());
+    }
+    let failed = |_| Verdict::drop(Stat::RewriteFailed);
+    let (old, new) = (u64::from(u16::from_ne_bytes(old)), u64::from(u16::from_ne_bytes(new)));
+    ctx.l4_csum_replace(ETH_HLEN + IPV6_HLEN + ICMP6_OFF_CHECK, old, new, 2).map_err(failed)?;
+    ctx.store(offset, &(new as u16), 0).map_err(failed)
 }

@@ -847,3 +847,48 @@ fn two_v6_services_with_one_backend_share_a_client_port() {
     assert_eq!(v6.ingress(&ack.frame()).1, Packet6 { dst: shared, dport: 8080, ..ack }.frame());
     assert_eq!(v6.stat(Stat::ReverseNat), 2);
 }
+
+/// Packet too big about remapped flows (port reuse): the quote reaches the client with its own
+/// source port back, not the remapped one its stack knows nothing of — for the direct flow to the
+/// pod (the quoted destination stays the pod) and for a second Service flow (the quoted
+/// destination goes back to that Service). Without it TCP on a remapped flow never learns a
+/// smaller path MTU.
+#[test]
+fn packet_too_big_about_a_remapped_flow_quotes_the_clients_own_port() {
+    let mut v6 = V6::new();
+    let mtu = [0, 0, 0x05, 0x00];
+    let router = addr6(1, 0x0900);
+    let (_, out) = v6.ingress(&Packet6::tcp(CLIENT6, 40500, WEB6, 80, TCP_SYN).frame());
+    let (backend, _) = destination(&out);
+    v6.egress(&Packet6::tcp(backend, 8080, CLIENT6, 40500, TCP_SYN | TCP_ACK).frame());
+
+    // Direct to the pod from the same port: remapped.
+    let direct = Packet6 { payload: vec![0x42; 64], ..Packet6::tcp(CLIENT6, 40500, backend, 8080, TCP_SYN) };
+    let (_, sent) = v6.ingress(&direct.frame());
+    let (_, remapped) = source(&sent);
+    assert!(REMAP_PORTS.contains(&remapped), "source port {remapped}");
+    let error = icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &sent[14..]].concat());
+    // The client's own header and ports; the quote's TCP checksum stays the sent packet's, as for
+    // every quote.
+    let quote = [&direct.frame()[14..14 + 44], &sent[14 + 44..]].concat();
+    let (ret, out) = v6.egress(&error);
+    assert_eq!(
+        (ret, out),
+        (PASS, icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &quote[..]].concat())),
+        "the direct flow's quote with port 40500"
+    );
+
+    // A second Service in front of the same backend, from the same port: remapped, and its quote
+    // gets both the Service and the client's port back.
+    let other = addr6(0x56, 0x0096);
+    v6.frontend(other, 80, IPPROTO_TCP, &[(backend, 8080)]);
+    let second = Packet6 { payload: vec![0x43; 64], ..Packet6::tcp(CLIENT6, 40500, other, 80, TCP_SYN) };
+    let (_, sent) = v6.ingress(&second.frame());
+    let (_, remapped2) = source(&sent);
+    assert!(REMAP_PORTS.contains(&remapped2) && remapped2 != remapped, "source port {remapped2}");
+    let error = icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &sent[14..]].concat());
+    let quote = [&second.frame()[14..14 + 44], &sent[14 + 44..]].concat();
+    let (ret, out) = v6.egress(&error);
+    assert_eq!((ret, out), (PASS, icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &quote[..]].concat())));
+    assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
+}
