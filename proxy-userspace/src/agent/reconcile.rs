@@ -97,14 +97,28 @@ impl SyncLoop<'_> {
         };
         // Reconcile: the objects → the model → the maps.
         let snapshot = self.last_good.admit(changes.objects(), options);
-        let (desired, model_errors) = match &mut self.cache {
-            Some(cache) => cache.build(&snapshot.services, &snapshot.slices, options),
-            None => model::build_with(&snapshot.services, &snapshot.slices, options),
+        // The cache is taken out for the sync: the desired state is borrowed from it.
+        let mut cache = self.cache.take();
+        let built;
+        let (desired, model_errors, changed) = match &mut cache {
+            Some(cache) => {
+                let update = cache.update(&snapshot.services, &snapshot.slices, options);
+                (update.desired, update.errors.to_vec(), update.changed)
+            }
+            None => {
+                built = model::build_with(&snapshot.services, &snapshot.slices, options);
+                (&built.0, built.1.clone(), None)
+            }
         };
         let (service_cidrs, cidr_errors) =
             model::service_cidrs::resolve(&options.service_cidrs, &changes.service_cidrs());
         let model_errors: Vec<ManifestError> = model_errors.into_iter().chain(cidr_errors).collect();
-        let report = self.syncer.apply(&desired);
+        // Only the frontends the model changed, unless this is a full sync (after the maps were read
+        // again, everything is compared).
+        let report = changed
+            .filter(|_| !self.full_sync_due)
+            .and_then(|changed| self.syncer.apply_changed(desired, &changed))
+            .unwrap_or_else(|| self.syncer.apply(desired));
         self.program_service_cidrs(service_cidrs);
         self.metrics.set_no_local_endpoints(&desired.frontends);
         self.tell_topology(&desired.frontends);
@@ -116,9 +130,11 @@ impl SyncLoop<'_> {
         self.log_new_errors(&snapshot.errors, &model_errors, &report);
         self.record(&report, pending, started, finished);
         if report.changed() || !report.errors.is_empty() {
-            self.log_summary(&snapshot, &desired, &report, started);
+            self.log_summary(&snapshot, desired, &report, started);
         }
-        desired.health_checks
+        let health_checks = desired.health_checks.clone();
+        self.cache = cache;
+        health_checks
     }
 
     /// Logs each Service port whose topology choice changed, and sets the gauge.

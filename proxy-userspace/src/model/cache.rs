@@ -7,6 +7,13 @@
 //! rebuilds everything. The rules that span Services (an address:port/protocol
 //! or a health check port belongs to the first Service that claims it) are
 //! applied by the same merge as a full build, in the same order.
+//!
+//! When the rebuilt Services claim exactly what they claimed before (the same
+//! addresses, ports and fields, the same errors: an endpoint change), who holds
+//! what cannot have changed, so the last result is patched in place — their
+//! frontends, health checks, trigger times and counters — instead of merged
+//! again, and [`Update::changed`] says which frontends those are: an endpoint
+//! change costs work for its Service, not for every Service.
 
 use std::{borrow::Cow, sync::Arc};
 
@@ -14,11 +21,11 @@ use foldhash::{HashMap, HashMapExt as _};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use super::claims::{Merge, Parts};
+use super::claims::{Merge, Parts, entry_stats};
 use crate::{
     k8s::LABEL_SERVICE_NAME,
     k8s::manifest::{ManifestError, Sourced},
-    model::{self, Desired, ModelOptions},
+    model::{self, Desired, Frontend, ModelOptions, Scope},
 };
 
 struct Entry {
@@ -34,28 +41,125 @@ pub struct ModelCache {
     entries: HashMap<*const Sourced<Service>, Entry>,
     /// The options the entries were built with.
     options: Option<ModelOptions>,
+    /// The last result, patched or replaced by the next call.
+    last: Option<(Desired, Vec<ManifestError>)>,
     /// Services rebuilt by the last call (for logs and tests).
     pub rebuilt: usize,
+}
+
+/// What [`ModelCache::update`] made of the objects.
+pub struct Update<'a> {
+    pub desired: &'a Desired,
+    pub errors: &'a [ManifestError],
+    /// `Some` when `desired` differs from the last call's only in these frontends (same keys, same
+    /// holders); `None` when anything may have changed.
+    pub changed: Option<Changed>,
+}
+
+/// The frontends one [`ModelCache::update`] changed in place.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changed {
+    /// Positions in [`Desired::frontends`]: every kept frontend of each rebuilt Service.
+    pub frontends: Vec<usize>,
+    /// The same frontends as the previous result had them, in the same order.
+    pub before: Vec<Frontend>,
 }
 
 fn same<T>(a: &[Arc<T>], b: &[Arc<T>]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| Arc::ptr_eq(x, y))
 }
 
+/// [`Desired::frontends`]' sort key.
+fn sort_key(f: &Frontend) -> (std::net::IpAddr, u16, crate::net::Protocol, Scope) {
+    (f.vip, f.port, f.proto, f.scope)
+}
+
+/// Whether `new` claims what `old` did, field by field, with the same errors: then the merge gives
+/// the same holders and the same conflicts, and only the claimed frontends' contents may differ.
+fn same_claims(old: &Parts, new: &Parts) -> bool {
+    old.errors == new.errors
+        && old.services.len() == new.services.len()
+        && old.services.iter().zip(&new.services).all(|(a, b)| {
+            a.name == b.name
+                && a.origin == b.origin
+                && a.claims == b.claims
+                && a.health_check.as_ref().map(|h| h.port) == b.health_check.as_ref().map(|h| h.port)
+        })
+        && old.claims.len() == new.claims.len()
+        && old.claims.iter().zip(&new.claims).all(|(a, b)| {
+            a.field == b.field
+                && sort_key(&a.internal) == sort_key(&b.internal)
+                && a.external.as_ref().map(sort_key) == b.external.as_ref().map(sort_key)
+        })
+}
+
+/// Replaces in `desired` what `old` contributed with what `new` does, when [`same_claims`]: the
+/// frontends the Service holds, its health check, its trigger time and the counters.
+fn patch(desired: &mut Desired, old: &Parts, new: &Parts, changed: &mut Changed) {
+    desired.stats.sub(&old.stats);
+    desired.stats.add(&new.stats);
+    for (old_service, service) in old.services.iter().zip(&new.services) {
+        let claims = old.claims[old_service.claims.clone()].iter().zip(&new.claims[service.claims.clone()]);
+        for (old_claim, claim) in claims {
+            for (old_entry, entry) in old_claim.entries().zip(claim.entries()) {
+                let Ok(at) = desired.frontends.binary_search_by_key(&sort_key(entry), sort_key) else {
+                    continue;
+                };
+                // Held by an earlier Service: skipped before, skipped now.
+                if desired.frontends[at].service != service.name {
+                    continue;
+                }
+                debug_assert_eq!(&desired.frontends[at], old_entry);
+                desired.stats.sub(&entry_stats(old_entry));
+                desired.stats.add(&entry_stats(entry));
+                changed.before.push(std::mem::replace(&mut desired.frontends[at], entry.clone()));
+                changed.frontends.push(at);
+            }
+        }
+        if let Some(check) = &service.health_check
+            && let Ok(at) = desired.health_checks.binary_search_by_key(&check.port, |c| c.port)
+            && desired.health_checks[at].service == service.name
+        {
+            desired.health_checks[at] = check.clone();
+        }
+        let times = &mut desired.trigger_times;
+        let at = times.partition_point(|(name, _)| name < &service.name);
+        if times.get(at).is_some_and(|(name, _)| name == &service.name) {
+            times.remove(at);
+        }
+        if let Some(time) = &service.trigger_time {
+            times.insert(at, (service.name.clone(), time.clone()));
+        }
+    }
+}
+
 impl ModelCache {
     /// The same result as [`model::build_with`] over all objects (for objects
     /// from the API server, where namespace/name is unique), rebuilding only
     /// the Services whose objects changed since the last call.
-    pub fn build<'a>(
+    pub fn build(
+        &mut self,
+        services: &[Arc<Sourced<Service>>],
+        slices: &[Arc<Sourced<EndpointSlice>>],
+        options: &ModelOptions,
+    ) -> (Desired, Vec<ManifestError>) {
+        let update = self.update(services, slices, options);
+        (update.desired.clone(), update.errors.to_vec())
+    }
+
+    /// [`ModelCache::build`] without copying the result, saying which frontends changed when only
+    /// some Services' endpoints did.
+    pub fn update<'a>(
         &mut self,
         services: &'a [Arc<Sourced<Service>>],
         slices: &'a [Arc<Sourced<EndpointSlice>>],
         options: &ModelOptions,
-    ) -> (Desired, Vec<ManifestError>) {
+    ) -> Update<'_> {
         if self.options.as_ref() != Some(options) {
             // The node name decides which endpoints are local and the node
             // addresses which NodePort frontends exist: nothing kept is valid.
             self.entries.clear();
+            self.last = None;
             self.options = Some(options.clone());
         }
         let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
@@ -66,8 +170,10 @@ impl ModelCache {
             by_service.entry((namespace, name.as_str())).or_default().push(Arc::clone(slice));
         }
 
+        // Patching needs the same Services as last time, each rebuilt one with its last parts.
+        let mut patchable = self.last.is_some() && services.len() == self.entries.len();
+        let mut replaced: Vec<(*const Sourced<Service>, Parts)> = Vec::new();
         let mut next = HashMap::with_capacity(services.len());
-        let mut merge = Merge::default();
         self.rebuilt = 0;
         for service in services {
             let meta = &service.object.metadata;
@@ -77,17 +183,37 @@ impl ModelCache {
             let key = Arc::as_ptr(service);
             let entry = match self.entries.remove(&key) {
                 Some(e) if Arc::ptr_eq(&e.service, service) && same(&e.slices, &its_slices) => e,
-                _ => {
+                found => {
                     self.rebuilt += 1;
                     let parts = model::build_parts(std::slice::from_ref(service), &its_slices, options);
+                    match found {
+                        Some(old) if Arc::ptr_eq(&old.service, service) => replaced.push((key, old.parts)),
+                        _ => patchable = false,
+                    }
                     Entry { service: Arc::clone(service), slices: its_slices, parts }
                 }
             };
-            merge.add(Cow::Borrowed(&entry.parts));
             next.insert(key, entry);
         }
         self.entries = next;
-        merge.finish()
+        let patchable =
+            patchable && replaced.iter().all(|(key, old)| same_claims(old, &self.entries[key].parts));
+        let changed = if patchable && let Some((desired, _)) = self.last.as_mut() {
+            let mut changed = Changed::default();
+            for (key, old) in &replaced {
+                patch(desired, old, &self.entries[key].parts, &mut changed);
+            }
+            Some(changed)
+        } else {
+            let mut merge = Merge::default();
+            for service in services {
+                merge.add(Cow::Borrowed(&self.entries[&Arc::as_ptr(service)].parts));
+            }
+            self.last = Some(merge.finish());
+            None
+        };
+        let (desired, errors) = self.last.as_ref().expect("patched or built above");
+        Update { desired, errors, changed }
     }
 }
 
@@ -193,6 +319,46 @@ spec:
             parsed.services.into_iter().map(Arc::new).collect(),
             parsed.slices.into_iter().map(Arc::new).collect(),
         )
+    }
+
+    /// An endpoint change patches the last result in place — the Service's frontends, its health check's
+    /// local counts, the counters — to exactly what a full build gives, and names the frontends it
+    /// changed; a Service that lost its address to an earlier one changes none.
+    #[test]
+    fn an_endpoint_change_patches_the_result_in_place() {
+        let (services, slices) = objects(OBJECTS);
+        let options = on_node(&["192.168.1.10"]);
+        let mut cache = ModelCache::default();
+        assert!(cache.update(&services, &slices, &options).changed.is_none(), "the first build");
+        let (_, edited) = objects(
+            &OBJECTS
+                .replace("10.244.0.21", "10.244.0.22")
+                .replace("{addresses: [10.244.1.32], nodeName: worker-1, conditions: {ready: false, serving: true, terminating: true}}", "{addresses: [10.244.1.33], nodeName: worker-1}"),
+        );
+        let mut next = slices.clone();
+        for (i, service) in [(1, "dns"), (2, "shop")] {
+            next[i] = Arc::clone(&edited[i]);
+            let update = cache.update(&services, &next, &options);
+            let (full, full_errors) = model::build_with(&services, &next, &options);
+            assert_eq!(update.desired, &full, "{service}");
+            assert_eq!(sorted(update.errors), sorted(&full_errors), "{service}");
+            let changed = update.changed.expect("patched in place");
+            assert!(!changed.frontends.is_empty());
+            assert!(changed.frontends.iter().all(|&at| full.frontends[at].service.name == service));
+            assert_eq!(changed.before.len(), changed.frontends.len());
+            assert_eq!(cache.rebuilt, 1);
+        }
+        assert_eq!(cache.update(&services, &slices, &options).desired.health_checks[0].local_ready, 1);
+        // Another Service whose slice names the stolen VIP's Service: nothing of it is programmed.
+        let thief_slice = parse_str(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: thief-1, namespace: default, labels: {kubernetes.io/service-name: thief}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.0.99]}]\nports: [{name: http, port: 8080, protocol: TCP}]\n",
+            "test.yaml",
+        );
+        let mut with_thief = slices.clone();
+        with_thief.push(Arc::new(thief_slice.slices.into_iter().next().unwrap()));
+        let update = cache.update(&services, &with_thief, &options);
+        assert_eq!(update.desired, &model::build_with(&services, &with_thief, &options).0);
+        assert_eq!(update.changed.expect("patched in place").frontends, Vec::<usize>::new());
     }
 
     #[test]

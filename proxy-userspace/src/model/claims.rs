@@ -68,7 +68,7 @@ impl Claim {
 }
 
 /// The field a [`Claim`] comes from (an index into the Service's lists).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum ClaimField {
     ClusterIp { port: usize },
     NodePort { port: usize },
@@ -187,12 +187,7 @@ impl Merge {
             }
             self.taken.insert((vip, port, proto), self.frontends.len());
             for entry in claim.entries() {
-                self.stats.frontends += 1;
-                self.stats.frontends_without_backends += usize::from(entry.backends.is_empty());
-                self.stats.frontends_terminating_fallback += usize::from(entry.terminating_fallback);
-                self.stats.frontends_topology_same_zone += usize::from(entry.topology == Topology::SameZone);
-                self.stats.frontends_topology_same_node += usize::from(entry.topology == Topology::SameNode);
-                self.stats.frontends_no_local_endpoints += usize::from(entry.no_local_endpoints);
+                self.stats.add(&entry_stats(entry));
             }
             programmed = true;
             source.keep(&mut self.frontends);
@@ -231,6 +226,19 @@ impl Merge {
             health_checks: self.health_checks,
         };
         (desired, self.errors)
+    }
+}
+
+/// What one kept frontend entry adds to the counters (the frontend ones).
+pub(super) fn entry_stats(entry: &Frontend) -> ModelStats {
+    ModelStats {
+        frontends: 1,
+        frontends_without_backends: usize::from(entry.backends.is_empty()),
+        frontends_terminating_fallback: usize::from(entry.terminating_fallback),
+        frontends_topology_same_zone: usize::from(entry.topology == Topology::SameZone),
+        frontends_topology_same_node: usize::from(entry.topology == Topology::SameNode),
+        frontends_no_local_endpoints: usize::from(entry.no_local_endpoints),
+        ..Default::default()
     }
 }
 

@@ -184,6 +184,40 @@ impl ModelStats {
         self.endpoints_terminating += other.endpoints_terminating;
         self.endpoints_not_ready += other.endpoints_not_ready;
     }
+
+    /// Takes back what [`ModelStats::add`] added (the incremental model replaces a Service's part).
+    pub(super) fn sub(&mut self, other: &ModelStats) {
+        let ModelStats {
+            services_seen,
+            services_programmed,
+            services_skipped_headless,
+            services_skipped_external_name,
+            services_skipped_other_proxy,
+            frontends,
+            frontends_without_backends,
+            frontends_terminating_fallback,
+            frontends_topology_same_zone,
+            frontends_topology_same_node,
+            frontends_no_local_endpoints,
+            endpoints_ready,
+            endpoints_terminating,
+            endpoints_not_ready,
+        } = *other;
+        self.services_seen -= services_seen;
+        self.services_programmed -= services_programmed;
+        self.services_skipped_headless -= services_skipped_headless;
+        self.services_skipped_external_name -= services_skipped_external_name;
+        self.services_skipped_other_proxy -= services_skipped_other_proxy;
+        self.frontends -= frontends;
+        self.frontends_without_backends -= frontends_without_backends;
+        self.frontends_terminating_fallback -= frontends_terminating_fallback;
+        self.frontends_topology_same_zone -= frontends_topology_same_zone;
+        self.frontends_topology_same_node -= frontends_topology_same_node;
+        self.frontends_no_local_endpoints -= frontends_no_local_endpoints;
+        self.endpoints_ready -= endpoints_ready;
+        self.endpoints_terminating -= endpoints_terminating;
+        self.endpoints_not_ready -= endpoints_not_ready;
+    }
 }
 
 /// What is wrong with one Service on its own (its fields, not its conflicts with other Services):

@@ -20,6 +20,8 @@ impl<S: Store> Syncer<S> {
     /// Forgets the mirror and reads the maps again, so the next apply repairs
     /// anything changed behind this process's back (the periodic full resync).
     pub fn reload(&mut self) -> Result<()> {
+        // What the maps hold is read afresh: the next apply compares every frontend.
+        self.in_step = false;
         let backends = self.read_backends()?;
         let frontends = self.read_frontends()?;
         let vips4 = self.store.read_vips()?.into_iter().map(|(vip, v)| (IpAddr::from(vip), v.frontends));

@@ -25,6 +25,7 @@ use crate::net::{Cidr4, Protocol};
 
 mod family;
 pub mod image;
+mod incremental;
 #[cfg(test)]
 pub(crate) mod mem_store;
 mod mirror;
@@ -89,6 +90,11 @@ pub struct Syncer<S: Store = BpfStore> {
     backend_ids_wrapped: bool,
     rev_nat_ids_wrapped: bool,
     maglev: Option<MaglevSettings>,
+    /// The maps hold the state the last apply was given (it wrote everything): an endpoint change
+    /// may be applied alone ([`Syncer::apply_changed`]).
+    in_step: bool,
+    /// Each backend's uses by that state's frontends, once [`Syncer::apply_changed`] needed them.
+    backend_uses: Option<incremental::BackendUses>,
 }
 
 /// What one sync changed, and what it could not do.
@@ -193,6 +199,8 @@ impl<S: Store> Syncer<S> {
             backend_ids_wrapped: false,
             rev_nat_ids_wrapped: false,
             maglev: None,
+            in_step: false,
+            backend_uses: None,
         };
         syncer.reload()?;
         Ok(syncer)
@@ -274,6 +282,8 @@ impl<S: Store> Syncer<S> {
         }
         self.reconcile_vips(&mut report);
         self.remove_orphan_backends(&mut report);
+        self.in_step = report.errors.is_empty();
+        self.backend_uses = None;
         report
     }
 
