@@ -21,8 +21,8 @@ use anyhow::{Context as _, Result};
 use proxy_common::{
     conntrack::Timeouts,
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, RevNatId,
-        SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CtEntryV4, CtKeyV4,
+        RevNatId, SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
     },
     maps_v6::{CtEntryV6, CtKeyV6},
 };
@@ -30,9 +30,9 @@ use proxy_common::{
 use crate::bpf::{
     Maps,
     conntrack::{
-        CtEntry, CtKey, SnatIndex, capacity, capacity6, count6, delete, delete_snat, delete6, get6,
-        hairpin_addr, monotonic_ns, pair_expired, read_config, read_conntrack, read_conntrack6, reply_key,
-        reply_key6, select, select_pairs, snat_index, state_name,
+        CtEntry, CtKey, Snat6Index, SnatIndex, capacity, capacity6, count6, delete, delete_snat,
+        delete_snat6, delete6, get6, hairpin_addr, monotonic_ns, pair_expired, read_config, read_conntrack,
+        read_conntrack6, reply_key, reply_key6, select, select_pairs, snat_index, snat6_index, state_name,
     },
     remove_present,
 };
@@ -155,8 +155,12 @@ pub fn plan_purge(
 
 /// [`plan_purge`] for CONNTRACK_V6: backend ids are shared between the families, so the ids a sync
 /// removed select the IPv6 flows to its IPv6 backends.
-pub fn plan_purge6(entries: &[(CtKeyV6, CtEntryV6)], backend_ids: &BTreeSet<u32>) -> Vec<CtKeyV6> {
-    select_pairs(entries, reply_key6, |_, entry| backend_ids.contains(&entry.backend_id))
+pub fn plan_purge6(
+    entries: &[(CtKeyV6, CtEntryV6)],
+    backend_ids: &BTreeSet<u32>,
+    snat6: &Snat6Index,
+) -> Vec<CtKeyV6> {
+    select_pairs(entries, |k, e| reply_key6(k, e, snat6), |_, entry| backend_ids.contains(&entry.backend_id))
 }
 
 /// Cilium-style adaptive GC interval.
@@ -312,10 +316,11 @@ pub fn fuller(v4: (u64, u64), v6: (u64, u64)) -> (u64, u64) {
 }
 
 /// The IPv6 half of [`run`]: CONNTRACK_V6's expired pairs and orphans, each re-read before it is
-/// deleted. The IPv6 datapath source-NATs nothing, so there is no SNAT entry to remove with them.
+/// deleted. A remapped flow (port reuse) is paired through SNAT_V6, whose two entries go with it.
 fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcReport) -> Result<()> {
     let entries = read_conntrack6(maps)?;
-    let plan = plan_conntrack_pairs(&entries, timeouts, reply_key6, now);
+    let snat6 = snat6_index(maps);
+    let plan = plan_conntrack_pairs(&entries, timeouts, |k, e| reply_key6(k, e, &snat6), now);
     report.scanned += plan.scanned;
     for (fkey, rkey) in &plan.pairs {
         let Some(fwd) = get6(maps, fkey) else { continue };
@@ -326,6 +331,9 @@ fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcR
         let mut n = u64::from(delete6(maps, fkey)?);
         if let Some(rkey) = rkey {
             n += u64::from(delete6(maps, rkey)?);
+        }
+        if fwd.flags & CT_FLAG_REMAP != 0 && snat6.contains_key(fkey) {
+            delete_snat6(maps, fkey, &reply_key6(fkey, &fwd, &snat6))?;
         }
         *report.deleted.entry(state_name(fwd.state)).or_default() += n;
     }
@@ -362,7 +370,7 @@ pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<Purged> {
         purged.ipv4 += u64::from(delete(maps, &key)?);
     }
     let entries6 = read_conntrack6(maps)?;
-    for key in plan_purge6(&entries6, &ids) {
+    for key in plan_purge6(&entries6, &ids, &snat6_index(maps)) {
         purged.ipv6 += u64::from(delete6(maps, &key)?);
     }
     Ok(purged)
@@ -565,16 +573,45 @@ mod tests {
         let [_, orphan_dead] = seen(flow6(5002, IPPROTO_UDP, 3), 0, now - 61 * S);
         let [_, orphan_alive] = seen(flow6(5003, IPPROTO_UDP, 3), 0, now - 10 * S);
         let entries = [alive[0], alive[1], dead[0], dead[1], orphan_dead, orphan_alive];
-        let plan = plan_conntrack_pairs(&entries, &t, reply_key6, now);
+        let none = Snat6Index::new();
+        let reply_of = |k: &CtKeyV6, e: &CtEntryV6| reply_key6(k, e, &none);
+        let plan = plan_conntrack_pairs(&entries, &t, reply_of, now);
         assert_eq!(plan.pairs, vec![(dead[0].0, Some(dead[1].0))]);
         assert_eq!(plan.orphans, vec![orphan_dead.0]);
         assert_eq!((plan.by_state.get("OPEN"), plan.entries(), plan.scanned), (Some(&3), 3, 6));
         // A hairpin flow's reply (to HAIRPIN_ADDR_V6) is paired, not taken for an orphan.
         let [(fkey, mut fwd), (_, reply)] = seen(flow6(5004, IPPROTO_UDP, 3), now - 100 * S, now - 5 * S);
         fwd.flags |= CT_FLAG_HAIRPIN;
-        let entries = [(fkey, fwd), (reply_key6(&fkey, &fwd), reply)];
-        let plan = plan_conntrack_pairs(&entries, &Timeouts { udp_ns: 6 * S, ..t }, reply_key6, now);
+        let entries = [(fkey, fwd), (reply_of(&fkey, &fwd), reply)];
+        let plan = plan_conntrack_pairs(&entries, &Timeouts { udp_ns: 6 * S, ..t }, reply_of, now);
         assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
+    }
+
+    /// A flow whose source port was remapped (port reuse) has its reply entry under the remapped
+    /// port (SNAT_V6 names it): the pair lives on the reply's last_seen, and the reply is no orphan.
+    /// Without SNAT_V6's entry the two would be judged apart — the forward entry expired under a
+    /// live flow.
+    #[test]
+    fn a_remapped_ipv6_flow_is_paired_through_snat_v6() {
+        let t = Timeouts::DEFAULT;
+        let now = 10_000 * S;
+        let [(fkey, mut fwd), (rkey, mut reply)] = flow6(5005, IPPROTO_UDP, 3);
+        fwd.flags |= CT_FLAG_REMAP;
+        fwd.last_seen_ns = now - 100 * S;
+        reply.last_seen_ns = now - 5 * S;
+        let remapped = CtKeyV6 { dport: 61_234u16.to_be_bytes(), ..rkey };
+        let entries = [(fkey, fwd), (remapped, reply)];
+        let snat6 = Snat6Index::from([(fkey, remapped.dport)]);
+        let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &snat6), now);
+        assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
+        // Idle on both sides: the pair goes together.
+        let later = now + 61 * S;
+        let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &snat6), later);
+        assert_eq!((plan.pairs, plan.orphans), (vec![(fkey, Some(remapped))], vec![]));
+        // The old pairing (no SNAT_V6 index): the forward entry expires alone under a live flow.
+        let none = Snat6Index::new();
+        let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &none), now);
+        assert_eq!(plan.pairs, vec![(fkey, None)]);
     }
 
     #[test]
@@ -585,9 +622,13 @@ mod tests {
         b[1].1.backend_id = 18;
         let [_, orphan] = flow6(5002, IPPROTO_UDP, 3);
         let entries = [a[0], a[1], b[0], b[1], orphan];
-        assert_eq!(plan_purge6(&entries, &[17].into()), vec![a[0].0, a[1].0, orphan.0]);
-        assert_eq!(plan_purge6(&entries, &[18].into()), vec![b[0].0, b[1].0]);
-        assert!(plan_purge6(&entries, &[7].into()).is_empty(), "an IPv4 backend's id names no IPv6 flow");
+        let none = Snat6Index::new();
+        assert_eq!(plan_purge6(&entries, &[17].into(), &none), vec![a[0].0, a[1].0, orphan.0]);
+        assert_eq!(plan_purge6(&entries, &[18].into(), &none), vec![b[0].0, b[1].0]);
+        assert!(
+            plan_purge6(&entries, &[7].into(), &none).is_empty(),
+            "an IPv4 backend's id names no IPv6 flow"
+        );
     }
 
     #[test]

@@ -1,12 +1,12 @@
 //! The conntrack view shared by the agent's garbage collection and the operator commands: the pairs of
 //! CONNTRACK_V4 (a forward entry and its reply, found through SNAT_V4 for source-NATed flows) and of
-//! CONNTRACK_V6 (no SNAT there), their age and time left, reading and deleting them. The decisions are
+//! CONNTRACK_V6 (a remapped flow's reply found through SNAT_V6), their age and time left, reading and deleting them. The decisions are
 //! generic over the family ([`CtKey`], [`CtEntry`]); the families differ only in how a forward entry
 //! names its reply ([`reply_key`], [`reply_key6`]). Times are CLOCK_MONOTONIC nanoseconds
 //! ([`monotonic_ns`]), the clock of `bpf_ktime_get_ns`.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     hash::Hash,
 };
 
@@ -15,8 +15,8 @@ use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
-        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR,
-        RevNatId, SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, ConfigV4, CtEntryV4, CtKeyV4,
+        DEFAULT_HAIRPIN_ADDR, RevNatId, SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
     },
     maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
 };
@@ -96,15 +96,41 @@ pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], sn
     key
 }
 
+/// SNAT_V6's forward entries: a remapped IPv6 flow's own key → the port it was remapped to.
+pub type Snat6Index = HashMap<CtKeyV6, [u8; 2]>;
+
+/// The forward entries of SNAT_V6, for [`reply_key6`].
+pub fn snat6_index(maps: &Maps) -> Snat6Index {
+    maps.snat_v6
+        .iter()
+        .filter_map(|e| e.ok())
+        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
+        .map(|(k, v)| (k, v.port))
+        .collect()
+}
+
 /// The reply key of an IPv6 forward entry: `backend → client`, or `backend → HAIRPIN_ADDR_V6` for a
-/// hairpin flow, with the client's port either way (the IPv6 datapath source-NATs nothing else, so
-/// there is no SNAT index to consult).
-pub fn reply_key6(forward: &CtKeyV6, entry: &CtEntryV6) -> CtKeyV6 {
+/// hairpin flow, with the client's port — or, for a flow whose source port was remapped (port
+/// reuse, `CT_FLAG_REMAP`), the remapped port from `snat6`. The IPv6 datapath source-NATs nothing
+/// else.
+pub fn reply_key6(forward: &CtKeyV6, entry: &CtEntryV6, snat6: &Snat6Index) -> CtKeyV6 {
     let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
     if entry.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = HAIRPIN_ADDR_V6;
     }
+    if entry.flags & CT_FLAG_REMAP != 0
+        && let Some(port) = snat6.get(forward)
+    {
+        key.dport = *port;
+    }
     key
+}
+
+/// Forgets both SNAT_V6 entries of a remapped IPv6 flow: its own key and its reply key.
+pub fn delete_snat6(maps: &mut Maps, forward: &CtKeyV6, reply: &CtKeyV6) -> Result<()> {
+    remove_present(&mut maps.snat_v6, forward).context("deleting an SNAT_V6 entry")?;
+    remove_present(&mut maps.snat_v6, reply).context("deleting an SNAT_V6 entry")?;
+    Ok(())
 }
 
 /// The hairpin address the datapath uses: CONFIG's, or the default when unset.

@@ -11,8 +11,8 @@ use proxy_common::{
 use crate::bpf::{
     Maps,
     conntrack::{
-        SnatIndex, delete, delete6, hairpin_addr, read_config, read_conntrack, read_conntrack6, reply_key6,
-        select, select_pairs, snat_index,
+        Snat6Index, SnatIndex, delete, delete6, hairpin_addr, read_config, read_conntrack, read_conntrack6,
+        reply_key6, select, select_pairs, snat_index,
     },
 };
 
@@ -38,7 +38,12 @@ pub fn plan_flush6(
 ) -> Vec<CtKeyV6> {
     match rev_nat_ids {
         None => entries.iter().map(|(k, _)| *k).collect(),
-        Some(ids) => select_pairs(entries, reply_key6, |_, entry| ids.contains(&entry.rev_nat_id)),
+        // A remapped flow's reply entry is taken by its own rev-NAT id: no SNAT_V6 index needed.
+        Some(ids) => select_pairs(
+            entries,
+            |k, e| reply_key6(k, e, &Snat6Index::new()),
+            |_, entry| ids.contains(&entry.rev_nat_id),
+        ),
     }
 }
 

@@ -226,7 +226,8 @@ pub fn conntrack(maps: &Maps) -> Result<Vec<ConntrackRow>> {
     let mut rows = conntrack_rows(&entries, &names, &config, &crate::bpf::conntrack::snat_index(maps), now);
     // IPv6 flows after the IPv4 ones; rev-NAT ids are shared, so FRONTEND_NAMES_V4 names them too.
     let entries6 = crate::bpf::conntrack::read_conntrack6(maps)?;
-    rows.extend(conntrack_rows6(&entries6, &names, &config, now));
+    let snat6 = crate::bpf::conntrack::snat6_index(maps);
+    rows.extend(conntrack_rows6(&entries6, &names, &config, &snat6, now));
     Ok(rows)
 }
 
@@ -236,6 +237,7 @@ pub fn conntrack_rows6(
     entries: &[(CtKeyV6, CtEntryV6)],
     names: &BTreeMap<RevNatId, String>,
     config: &ConfigV4,
+    snat6: &crate::bpf::conntrack::Snat6Index,
     now: u64,
 ) -> Vec<ConntrackRow> {
     let timeouts = Timeouts::from_config(config);
@@ -246,7 +248,9 @@ pub fn conntrack_rows6(
         .iter()
         .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
         .map(|(key, fwd)| {
-            let back = reply.get(&crate::bpf::conntrack::reply_key6(key, fwd)).copied();
+            // A remapped flow (port reuse) sends from the port its reply key has.
+            let reply_key = crate::bpf::conntrack::reply_key6(key, fwd, snat6);
+            let back = reply.get(&reply_key).copied();
             let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
             let source = if hairpin { HAIRPIN_ADDR_V6 } else { key.saddr };
             ConntrackRow {
@@ -257,7 +261,7 @@ pub fn conntrack_rows6(
                 ),
                 translated: format!(
                     "{} -> {}",
-                    endpoint6(source, key.sport),
+                    endpoint6(source, reply_key.dport),
                     endpoint6(fwd.nat_addr, fwd.nat_port)
                 ),
                 protocol: proto_name(key.proto),
@@ -709,8 +713,14 @@ mod tests {
         let lonely = CtKeyV6 { sport: 40001u16.to_be_bytes(), ..forward };
         let names: BTreeMap<RevNatId, String> = [(7, "default/web:http".to_owned())].into();
         let config = ConfigV4::default();
-        let rows =
-            conntrack_rows6(&[(reply_key, reply), (forward, fwd), (lonely, fwd)], &names, &config, now);
+        let none = crate::bpf::conntrack::Snat6Index::new();
+        let rows = conntrack_rows6(
+            &[(reply_key, reply), (forward, fwd), (lonely, fwd)],
+            &names,
+            &config,
+            &none,
+            now,
+        );
         assert_eq!(rows.len(), 2);
         let r = &rows[0];
         assert_eq!(r.original, "[fd00:10:244::5]:40000 -> [fd00:10:244::96]:80");
@@ -728,10 +738,25 @@ mod tests {
         let hairpin = CtEntryV6 { flags: CT_FLAG_HAIRPIN, nat_addr: client, ..fwd };
         let mut hairpin_reply_key = forward.reply_of(client, 8080u16.to_be_bytes());
         hairpin_reply_key.daddr = HAIRPIN_ADDR_V6;
-        let rows = conntrack_rows6(&[(forward, hairpin), (hairpin_reply_key, reply)], &names, &config, now);
+        let rows =
+            conntrack_rows6(&[(forward, hairpin), (hairpin_reply_key, reply)], &names, &config, &none, now);
         assert!(rows[0].hairpin);
         assert_eq!(rows[0].translated, "[100::42:1]:40000 -> [fd00:10:244::5]:8080");
         assert_eq!(rows[0].packets_reply, 5);
+        // A remapped flow (port reuse): shown from its remapped port, its reply (under that port,
+        // named by SNAT_V6) paired for the counters.
+        let remapped = CtEntryV6 { flags: proxy_common::maps::CT_FLAG_REMAP, ..fwd };
+        let remapped_reply_key = CtKeyV6 { dport: 61_234u16.to_be_bytes(), ..reply_key };
+        let snat6 = crate::bpf::conntrack::Snat6Index::from([(forward, remapped_reply_key.dport)]);
+        let rows = conntrack_rows6(
+            &[(forward, remapped), (remapped_reply_key, reply)],
+            &names,
+            &config,
+            &snat6,
+            now,
+        );
+        assert_eq!(rows[0].translated, "[fd00:10:244::5]:61234 -> [fd00:10:244::9]:8080");
+        assert_eq!((rows[0].packets_reply, rows[0].idle_seconds), (5, 1.0));
     }
 
     #[test]
