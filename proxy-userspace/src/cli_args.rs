@@ -113,6 +113,13 @@ pub(crate) struct AgentArgs {
     #[arg(long, default_value_t = proxy_common::maps::CONNTRACK_V4_CAPACITY,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) conntrack_max: u32,
+    /// Entries of each load-balancing map (Cilium's flag): the services maps (one entry per
+    /// frontend and one per backend slot), backends, rev-NAT ids (frontends: a Service port's
+    /// cluster IP, each of its NodePort addresses, external and LB IPs) and their names, VIPs.
+    /// Applies when the agent loads the datapath; pinned maps keep their size.
+    #[arg(long, default_value_t = proxy_common::maps::SERVICES_V4_CAPACITY,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) bpf_lb_map_max: u32,
     /// First conntrack garbage collection interval; it then adapts between
     /// 5s and 5m (halved when a run deletes over 25 % or the table is over
     /// 90 % full, grown 1.5x when a run deletes under 5 %).

@@ -346,6 +346,7 @@ fn agent_config(args: AgentArgs, pins: PinDir) -> Result<AgentConfig> {
             ..Default::default()
         },
         conntrack,
+        lb_map_max: args.bpf_lb_map_max,
         north_south: kproxy::agent::nodeport::NorthSouthOptions {
             nodeport_addresses,
             cluster_cidr: cluster_cidrs.ipv4,

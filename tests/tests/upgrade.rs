@@ -122,3 +122,70 @@ fn a_pinned_map_of_another_layout_is_refused_by_name() {
         "{refused:?}"
     );
 }
+
+/// A datapath pinned by a kproxy from before 32-bit rev-NAT ids (16-bit ids: 16-byte services values,
+/// 2-byte rev-NAT and names keys, 48-byte conntrack entries) is refused as a whole, every map whose
+/// layout changed named, before anything is replaced; `kproxy unload` and a fresh load are the way
+/// out, as the error says.
+#[test]
+fn a_datapath_with_16_bit_rev_nat_ids_is_refused_naming_every_changed_map() {
+    let mut cluster = Cluster::start("revnat16");
+    cluster.stop_agent();
+    let old_ingress = program_id(&cluster, "kproxy_ingress");
+    let old_layouts = [
+        ("services_v4", "hash", "12", "16", "SERVICES_V4"),
+        ("rev_nat_v4", "hash", "2", "8", "REV_NAT_V4"),
+        ("frontend_names_v4", "hash", "2", "192", "FRONTEND_NAMES"),
+        ("conntrack_v4", "lru_hash", "16", "48", "CONNTRACK_V4"),
+    ];
+    for (pin, kind, key, value, name) in old_layouts {
+        let path = cluster.pin_dir.join("maps").join(pin);
+        std::fs::remove_file(&path).unwrap();
+        let status = std::process::Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&path)
+            .args(["type", kind, "key", key, "value", value, "entries", "16", "name", name])
+            .status()
+            .unwrap();
+        assert!(status.success(), "bpftool map create {pin}");
+    }
+    let load = |pins: &std::path::Path| {
+        std::process::Command::new(common::cluster::kproxy_bin())
+            .arg("--pin-dir")
+            .arg(pins)
+            .args(["load", "--interfaces", "nomatch"])
+            .output()
+            .unwrap()
+    };
+    let out = load(&cluster.pin_dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    for (pin, ..) in old_layouts {
+        assert!(err.contains(pin), "{pin} not named: {err}");
+    }
+    assert!(err.contains("kproxy unload"), "{err}");
+    let refused = kproxy::bpf::load(&kproxy::bpf::PinDir::new(&cluster.pin_dir)).unwrap_err();
+    match &refused {
+        kproxy::bpf::LoadError::IncompatiblePin { map, also, .. } => {
+            let mut named: Vec<&str> = also.clone();
+            named.push(map);
+            named.sort();
+            assert_eq!(named, ["CONNTRACK_V4", "FRONTEND_NAMES_V4", "REV_NAT_V4", "SERVICES_V4"], "{refused}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Nothing was replaced: the old programs are still the pinned ones.
+    assert_eq!(program_id(&cluster, "kproxy_ingress"), old_ingress);
+
+    let unload = std::process::Command::new(common::cluster::kproxy_bin())
+        .arg("--pin-dir")
+        .arg(&cluster.pin_dir)
+        .arg("unload")
+        .output()
+        .unwrap();
+    assert!(unload.status.success(), "{}", String::from_utf8_lossy(&unload.stderr));
+    let out = load(&cluster.pin_dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rev_nat = aya::maps::MapInfo::from_pin(cluster.pin_dir.join("maps/rev_nat_v4")).unwrap();
+    assert_eq!(rev_nat.key_size(), 4, "the fresh load made 32-bit rev-NAT ids");
+}

@@ -24,6 +24,9 @@ use crate::{
 /// effect and the maps.
 pub(super) fn prepare(config: &AgentConfig) -> Result<(SocketLbOptions, Maps)> {
     let capacities = Capacities {
+        services: config.lb_map_max,
+        backends: config.lb_map_max,
+        rev_nat: config.lb_map_max,
         conntrack: config.conntrack.max,
         maglev_tables: config.maglev.map_or(1, |m| m.tables),
         ..Default::default()
@@ -40,6 +43,14 @@ pub(super) fn prepare(config: &AgentConfig) -> Result<(SocketLbOptions, Maps)> {
             pinned,
             wanted = config.conntrack.max,
             "the pinned conntrack map keeps its size; --conntrack-max applies after `kproxy unload`"
+        );
+    }
+    let pinned = bpf::rev_nat_capacity(&maps);
+    if pinned != u64::from(config.lb_map_max) {
+        tracing::warn!(
+            pinned,
+            wanted = config.lb_map_max,
+            "the pinned load-balancing maps keep their size; --bpf-lb-map-max applies after `kproxy unload`"
         );
     }
     if write_config(&mut maps, &config.conntrack.config())? {

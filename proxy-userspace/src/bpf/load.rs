@@ -282,12 +282,14 @@ pub fn load(pins: &PinDir) -> Result<bool, LoadError> {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     /// A pinned map made by a kproxy whose key or value layout differs: reusing it would misread every
-    /// entry, so loading stops before anything is replaced.
+    /// entry, so loading stops before anything is replaced. `map` is the first such map, `also` the
+    /// others (a kproxy from before 32-bit rev-NAT ids left several).
     #[error(
         "the pinned map {} has keys of {key_size} and values of {value_size} bytes, this kproxy needs {want_key} \
-         and {want_value}: it was made by an incompatible kproxy. `kproxy unload` removes it (established \
-         connections through Services are lost), then load again",
-        path.display()
+         and {want_value}: it was made by an incompatible kproxy{}. `kproxy unload` removes the pinned \
+         datapath (established connections through Services are lost), then load again",
+        path.display(),
+        also_text(also)
     )]
     IncompatiblePin {
         map: &'static str,
@@ -296,6 +298,7 @@ pub enum LoadError {
         value_size: u32,
         want_key: u32,
         want_value: u32,
+        also: Vec<&'static str>,
     },
     /// Anything else: bpffs, the pin directory, the object, the verifier, pinning and attaching.
     #[error(transparent)]
@@ -312,9 +315,19 @@ pub fn load_with(pins: &PinDir, capacities: &Capacities) -> Result<bool, LoadErr
     Ok(fresh)
 }
 
-/// Refuses pinned maps whose layout this kproxy does not share; replaces a stats map too small for
-/// today's counters.
+fn also_text(also: &[&str]) -> String {
+    if also.is_empty() {
+        return String::new();
+    }
+    let names: Vec<String> = also.iter().map(|m| m.to_lowercase()).collect();
+    format!(" (so were {})", names.join(", "))
+}
+
+/// Refuses pinned maps whose layout this kproxy does not share, naming each; replaces a stats map too
+/// small for today's counters.
 fn check_pinned_maps(pins: &PinDir) -> Result<(), LoadError> {
+    let mut refused: Option<LoadError> = None;
+    let mut stale_stats = None;
     for &name in ALL_MAPS {
         let path = pins.map(name);
         let (Some((key, value)), true) = (expected_layout(name), path.exists()) else { continue };
@@ -323,20 +336,33 @@ fn check_pinned_maps(pins: &PinDir) -> Result<(), LoadError> {
         if name == MAP_STATS && info.max_entries() < proxy_common::stats::Stat::COUNT {
             // Made by a kproxy that knew fewer counters: counting starts afresh in one that
             // has room for all of them.
-            tracing::info!(map = %path.display(), "the stats map lacks newer counters: replacing it");
-            remove_file_if_present(&path)?;
+            stale_stats = Some(path);
             continue;
         }
         if (info.key_size(), info.value_size()) != (key, value) {
-            return Err(LoadError::IncompatiblePin {
-                map: name,
-                path,
-                key_size: info.key_size(),
-                value_size: info.value_size(),
-                want_key: key,
-                want_value: value,
-            });
+            match &mut refused {
+                Some(LoadError::IncompatiblePin { also, .. }) => also.push(name),
+                _ => {
+                    refused = Some(LoadError::IncompatiblePin {
+                        map: name,
+                        path,
+                        key_size: info.key_size(),
+                        value_size: info.value_size(),
+                        want_key: key,
+                        want_value: value,
+                        also: Vec::new(),
+                    })
+                }
+            }
         }
+    }
+    if let Some(refused) = refused {
+        // Nothing is replaced, the stats map neither: the operator unloads first.
+        return Err(refused);
+    }
+    if let Some(path) = stale_stats {
+        tracing::info!(map = %path.display(), "the stats map lacks newer counters: replacing it");
+        remove_file_if_present(&path)?;
     }
     Ok(())
 }

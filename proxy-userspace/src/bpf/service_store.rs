@@ -334,3 +334,8 @@ fn ignore_missing(result: Result<(), MapError>) -> Result<()> {
         other => other.map_err(anyhow::Error::new),
     }
 }
+
+/// Entries REV_NAT_V4 was created with: the frontends the datapath can hold (`--bpf-lb-map-max`).
+pub fn rev_nat_capacity(maps: &Maps) -> u64 {
+    maps.rev_nat.map().info().map_or(0, |info| u64::from(info.max_entries()))
+}

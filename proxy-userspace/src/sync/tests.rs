@@ -300,3 +300,38 @@ fn a_dual_stack_service_programs_each_family_in_its_own_maps_under_shared_ids() 
     assert!(store.rev_nat6.is_empty());
     assert_eq!(slot0(store, 80, Protocol::Tcp).count, 1);
 }
+
+#[test]
+fn rev_nat_ids_go_past_16_bits_distinct_and_a_restarted_syncer_continues_above_them() {
+    let frontend = |i: u32| {
+        Frontend::new(
+            ServiceName { namespace: "many".into(), name: format!("svc-{i}") },
+            "http".to_owned(),
+            Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 1)) + i),
+            80,
+            Protocol::Tcp,
+            vec![be([10, 244, 0, 11], 8080)],
+        )
+    };
+    let n = 70_000;
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let report = syncer.apply(&Desired::new((0..n).map(frontend).collect()));
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let ids: std::collections::BTreeSet<RevNatId> =
+        syncer.store().services.iter().filter(|(k, _)| k.4 == 0).map(|(_, v)| v.rev_nat_id).collect();
+    assert_eq!(ids.len(), n as usize, "one id per frontend");
+    assert_eq!((ids.first().copied(), ids.last().copied()), (Some(1), Some(n)));
+    let store = syncer.store();
+    let last = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 1)) + n - 1).octets();
+    let master = store.services[&(last, 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
+    assert_eq!(store.rev_nat[&master.rev_nat_id].vip, last);
+    assert_eq!(store.names[&master.rev_nat_id], "many/svc-69999:http");
+
+    // A restart reads the ids back and hands out the next one above them.
+    let mut restarted = Syncer::with_store(syncer.store().clone()).unwrap();
+    let report = restarted.apply(&Desired::new((0..=n).map(frontend).collect()));
+    assert_eq!((report.frontends_added, report.frontends_updated), (1, 0), "{report:?}");
+    let added = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 1)) + n).octets();
+    let master = restarted.store().services[&(added, 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
+    assert_eq!(master.rev_nat_id, n + 1);
+}
