@@ -210,6 +210,15 @@ pub const fn starts_tcp_flow(tcp_flags: u8) -> bool {
     tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN
 }
 
+/// Whether a packet to no Service must be checked against the translated flows for its reply
+/// tuple (the port-reuse clash, [`Clash`]). Only a packet that may start a flow can be remapped: UDP,
+/// or a bare TCP SYN. Any other TCP segment is left alone whatever holds its tuple (a clash check
+/// would answer [`Clash::Leave`]), and the SYN that opened its connection had the clash resolved, so
+/// most direct traffic (established TCP) pays no lookup for it.
+pub const fn direct_may_clash(proto: u8, tcp_flags: u8) -> bool {
+    proto != IPPROTO_TCP || starts_tcp_flow(tcp_flags)
+}
+
 /// What becomes of a translated flow when a new flow would have the same
 /// reply tuple (the client reused its source port: to a pod it had reached
 /// through a Service, or through a second Service to the same backend).
@@ -477,6 +486,18 @@ mod tests {
     fn only_a_syn_starts_a_remapped_tcp_flow() {
         let live = flow(CtState::Established, TCP_SYN | TCP_ACK, TCP_SYN | TCP_ACK);
         for flags in [TCP_ACK, TCP_SYN | TCP_ACK, TCP_RST, TCP_SYN | TCP_RST, TCP_FIN | TCP_ACK] {
+            assert_eq!(Clash::resolve(IPPROTO_TCP, flags, live), Clash::Leave, "flags {flags:#x}");
+        }
+    }
+
+    #[test]
+    fn only_udp_and_bare_syns_to_no_service_are_checked_for_a_clash() {
+        assert!(direct_may_clash(IPPROTO_UDP, 0));
+        assert!(direct_may_clash(IPPROTO_TCP, TCP_SYN));
+        let live = flow(CtState::Established, TCP_SYN | TCP_ACK, TCP_SYN | TCP_ACK);
+        for flags in [TCP_ACK, TCP_SYN | TCP_ACK, TCP_RST, TCP_FIN | TCP_ACK, TCP_SYN | TCP_FIN] {
+            assert!(!direct_may_clash(IPPROTO_TCP, flags), "flags {flags:#x}");
+            // What the skipped check would have answered for a live flow holding the tuple.
             assert_eq!(Clash::resolve(IPPROTO_TCP, flags, live), Clash::Leave, "flags {flags:#x}");
         }
     }

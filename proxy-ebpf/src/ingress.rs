@@ -5,7 +5,7 @@
 use aya_ebpf::programs::TcContext;
 use aya_log_ebpf::debug;
 use proxy_common::{
-    conntrack::{Clash, starts_tcp_flow},
+    conntrack::{Clash, direct_may_clash, starts_tcp_flow},
     maps::{
         BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, CtKeyV4,
         IPPROTO_TCP, SCOPE_EXTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_NO_LOCAL_ENDPOINTS,
@@ -221,7 +221,8 @@ fn no_frontend(flow: &parse::Flow, key: &CtKeyV4) -> Step {
         }
         return Step::Drop(Stat::DropUnallocatedServiceIp);
     }
-    if flow.has_l4_header() {
+    // Established TCP to a pod stops here: no clash check can change it.
+    if flow.has_l4_header() && direct_may_clash(flow.proto, flow.tcp_flags) {
         return Step::Direct;
     }
     Step::Pass(Stat::PassNoService)
