@@ -87,9 +87,6 @@ fn capacities() -> Capacities {
         ..Default::default()
     }
 }
-/// Services programmed through the agent's Syncer; beyond this (see the report) the others are
-/// written straight into the maps, because rev-NAT ids are u16.
-const SYNCER_MAX: usize = 10_000;
 
 pub const CASES: [&str; 6] = [
     "non-service packet (in-kernel loop)",
@@ -266,10 +263,6 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     let mut notes = Vec::new();
 
     let mut ebpf = bpf::load_unpinned_with(&capacities()).context("loading the datapath")?;
-    let mut raw_services: HashMap<MapData, ServiceKeyV4, ServiceValueV4> =
-        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V4)?))?;
-    let mut raw_backends: HashMap<MapData, u32, BackendV4> =
-        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V4)?))?;
     let mut raw_services6: HashMap<MapData, ServiceKeyV6, ServiceValueV4> =
         HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V6)?))?;
     let mut raw_backends6: HashMap<MapData, u32, BackendV6> =
@@ -294,58 +287,27 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     };
     let mut rows: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
     let mut rows6: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
-    let mut raw_written = 0usize;
     let mut raw6_written = 0usize;
     for &size in &sizes {
         ctx.check()?;
-        // Program `size` Services: the measured one among size - 1 others.
-        let via_syncer = size.min(SYNCER_MAX);
-        let all = rules::cluster(via_syncer, std::slice::from_ref(&web));
+        // Program `size` Services through the agent's Syncer: the measured one among size - 1 others
+        // (32-bit rev-NAT ids: no ceiling at 65,535 frontends).
+        let all = rules::cluster(size, std::slice::from_ref(&web));
         let started = std::time::Instant::now();
         let report = syncer.apply(&Desired::new(all.iter().map(frontend).chain([web6.clone()]).collect()));
         if !report.errors.is_empty() {
             bail!(
-                "programming {via_syncer} Services failed: {}",
+                "programming {size} Services failed: {}",
                 report.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
             );
         }
         if report.frontends_added > 1 {
             notes.push(format!(
-                "The agent's Syncer added {} frontends ({} backends) in {:.2} s when growing to {via_syncer} Services.",
+                "The agent's Syncer added {} frontends ({} backends) in {:.2} s when growing to {size} Services.",
                 report.frontends_added,
                 report.backends_added,
                 started.elapsed().as_secs_f64()
             ));
-        }
-        let others_needed = size.saturating_sub(via_syncer);
-        while raw_written < others_needed {
-            // Fillers past the Syncer's share, same layout as the Syncer writes.
-            let i = (via_syncer + raw_written) as u32;
-            let svc = rules::filler(i);
-            let key = |slot: u16| {
-                ServiceKeyV4::new(
-                    svc.vip.octets(),
-                    svc.port.to_be_bytes(),
-                    IPPROTO_TCP,
-                    SCOPE_CLUSTER_IP,
-                    slot,
-                )
-            };
-            for (j, ep) in svc.endpoints.iter().enumerate() {
-                let id = 10_000_000 + i * 3 + j as u32;
-                let b = BackendV4 {
-                    addr: ep.octets(),
-                    port: svc.target_port.to_be_bytes(),
-                    proto: IPPROTO_TCP,
-                    flags: BACKEND_FLAG_ACTIVE,
-                };
-                raw_backends.insert(id, b, 0)?;
-                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u32::MAX, ..Default::default() };
-                raw_services.insert(key(j as u16 + 1), slot, 0)?;
-            }
-            let master = ServiceValueV4 { count: 3, rev_nat_id: u32::MAX, ..Default::default() };
-            raw_services.insert(key(0), master, 0)?;
-            raw_written += 1;
         }
         // As many IPv6 Services beside the measured IPv6 one, in the same layout (fd00:10:97::/64).
         while raw6_written + 1 < size {
@@ -370,14 +332,6 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
             let master = ServiceValueV4 { count: 3, rev_nat_id: u32::MAX, ..Default::default() };
             raw_services6.insert(key(0), master, 0)?;
             raw6_written += 1;
-        }
-        if others_needed > 0 {
-            notes.push(format!(
-                "At {size} Services, the first {via_syncer} (the measured one included) were programmed by the Syncer \
-                 and the other {others_needed} written straight into SERVICES_V4/BACKENDS_V4 in the Syncer's layout: \
-                 rev-NAT ids are u16 (as Cilium's rev_nat_index), so the agent programs at most 65,535 frontends; \
-                 the fillers share one rev-NAT id, which the measured packets never read."
-            ));
         }
 
         // The families' runs interleaved, so that both see the same machine.
