@@ -43,6 +43,9 @@ pub struct ModelCache {
     options: Option<ModelOptions>,
     /// The last result, patched or replaced by the next call.
     last: Option<(Desired, Vec<ManifestError>)>,
+    /// The objects of the last call, in order: a replaced slice is found by identity at its position.
+    last_services: Vec<Arc<Sourced<Service>>>,
+    last_slices: Vec<Arc<Sourced<EndpointSlice>>>,
     /// Services rebuilt by the last call (for logs and tests).
     pub rebuilt: usize,
 }
@@ -162,6 +165,38 @@ impl ModelCache {
             self.last = None;
             self.options = Some(options.clone());
         }
+        let (patchable, replaced) = match self.rebuild_in_place(services, slices, options) {
+            Some(replaced) => (true, replaced),
+            None => self.rebuild(services, slices, options),
+        };
+        let patchable =
+            patchable && replaced.iter().all(|(key, old)| same_claims(old, &self.entries[key].parts));
+        let changed = if patchable && let Some((desired, _)) = self.last.as_mut() {
+            let mut changed = Changed::default();
+            for (key, old) in &replaced {
+                patch(desired, old, &self.entries[key].parts, &mut changed);
+            }
+            Some(changed)
+        } else {
+            let mut merge = Merge::default();
+            for service in services {
+                merge.add(Cow::Borrowed(&self.entries[&Arc::as_ptr(service)].parts));
+            }
+            self.last = Some(merge.finish());
+            None
+        };
+        let (desired, errors) = self.last.as_ref().expect("patched or built above");
+        Update { desired, errors, changed }
+    }
+
+    /// Rebuilds the Services whose objects changed, regrouping every slice by its Service: whether the
+    /// result may be patched (the same Services as last time), and each rebuilt Service's last parts.
+    fn rebuild<'a>(
+        &mut self,
+        services: &'a [Arc<Sourced<Service>>],
+        slices: &'a [Arc<Sourced<EndpointSlice>>],
+        options: &ModelOptions,
+    ) -> (bool, Vec<(*const Sourced<Service>, Parts)>) {
         let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
         for slice in slices {
             let meta = &slice.object.metadata;
@@ -196,24 +231,82 @@ impl ModelCache {
             next.insert(key, entry);
         }
         self.entries = next;
-        let patchable =
-            patchable && replaced.iter().all(|(key, old)| same_claims(old, &self.entries[key].parts));
-        let changed = if patchable && let Some((desired, _)) = self.last.as_mut() {
-            let mut changed = Changed::default();
-            for (key, old) in &replaced {
-                patch(desired, old, &self.entries[key].parts, &mut changed);
-            }
-            Some(changed)
-        } else {
-            let mut merge = Merge::default();
-            for service in services {
-                merge.add(Cow::Borrowed(&self.entries[&Arc::as_ptr(service)].parts));
-            }
-            self.last = Some(merge.finish());
-            None
+        self.last_services = services.to_vec();
+        self.last_slices = slices.to_vec();
+        (patchable, replaced)
+    }
+
+    /// The common case, an EndpointSlice replaced by a version of the same name for the same Service
+    /// (the same Services and slices at the same positions otherwise), found by identity: only the
+    /// Services those slices belong to are rebuilt, without regrouping every slice. `None`, having
+    /// changed nothing, when that is not the case.
+    fn rebuild_in_place(
+        &mut self,
+        services: &[Arc<Sourced<Service>>],
+        slices: &[Arc<Sourced<EndpointSlice>>],
+        options: &ModelOptions,
+    ) -> Option<Vec<(*const Sourced<Service>, Parts)>> {
+        if self.last.is_none()
+            || services.len() != self.last_services.len()
+            || slices.len() != self.last_slices.len()
+            || !same(services, &self.last_services)
+        {
+            return None;
+        }
+        let service_of = |slice: &Sourced<EndpointSlice>| {
+            let meta = &slice.object.metadata;
+            let name = meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME))?;
+            Some((meta.namespace.as_deref().unwrap_or("default").to_owned(), name.clone()))
         };
-        let (desired, errors) = self.last.as_ref().expect("patched or built above");
-        Update { desired, errors, changed }
+        // Each replaced slice and the Service entry holding its last version (none for a slice of no
+        // listed Service: it is in no entry, and stays in none).
+        let mut replaced_slices = Vec::new();
+        for at in (0..slices.len()).filter(|&at| !Arc::ptr_eq(&slices[at], &self.last_slices[at])) {
+            let (new, old) = (&slices[at], &self.last_slices[at]);
+            let (new_meta, old_meta) = (&new.object.metadata, &old.object.metadata);
+            let service = service_of(new);
+            if new_meta.namespace != old_meta.namespace
+                || new_meta.name != old_meta.name
+                || service != service_of(old)
+            {
+                return None;
+            }
+            let Some((namespace, name)) = service else { continue };
+            let holder = services.iter().find(|s| {
+                let meta = &s.object.metadata;
+                meta.namespace.as_deref().unwrap_or("default") == namespace
+                    && meta.name.as_deref().unwrap_or_default() == name
+            });
+            let Some(holder) = holder else { continue };
+            let key = Arc::as_ptr(holder);
+            if !self.entries.get(&key)?.slices.iter().any(|s| Arc::ptr_eq(s, old)) {
+                return None;
+            }
+            replaced_slices.push((at, key));
+        }
+        let mut replaced: Vec<(*const Sourced<Service>, Parts)> = Vec::new();
+        for &(at, key) in &replaced_slices {
+            let entry = self.entries.get_mut(&key).expect("checked above");
+            for slice in entry.slices.iter_mut().filter(|s| Arc::ptr_eq(s, &self.last_slices[at])) {
+                *slice = Arc::clone(&slices[at]);
+            }
+            if !replaced.iter().any(|(k, _)| *k == key) {
+                replaced.push((key, Parts::default()));
+            }
+        }
+        for (key, old) in &mut replaced {
+            let entry = self.entries.get_mut(key).expect("checked above");
+            let parts = model::build_parts(std::slice::from_ref(&entry.service), &entry.slices, options);
+            *old = std::mem::replace(&mut entry.parts, parts);
+        }
+        // Every replaced slice is remembered, those of no listed Service too.
+        for (last, slice) in self.last_slices.iter_mut().zip(slices) {
+            if !Arc::ptr_eq(last, slice) {
+                *last = Arc::clone(slice);
+            }
+        }
+        self.rebuilt = replaced.len();
+        Some(replaced)
     }
 }
 

@@ -74,7 +74,7 @@ async fn watch_kind<K>(
     health: Option<Arc<dyn WatchProgress>>,
 ) where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
-    K: Into<Kinded>,
+    Box<K>: Into<Kinded>,
 {
     let is_service = K::kind(&()) == "Service";
     let selectors = Selectors { labels: Some(selector), fields: None };
@@ -105,7 +105,7 @@ async fn watch_kind<K>(
         }
         Update::Applied(object) => {
             let k = key(object.namespace(), object.name_any());
-            let kinded: Kinded = object.into();
+            let kinded: Kinded = Box::new(object).into();
             let trigger = kinded.trigger_time();
             kinded.store(&mut changes.snapshot.lock().expect("poisoned"), k);
             if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
@@ -137,7 +137,7 @@ async fn watch_node(client: Client, node_name: Option<String>, changes: Arc<Chan
     let mut seen = false;
     reflect(client, selectors, options, None, |update: Update<k8s_openapi::api::core::v1::Node>| {
         let node = match update {
-            Update::Listed(nodes) => nodes.into_iter().next(),
+            Update::Listed(nodes) => nodes.into_iter().next().map(|node| *node),
             Update::Applied(node) => Some(node),
             Update::Deleted(_) => None,
         };
@@ -186,7 +186,7 @@ async fn watch_service_cidrs(client: Client, changes: Arc<Changes>, options: Wat
                 Update::Listed(objects) => {
                     snapshot.service_cidrs.clear();
                     for object in objects {
-                        store(object, &mut snapshot);
+                        store(*object, &mut snapshot);
                     }
                 }
                 Update::Applied(object) => store(object, &mut snapshot),
