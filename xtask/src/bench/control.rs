@@ -125,8 +125,19 @@ impl Agent<'_> {
     }
 }
 
+/// `KPROXY_BENCH_CONTROL_SERVICES` sets the number of Services (e.g. the 10k with `--quick`'s
+/// fewer runs and changes); otherwise 2k with `--quick`, 10k without.
+pub const SERVICES_ENV: &str = "KPROXY_BENCH_CONTROL_SERVICES";
+
+fn services(ctx: &Ctx) -> Result<usize> {
+    match std::env::var(SERVICES_ENV) {
+        Ok(v) => v.parse().with_context(|| format!("{SERVICES_ENV}={v}: expected a number of Services")),
+        Err(_) => Ok(if ctx.quick { 2_000 } else { 10_000 }),
+    }
+}
+
 pub fn run(ctx: &Ctx) -> Result<ControlResult> {
-    let n = if ctx.quick { 2_000 } else { 10_000 };
+    let n = services(ctx)?;
     let runs = ctx.runs();
     let sandbox = Sandbox::new("bench-cp")?;
     let _unload = Unload;
