@@ -302,4 +302,14 @@ fn two_ipv6_services_with_one_backend_share_a_client_port() {
         );
     }
     assert!(cluster.stat("port_remapped") >= 5, "{:#}", cluster.dump_json("stats"));
+
+    // Each remapped flow holds two SNAT_V6 entries (its own key, its reply key); a flush takes them
+    // with the flows, so no stale remapped port outlives its conntrack entries.
+    let snat_v6_entries = || {
+        let maps = kproxy::bpf::Maps::from_pins(&kproxy::bpf::PinDir::new(&cluster.pin_dir)).unwrap();
+        maps.snat_v6.keys().count()
+    };
+    assert!(snat_v6_entries() >= 10, "{} SNAT_V6 entries", snat_v6_entries());
+    cluster.kproxy(&["conntrack", "flush"]);
+    assert_eq!(snat_v6_entries(), 0, "SNAT_V6 after a flush");
 }

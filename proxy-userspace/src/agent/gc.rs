@@ -31,8 +31,9 @@ use crate::bpf::{
     Maps,
     conntrack::{
         CtEntry, CtKey, Snat6Index, SnatIndex, capacity, capacity6, count6, delete, delete_snat,
-        delete_snat6, delete6, get6, hairpin_addr, monotonic_ns, pair_expired, read_config, read_conntrack,
-        read_conntrack6, reply_key, reply_key6, select, select_pairs, snat_index, snat6_index, state_name,
+        delete_snat6, delete6, delete6_flows, get6, hairpin_addr, monotonic_ns, pair_expired, read_config,
+        read_conntrack, read_conntrack6, reply_key, reply_key6, select, select_pairs, snat_index,
+        snat6_index, state_name,
     },
     remove_present,
 };
@@ -370,9 +371,9 @@ pub fn purge_backends(maps: &mut Maps, backend_ids: &[u32]) -> Result<Purged> {
         purged.ipv4 += u64::from(delete(maps, &key)?);
     }
     let entries6 = read_conntrack6(maps)?;
-    for key in plan_purge6(&entries6, &ids, &snat6_index(maps)) {
-        purged.ipv6 += u64::from(delete6(maps, &key)?);
-    }
+    let snat6 = snat6_index(maps);
+    let keys6 = plan_purge6(&entries6, &ids, &snat6);
+    purged.ipv6 += delete6_flows(maps, &entries6, &keys6, &snat6)?;
     Ok(purged)
 }
 

@@ -133,6 +133,31 @@ pub fn delete_snat6(maps: &mut Maps, forward: &CtKeyV6, reply: &CtKeyV6) -> Resu
     Ok(())
 }
 
+/// Deletes the IPv6 conntrack entries `keys` (read as `entries`), and with a remapped flow's forward
+/// entry its two SNAT_V6 entries. Returns the conntrack entries deleted.
+pub fn delete6_flows(
+    maps: &mut Maps,
+    entries: &[(CtKeyV6, CtEntryV6)],
+    keys: &[CtKeyV6],
+    snat6: &Snat6Index,
+) -> Result<u64> {
+    let remapped: HashMap<CtKeyV6, CtKeyV6> = entries
+        .iter()
+        .filter(|(k, e)| {
+            k.direction == CT_DIR_FORWARD && e.flags & CT_FLAG_REMAP != 0 && snat6.contains_key(k)
+        })
+        .map(|(k, e)| (*k, reply_key6(k, e, snat6)))
+        .collect();
+    let mut deleted = 0;
+    for key in keys {
+        deleted += u64::from(delete6(maps, key)?);
+        if let Some(reply) = remapped.get(key) {
+            delete_snat6(maps, key, reply)?;
+        }
+    }
+    Ok(deleted)
+}
+
 /// The hairpin address the datapath uses: CONFIG's, or the default when unset.
 pub fn hairpin_addr(config: &ConfigV4) -> [u8; 4] {
     if config.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { config.hairpin_addr }

@@ -11,8 +11,8 @@ use proxy_common::{
 use crate::bpf::{
     Maps,
     conntrack::{
-        Snat6Index, SnatIndex, delete, delete6, hairpin_addr, read_config, read_conntrack, read_conntrack6,
-        reply_key6, select, select_pairs, snat_index,
+        Snat6Index, SnatIndex, delete, delete6_flows, hairpin_addr, read_config, read_conntrack,
+        read_conntrack6, reply_key6, select, select_pairs, snat_index, snat6_index,
     },
 };
 
@@ -83,9 +83,8 @@ pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
         deleted += u64::from(delete(maps, &key)?);
     }
     let entries6 = read_conntrack6(maps)?;
-    for key in plan_flush6(&entries6, ids.as_ref()) {
-        deleted += u64::from(delete6(maps, &key)?);
-    }
+    let keys6 = plan_flush6(&entries6, ids.as_ref());
+    deleted += delete6_flows(maps, &entries6, &keys6, &snat6_index(maps))?;
     Ok(deleted)
 }
 
