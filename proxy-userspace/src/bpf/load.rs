@@ -241,6 +241,11 @@ fn load_object(
         .map_max_entries(MAP_SNAT_V4, capacities.conntrack)
         .map_max_entries(MAP_AFFINITY_V4, capacities.affinity)
         .map_max_entries(MAP_VIPS_V4, capacities.rev_nat)
+        // The IPv6 twins share the sizes: one `--bpf-lb-map-max` for both families.
+        .map_max_entries(proxy_common::maps_v6::MAP_SERVICES_V6, capacities.services)
+        .map_max_entries(proxy_common::maps_v6::MAP_BACKENDS_V6, capacities.backends)
+        .map_max_entries(proxy_common::maps_v6::MAP_REV_NAT_V6, capacities.rev_nat)
+        .map_max_entries(proxy_common::maps_v6::MAP_VIPS_V6, capacities.rev_nat)
         .map_max_entries(
             MAP_MAGLEV_V4,
             capacities.maglev_tables.max(1).saturating_mul(proxy_common::maglev::MAGLEV_TABLE_SIZE),

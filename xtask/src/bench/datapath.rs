@@ -23,7 +23,7 @@ use kproxy::{
 use proxy_common::{
     checksum,
     maps::*,
-    maps_v6::{BackendV6, CtEntryV6, CtKeyV6, MAP_BACKENDS_V6, MAP_SERVICES_V6, ServiceKeyV6},
+    maps_v6::{CtEntryV6, CtKeyV6},
 };
 
 use super::{
@@ -263,10 +263,6 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     let mut notes = Vec::new();
 
     let mut ebpf = bpf::load_unpinned_with(&capacities()).context("loading the datapath")?;
-    let mut raw_services6: HashMap<MapData, ServiceKeyV6, ServiceValueV4> =
-        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_SERVICES_V6)?))?;
-    let mut raw_backends6: HashMap<MapData, u32, BackendV6> =
-        HashMap::try_from(Map::HashMap(second_handle(&ebpf, MAP_BACKENDS_V6)?))?;
     let mut conntrack: HashMap<MapData, CtKeyV4, CtEntryV4> =
         HashMap::try_from(Map::LruHashMap(second_handle(&ebpf, MAP_CONNTRACK_V4)?))?;
     let mut conntrack6: HashMap<MapData, CtKeyV6, CtEntryV6> =
@@ -287,14 +283,27 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     };
     let mut rows: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
     let mut rows6: Vec<Vec<Measured>> = vec![Vec::new(); CASES.len()];
-    let mut raw6_written = 0usize;
     for &size in &sizes {
         ctx.check()?;
         // Program `size` Services through the agent's Syncer: the measured one among size - 1 others
         // (32-bit rev-NAT ids: no ceiling at 65,535 frontends).
+        // As many IPv6 Services beside the measured IPv6 one (fd00:10:97::/64, backends in fd00:10:245::/64).
         let all = rules::cluster(size, std::slice::from_ref(&web));
+        let fillers6 = (0..size as u32 - 1).map(|i| {
+            let mut f = frontend(&rules::filler(i));
+            f.vip = Ipv6Addr::from(0xfd00_0010_0097_0000_0000_0000_0000_0000u128 + u128::from(i)).into();
+            f.backends = (0..3u32)
+                .map(|j| {
+                    let addr =
+                        Ipv6Addr::from(0xfd00_0010_0245_0000_0000_0000_0000_0000u128 + u128::from(i * 3 + j));
+                    BackendAddr { addr: addr.into(), port: BACKEND_PORT }
+                })
+                .collect();
+            f
+        });
+        let wanted = all.iter().map(frontend).chain(fillers6).chain([web6.clone()]).collect();
         let started = std::time::Instant::now();
-        let report = syncer.apply(&Desired::new(all.iter().map(frontend).chain([web6.clone()]).collect()));
+        let report = syncer.apply(&Desired::new(wanted));
         if !report.errors.is_empty() {
             bail!(
                 "programming {size} Services failed: {}",
@@ -309,31 +318,6 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
                 started.elapsed().as_secs_f64()
             ));
         }
-        // As many IPv6 Services beside the measured IPv6 one, in the same layout (fd00:10:97::/64).
-        while raw6_written + 1 < size {
-            let i = raw6_written as u32;
-            let vip = Ipv6Addr::from(0xfd00_0010_0097_0000_0000_0000_0000_0000u128 + u128::from(i)).octets();
-            let key =
-                |slot: u16| ServiceKeyV6::new(vip, 80u16.to_be_bytes(), IPPROTO_TCP, SCOPE_CLUSTER_IP, slot);
-            for j in 0..3u32 {
-                let id = 20_000_000 + i * 3 + j;
-                let addr =
-                    Ipv6Addr::from(0xfd00_0010_0245_0000_0000_0000_0000_0000u128 + u128::from(i * 3 + j));
-                let b = BackendV6 {
-                    addr: addr.octets(),
-                    port: BACKEND_PORT.to_be_bytes(),
-                    proto: IPPROTO_TCP,
-                    flags: BACKEND_FLAG_ACTIVE,
-                };
-                raw_backends6.insert(id, b, 0)?;
-                let slot = ServiceValueV4 { backend_id: id, rev_nat_id: u32::MAX, ..Default::default() };
-                raw_services6.insert(key(j as u16 + 1), slot, 0)?;
-            }
-            let master = ServiceValueV4 { count: 3, rev_nat_id: u32::MAX, ..Default::default() };
-            raw_services6.insert(key(0), master, 0)?;
-            raw6_written += 1;
-        }
-
         // The families' runs interleaved, so that both see the same machine.
         let mut samples: [Vec<Vec<f64>>; 2] = [vec![Vec::new(); CASES.len()], vec![Vec::new(); CASES.len()]];
         let mut errors: [Vec<Option<String>>; 2] = [vec![None; CASES.len()], vec![None; CASES.len()]];
