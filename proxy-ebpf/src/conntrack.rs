@@ -292,6 +292,10 @@ pub unsafe fn touch(entry: *mut CtEntryV4, flow: &Flow, direction: u8, now: u64)
 /// Creates the reply entry, then the forward entry, so that no reply can
 /// arrive for a flow whose un-NAT is not yet known.
 #[inline(always)]
+#[allow(
+    clippy::needless_borrows_for_generic_args,
+    reason = "by reference: a by-value entry is a copy on the stack"
+)]
 pub fn create(
     flow: &Flow,
     forward_key: &CtKeyV4,
