@@ -6,7 +6,7 @@
 //! has the 512-byte stack to itself beside the entry point's frame.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    conntrack::{Clash, starts_tcp_flow},
+    conntrack::{Clash, direct_may_clash, starts_tcp_flow},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, IPPROTO_TCP,
         SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
@@ -147,7 +147,7 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         }
         // Only a packet that may start a flow can clash (UDP, a bare TCP SYN): established TCP to
         // a pod pays no lookup for it (the SYN that opened it had the clash resolved).
-        if flow.has_l4_header() && (flow.proto != IPPROTO_TCP || starts_tcp_flow(flow.tcp_flags)) {
+        if flow.has_l4_header() && direct_may_clash(flow.proto, flow.tcp_flags) {
             return Step::Direct;
         }
         return Step::Pass(Stat::PassNoService);
