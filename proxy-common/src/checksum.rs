@@ -88,6 +88,18 @@ pub fn update(check: u16, old: &[u8], new: &[u8]) -> u16 {
     !fold(sum)
 }
 
+/// [`update`] for a change of one IPv4 address in a header whose checksum is `check`: fixed-size and
+/// without loops, for the tc programs, which write a header's checksum and addresses in one store.
+#[inline(always)]
+pub fn update_addr(check: u16, old: [u8; 4], new: [u8; 4]) -> u16 {
+    let word = |b: [u8; 4], i: usize| u32::from(u16::from_be_bytes([b[i], b[i + 1]]));
+    let mut sum = u32::from(!check) + (!word(old, 0) & 0xffff) + (!word(old, 2) & 0xffff);
+    sum += word(new, 0) + word(new, 2);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
 /// [`update`] for a UDP checksum: zero means "no checksum" and stays zero, and
 /// an updated checksum that comes out as zero is sent as 0xffff.
 pub fn update_udp(check: u16, old: &[u8], new: &[u8]) -> u16 {
@@ -159,6 +171,24 @@ mod tests {
         assert_eq!(checksum(&header), 0xb861);
         header[10..12].copy_from_slice(&0xb861u16.to_be_bytes());
         assert!(is_valid(add_words(0, &header)));
+    }
+
+    #[test]
+    fn an_address_change_updates_the_header_checksum_as_recomputation_does() {
+        let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+        for _ in 0..20_000 {
+            let mut header: [u8; 20] = rng.bytes(20).try_into().unwrap();
+            header[10..12].fill(0);
+            let check = checksum(&header);
+            let field = if rng.next() % 2 == 0 { 12 } else { 16 };
+            let old: [u8; 4] = header[field..field + 4].try_into().unwrap();
+            let new: [u8; 4] = rng.bytes(4).try_into().unwrap();
+            header[field..field + 4].copy_from_slice(&new);
+            let updated = update_addr(check, old, new);
+            assert_eq!(updated, update(check, &old, &new));
+            header[10..12].copy_from_slice(&updated.to_be_bytes());
+            assert!(is_valid(add_words(0, &header)), "{header:02x?}");
+        }
     }
 
     #[test]

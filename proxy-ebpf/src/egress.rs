@@ -32,8 +32,7 @@ pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
         conntrack::track_reply(entry, &flow, (flow.daddr, client_port), (reply.nat_addr, reply.nat_port));
     }
-    nat::rewrite_source(ctx, &flow, reply.nat_addr, reply.nat_port)?;
-    nat::rewrite_destination_port(ctx, &flow, client_port)?;
+    nat::rewrite_tuple(ctx, &flow, (reply.nat_addr, flow.daddr, reply.nat_port, client_port))?;
     if reply.flags & CT_FLAG_DIRECT == 0 {
         stats::count(Stat::ReverseNat);
     }
