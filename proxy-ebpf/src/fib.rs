@@ -80,6 +80,17 @@ pub fn route<C: EbpfContext>(
     }
 }
 
+/// Whether the last [`route`] of this CPU found `daddr` on the interface's own link (no gateway):
+/// a local pod on its veth, not a pod of another node behind a tunnel or a gateway. The helper
+/// replaces the destination it was given with the route's gateway, when the route has one.
+#[inline(always)]
+pub fn last_route_was_direct(daddr: [u8; 4]) -> bool {
+    // SAFETY: this CPU's scratch entry, which `route` filled in on this run of the program.
+    FIB_SCRATCH
+        .get(0)
+        .is_some_and(|params| unsafe { params.__bindgen_anon_4.ipv4_dst } == u32::from_ne_bytes(daddr))
+}
+
 /// The interface a tc program's packet arrived on.
 #[inline(always)]
 pub fn ingress_ifindex(ctx: &TcContext) -> u32 {

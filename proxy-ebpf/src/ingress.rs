@@ -363,12 +363,14 @@ fn plan_new_flow<const EXTERNAL: bool>(
         // A backend reached through the interface the client came in on
         // would answer the client directly; a client outside the cluster
         // reaching a cluster IP is masqueraded like kube-proxy does — but not
-        // to a local backend when covered pods' veths may have no program to
-        // turn its reply back (the external egress un-NATs it instead).
+        // to a local backend (on its own link, not behind a tunnel or gateway)
+        // when covered pods' veths may have no program to turn its reply back
+        // (the external egress un-NATs it instead).
         let remote = backend_route.ifindex == ifindex;
+        let local = !remote && fib::last_route_was_direct(choice.backend.addr);
         let masquerade = frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0
             && !config::nodeport().in_cluster_cidr(flow.saddr)
-            && (remote || !config::bare_covered_veths());
+            && !(local && config::bare_covered_veths());
         if remote || masquerade {
             // SAFETY: the value is copied out at once.
             let node_addr = unsafe { EXTERNAL_IFACES.get(ifindex) }
