@@ -170,7 +170,11 @@ fn a_datapath_with_16_bit_rev_nat_ids_is_refused_naming_every_changed_map() {
             let mut named: Vec<&str> = also.clone();
             named.push(map);
             named.sort();
-            assert_eq!(named, ["CONNTRACK_V4", "FRONTEND_NAMES_V4", "REV_NAT_V4", "SERVICES_V4"], "{refused}");
+            assert_eq!(
+                named,
+                ["CONNTRACK_V4", "FRONTEND_NAMES_V4", "REV_NAT_V4", "SERVICES_V4"],
+                "{refused}"
+            );
         }
         other => panic!("{other:?}"),
     }

@@ -34,5 +34,7 @@ pub use lock::{ClaimOptions, PinLock, claim, lock_holder, pin_lock_pid};
 pub use log::forward_bpf_logs;
 pub use maps::{ALL_MAPS, InheritedMap, Maps, expected_layout, map_usage, remove_present, second_handle};
 pub use pins::{DEFAULT_PIN_DIR, Hook, PinDir, SOCKET_PROGRAMS};
-pub use service_store::{BpfStore, Store, read_entries, read_source_ranges, rev_nat_capacity, source_range_key};
+pub use service_store::{
+    BpfStore, Store, read_entries, read_source_ranges, rev_nat_capacity, source_range_key,
+};
 pub use stats::read_stats;
