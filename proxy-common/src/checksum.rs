@@ -180,7 +180,7 @@ mod tests {
             let mut header: [u8; 20] = rng.bytes(20).try_into().unwrap();
             header[10..12].fill(0);
             let check = checksum(&header);
-            let field = if rng.next() % 2 == 0 { 12 } else { 16 };
+            let field = if rng.next().is_multiple_of(2) { 12 } else { 16 };
             let old: [u8; 4] = header[field..field + 4].try_into().unwrap();
             let new: [u8; 4] = rng.bytes(4).try_into().unwrap();
             header[field..field + 4].copy_from_slice(&new);
