@@ -27,7 +27,7 @@ struct Choice {
     chosen: usize,
 }
 
-/// The topology choices as last told.
+/// The Service ports topology narrowed, as last told (ports with every endpoint are not kept).
 #[derive(Debug, Default)]
 pub(super) struct TopologyChoices {
     last: BTreeMap<ServicePort, Choice>,
@@ -55,9 +55,9 @@ impl TopologyChoices {
     /// last call (a port that appears narrowed counts as a change from `all`, one that goes away
     /// while narrowed as a change back) and the gauge's counts.
     pub(super) fn observe(&mut self, frontends: &[Frontend]) -> (Vec<TopologyChange>, NarrowedPorts) {
-        let now = choices(frontends);
+        // Only narrowed ports are kept: most Services have no hints, and this runs on every sync.
+        let now = narrowed_choices(frontends);
         let mut changes = Vec::new();
-        let unchosen = Choice { topology: Topology::All, chosen: 0 };
         for (port, choice) in &now {
             let before = self.last.get(port).map_or(Topology::All, |c| c.topology);
             if before != choice.topology {
@@ -65,8 +65,10 @@ impl TopologyChoices {
             }
         }
         for (port, choice) in &self.last {
-            if choice.topology != Topology::All && !now.contains_key(port) {
-                changes.push(change(port, choice.topology, unchosen));
+            if !now.contains_key(port) {
+                // Back to every endpoint, or gone (none chosen).
+                let chosen = frontends.iter().find(|f| port.is_of(f)).map_or(0, |f| f.backends.len());
+                changes.push(change(port, choice.topology, Choice { topology: Topology::All, chosen }));
             }
         }
         let mut narrowed: NarrowedPorts = [(0, 0); 2];
@@ -83,17 +85,32 @@ impl TopologyChoices {
     }
 }
 
-fn choices(frontends: &[Frontend]) -> BTreeMap<ServicePort, Choice> {
-    let mut out = BTreeMap::new();
-    for frontend in frontends {
-        let port = ServicePort {
+impl ServicePort {
+    fn of(frontend: &Frontend) -> Self {
+        ServicePort {
             service: frontend.service.clone(),
             port_name: frontend.port_name.clone(),
             proto: frontend.proto,
             ipv6: frontend.vip.is_ipv6(),
             scope: frontend.scope,
-        };
-        out.entry(port).or_insert(Choice { topology: frontend.topology, chosen: frontend.backends.len() });
+        }
+    }
+
+    fn is_of(&self, frontend: &Frontend) -> bool {
+        self.service == frontend.service
+            && self.port_name == frontend.port_name
+            && self.proto == frontend.proto
+            && self.ipv6 == frontend.vip.is_ipv6()
+            && self.scope == frontend.scope
+    }
+}
+
+/// The Service ports topology narrowed (one entry per port: its frontends share the choice).
+fn narrowed_choices(frontends: &[Frontend]) -> BTreeMap<ServicePort, Choice> {
+    let mut out = BTreeMap::new();
+    for frontend in frontends.iter().filter(|f| f.topology != Topology::All) {
+        out.entry(ServicePort::of(frontend))
+            .or_insert(Choice { topology: frontend.topology, chosen: frontend.backends.len() });
     }
     out
 }
