@@ -108,14 +108,7 @@ impl<S: Store> Syncer<S> {
             let affinity =
                 affinity_id(frontend, &cluster_ips, |ck| self.frontends.get(ck).map(|p| p.rev_nat_id));
             if let Err(e) = self.apply_frontend(*fk, frontend, &name, affinity, &flags, &mut report) {
-                report.errors.push(SyncError::FrontendNotProgrammed {
-                    service: frontend.service.clone(),
-                    port: frontend.port,
-                    proto: fk.proto,
-                    vip: fk.vip,
-                    vip_port: fk.port,
-                    cause: format!("{e:#}"),
-                });
+                report.errors.push(SyncError::frontend_not_programmed(fk, frontend, &e));
             }
         }
         self.update_backend_flags(&flags, BACKEND_FLAG_TERMINATING, &mut report);

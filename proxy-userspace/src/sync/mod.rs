@@ -146,6 +146,20 @@ pub enum SyncError {
     VipNotRemoved { vip: IpAddr, cause: String },
 }
 
+impl SyncError {
+    /// `frontend`, at `key`, was refused by the maps with `error`.
+    fn frontend_not_programmed(key: &FrontendKey, frontend: &Frontend, error: &anyhow::Error) -> Self {
+        SyncError::FrontendNotProgrammed {
+            service: frontend.service.clone(),
+            port: frontend.port,
+            proto: key.proto,
+            vip: key.vip,
+            vip_port: key.port,
+            cause: format!("{error:#}"),
+        }
+    }
+}
+
 impl SyncReport {
     pub fn changed(&self) -> bool {
         self.frontends_added + self.frontends_updated + self.frontends_removed > 0
@@ -254,14 +268,7 @@ impl<S: Store> Syncer<S> {
             let result =
                 vip.and_then(|()| self.apply_frontend(*fk, frontend, &name, affinity, &flags, &mut report));
             if let Err(e) = result {
-                report.errors.push(SyncError::FrontendNotProgrammed {
-                    service: frontend.service.clone(),
-                    port: frontend.port,
-                    proto: fk.proto,
-                    vip: fk.vip,
-                    vip_port: fk.port,
-                    cause: format!("{e:#}"),
-                });
+                report.errors.push(SyncError::frontend_not_programmed(fk, frontend, &e));
             }
         }
 
