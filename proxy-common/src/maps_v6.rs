@@ -15,6 +15,7 @@ pub const MAP_VIPS_V6: &str = "VIPS_V6";
 pub const MAP_FRAGMENTS_V6: &str = "FRAGMENTS_V6";
 pub const MAP_AFFINITY_V6: &str = "AFFINITY_V6";
 pub const MAP_SNAT_V6: &str = "SNAT_V6";
+pub const MAP_EXTERNAL_IFACES_V6: &str = "EXTERNAL_IFACES_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
@@ -25,6 +26,7 @@ pub const FRAGMENTS_V6_CAPACITY: u32 = 8_192;
 pub const AFFINITY_V6_CAPACITY: u32 = 65_536;
 /// One forward and one reverse entry per remapped flow, as SNAT_V4 beside CONNTRACK_V4.
 pub const SNAT_V6_CAPACITY: u32 = CONNTRACK_V6_CAPACITY;
+pub const EXTERNAL_IFACES_V6_CAPACITY: u32 = crate::maps::EXTERNAL_IFACES_CAPACITY;
 
 /// The source of a pod's packets to itself through its IPv6 Service (hairpin), as
 /// [`crate::maps::DEFAULT_HAIRPIN_ADDR`] for IPv4: `100::42:1`, in RFC 6666's discard-only prefix
@@ -152,11 +154,21 @@ pub struct AffinityKeyV6 {
     pub rev_nat_id: crate::maps::RevNatId,
 }
 
+/// An external interface's IPv6 address, as [`crate::maps::ExternalIfaceV4`]: EXTERNAL_IFACES_V6 maps
+/// the interface's index to the address an IPv6 flow source-NATed out of it takes (its first global
+/// address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ExternalIfaceV6 {
+    pub addr: [u8; 16],
+}
+
 /// One direction of an IPv6 flow whose client tuple was rewritten, as [`crate::maps::SnatEntryV4`]:
 /// SNAT_V6 maps the flow's own forward key (pre-DNAT) to the address and port the client became,
-/// and the reply key (`backend → client:remapped port`) to the client's own. For now only
-/// remapped flows ([`crate::maps::CT_FLAG_REMAP`], port-reuse clashes): the address is the
-/// client's own.
+/// and the reply key (`backend → client or node address:port`) to the client's own address and
+/// port. A remapped flow ([`crate::maps::CT_FLAG_REMAP`], a port-reuse clash) keeps the client's
+/// address; a source-NATed one ([`crate::maps::CT_FLAG_SNAT`], north–south to a remote backend)
+/// becomes the node's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct SnatEntryV6 {
@@ -178,6 +190,7 @@ mod pod {
     unsafe impl aya::Pod for FragmentKeyV6 {}
     unsafe impl aya::Pod for AffinityKeyV6 {}
     unsafe impl aya::Pod for SnatEntryV6 {}
+    unsafe impl aya::Pod for ExternalIfaceV6 {}
 }
 
 #[cfg(test)]
@@ -195,6 +208,7 @@ mod tests {
         assert_eq!(size_of::<FragmentKeyV6>(), 16 + 16 + 4 + 1 + 3);
         assert_eq!(size_of::<AffinityKeyV6>(), 16 + 4);
         assert_eq!(size_of::<SnatEntryV6>(), 8 + 16 + 2 + 6);
+        assert_eq!(size_of::<ExternalIfaceV6>(), 16);
     }
 
     #[test]

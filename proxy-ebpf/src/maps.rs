@@ -178,3 +178,8 @@ pub static AFFINITY_V6: LruHashMap<proxy_common::maps_v6::AffinityKeyV6, Affinit
 /// `new_flow`. Not pinned.
 #[map(name = "CHOICE6_SCRATCH")]
 pub static CHOICE6_SCRATCH: PerCpuArray<crate::lb6::Choice6> = PerCpuArray::with_max_entries(1, 0);
+
+/// The node's external interfaces (ifindex) and the IPv6 address each SNATs to, as EXTERNAL_IFACES.
+#[map(name = "EXTERNAL_IFACES_V6")]
+pub static EXTERNAL_IFACES_V6: HashMap<u32, proxy_common::maps_v6::ExternalIfaceV6> =
+    HashMap::with_max_entries(proxy_common::maps_v6::EXTERNAL_IFACES_V6_CAPACITY, 0);

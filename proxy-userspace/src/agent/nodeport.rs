@@ -1,16 +1,18 @@
 //! The node's side of north–south traffic: which of its addresses answer
-//! NodePorts (`--nodeport-addresses`, as kube-proxy), which interfaces are
-//! external (they get the external programs, and their address is the one
-//! SNATed flows leave with), and the datapath's NODEPORT_CONFIG.
+//! NodePorts (`--nodeport-addresses`, as kube-proxy, per IP family), which
+//! interfaces are external (they get the external programs, and their
+//! addresses — one IPv4, one IPv6 — are those SNATed flows leave with), and the
+//! datapath's NODEPORT_CONFIG.
 
 use std::{
     collections::BTreeMap,
     ffi::CStr,
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use anyhow::{Context as _, Result};
 use proxy_common::maps::{DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, ExternalIfaceV4, NodePortConfigV4};
+use proxy_common::maps_v6::ExternalIfaceV6;
 
 use crate::{
     bpf::{InterfaceSelector, Maps},
@@ -66,28 +68,48 @@ impl NorthSouthOptions {
     }
 }
 
-/// `--nodeport-addresses` as kube-proxy reads it (`NewNodePortAddresses`, for IPv4).
+/// `--nodeport-addresses` as kube-proxy reads it (`NewNodePortAddresses`, once per IP family).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum NodePortAddresses {
-    /// Unset (or no IPv4 CIDR among those given): every address of the external interfaces,
-    /// kube-proxy's default in its iptables mode.
+    /// Unset: every address of the external interfaces, kube-proxy's default in its iptables mode.
     #[default]
     All,
-    /// The node addresses inside these prefixes.
-    Cidrs(Vec<Cidr4>),
+    /// The node addresses inside these prefixes, per family: a family none of them is of answers
+    /// on every address of that family (kube-proxy's per-family zero CIDR).
+    Cidrs { v4: Vec<Cidr4>, v6: Vec<Cidr6> },
     /// `primary`: the node's primary IPv4 address: the first IPv4 InternalIP, then ExternalIP,
     /// of its Node object (kube-proxy's `GetNodeHostIPs`), or with `--manifests` the address of
-    /// the interface holding the default route.
+    /// the interface holding the default route. The primary IPv6 address is not read yet, so
+    /// `primary` answers IPv6 NodePorts nowhere.
     Primary,
+}
+
+/// An IPv6 prefix of `--nodeport-addresses`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Cidr6 {
+    pub addr: Ipv6Addr,
+    pub prefix_len: u8,
+}
+
+impl Cidr6 {
+    pub fn contains(&self, addr: Ipv6Addr) -> bool {
+        let mask = u128::MAX.checked_shl(128 - u32::from(self.prefix_len)).unwrap_or(0);
+        u128::from(addr) & mask == u128::from(self.addr) & mask
+    }
+}
+
+impl std::fmt::Display for Cidr6 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix_len)
+    }
 }
 
 /// The keyword for the node's primary addresses (kube-proxy's `NodePortAddressesPrimary`).
 pub const PRIMARY: &str = "primary";
 
 impl NodePortAddresses {
-    /// kube-proxy's rules: `primary` alone, or CIDRs of either family (IPv6 ones are valid but
-    /// serve nothing yet; without an IPv4 one, IPv4 NodePorts answer on every address, as
-    /// kube-proxy's per-family filter does).
+    /// kube-proxy's rules: `primary` alone, or CIDRs of either family (without one of a family,
+    /// that family's NodePorts answer on every address, as kube-proxy's per-family filter does).
     pub fn parse(values: &[String]) -> Result<Self, String> {
         let values: Vec<&str> = values.iter().map(|v| v.trim()).filter(|v| !v.is_empty()).collect();
         if values.contains(&PRIMARY) {
@@ -96,28 +118,34 @@ impl NodePortAddresses {
             }
             return Ok(Self::Primary);
         }
-        let mut cidrs = Vec::new();
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
         for value in &values {
             if value.contains(':') {
-                parse_cidr6(value)?;
+                v6.push(parse_cidr6(value)?);
             } else {
-                cidrs.push(
+                v4.push(
                     value
                         .parse::<Cidr4>()
                         .map_err(|e| format!("{e} (must be a valid CIDR or '{PRIMARY}')"))?,
                 );
             }
         }
-        Ok(if cidrs.is_empty() { Self::All } else { Self::Cidrs(cidrs) })
+        Ok(if v4.is_empty() && v6.is_empty() { Self::All } else { Self::Cidrs { v4, v6 } })
     }
 
-    /// Whether NodePorts answer on `addr`, given the node's primary address (`None`: not known
-    /// yet, so `primary` admits nothing).
-    pub fn admits(&self, addr: Ipv4Addr, primary: Option<Ipv4Addr>) -> bool {
-        match self {
-            Self::All => true,
-            Self::Cidrs(cidrs) => cidrs.iter().any(|c| c.contains(addr)),
-            Self::Primary => primary == Some(addr),
+    /// Whether NodePorts answer on `addr`, given the node's primary IPv4 address (`None`: not
+    /// known yet, so `primary` admits nothing).
+    pub fn admits(&self, addr: IpAddr, primary: Option<Ipv4Addr>) -> bool {
+        match (self, addr) {
+            (Self::All, _) => true,
+            (Self::Cidrs { v4, .. }, IpAddr::V4(addr)) => {
+                v4.is_empty() || v4.iter().any(|c| c.contains(addr))
+            }
+            (Self::Cidrs { v6, .. }, IpAddr::V6(addr)) => {
+                v6.is_empty() || v6.iter().any(|c| c.contains(addr))
+            }
+            (Self::Primary, IpAddr::V4(addr)) => primary == Some(addr),
+            (Self::Primary, IpAddr::V6(_)) => false,
         }
     }
 
@@ -125,19 +153,22 @@ impl NodePortAddresses {
     pub fn to_strings(&self) -> Vec<String> {
         match self {
             Self::All => Vec::new(),
-            Self::Cidrs(cidrs) => cidrs.iter().map(ToString::to_string).collect(),
+            Self::Cidrs { v4, v6 } => {
+                v4.iter().map(ToString::to_string).chain(v6.iter().map(ToString::to_string)).collect()
+            }
             Self::Primary => vec![PRIMARY.to_string()],
         }
     }
 }
 
-/// An IPv6 CIDR, checked only: kproxy serves IPv4.
-fn parse_cidr6(text: &str) -> Result<(), String> {
+/// An IPv6 CIDR (its address masked to the prefix, as kube-proxy's ParseCIDR does).
+fn parse_cidr6(text: &str) -> Result<Cidr6, String> {
     let bad = || format!("{text:?} is not a valid CIDR");
     let (addr, len) = text.split_once('/').ok_or_else(bad)?;
-    addr.parse::<Ipv6Addr>().map_err(|_| bad())?;
-    len.parse::<u8>().ok().filter(|&l| l <= 128).ok_or_else(bad)?;
-    Ok(())
+    let addr = addr.parse::<Ipv6Addr>().map_err(|_| bad())?;
+    let prefix_len = len.parse::<u8>().ok().filter(|&l| l <= 128).ok_or_else(bad)?;
+    let mask = u128::MAX.checked_shl(128 - u32::from(prefix_len)).unwrap_or(0);
+    Ok(Cidr6 { addr: Ipv6Addr::from(u128::from(addr) & mask), prefix_len })
 }
 
 /// `--cluster-cidr` (kube-proxy's `clusterCIDR`): one CIDR, or a comma-separated dual-stack pair.
@@ -186,15 +217,15 @@ pub fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
     Ok((min, max))
 }
 
-/// One IPv4 address of an interface in this network namespace.
+/// One address (IPv4 or IPv6) of an interface in this network namespace.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct LocalAddress {
     pub interface: String,
     pub index: u32,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
 }
 
-/// The IPv4 addresses of this network namespace's interfaces.
+/// The IPv4 and IPv6 addresses of this network namespace's interfaces.
 pub fn local_addresses() -> Result<Vec<LocalAddress>> {
     let mut out = addresses_in_kernel_order()?;
     out.sort();
@@ -214,11 +245,20 @@ fn addresses_in_kernel_order() -> Result<Vec<LocalAddress>> {
         while !cursor.is_null() {
             let entry = &*cursor;
             cursor = entry.ifa_next;
-            if entry.ifa_addr.is_null() || i32::from((*entry.ifa_addr).sa_family) != libc::AF_INET {
+            if entry.ifa_addr.is_null() {
                 continue;
             }
-            let sin = &*(entry.ifa_addr as *const libc::sockaddr_in);
-            let addr = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            let addr = match i32::from((*entry.ifa_addr).sa_family) {
+                libc::AF_INET => {
+                    let sin = &*(entry.ifa_addr as *const libc::sockaddr_in);
+                    IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+                }
+                libc::AF_INET6 => {
+                    let sin6 = &*(entry.ifa_addr as *const libc::sockaddr_in6);
+                    IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr))
+                }
+                _ => continue,
+            };
             let interface = CStr::from_ptr(entry.ifa_name).to_string_lossy().into_owned();
             let index = libc::if_nametoindex(entry.ifa_name);
             out.push(LocalAddress { interface, index, addr });
@@ -242,8 +282,10 @@ pub fn default_route_address() -> Result<Ipv4Addr> {
     })?;
     addresses_in_kernel_order()?
         .into_iter()
-        .find(|a| a.interface == interface && !a.addr.is_loopback())
-        .map(|a| a.addr)
+        .find_map(|a| match a.addr {
+            IpAddr::V4(addr) if a.interface == interface && !addr.is_loopback() => Some(addr),
+            _ => None,
+        })
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "--nodeport-addresses {PRIMARY}: {interface}, which holds the default route, has no IPv4 \
@@ -273,16 +315,39 @@ fn default_route_interface(routes: &str) -> Option<String> {
 /// What the node answers north–south traffic on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeAddresses {
-    /// Where NodePorts are answered.
-    pub nodeport: Vec<Ipv4Addr>,
-    /// External interfaces, by name, with their index and the address their
-    /// SNATed flows use.
+    /// Where NodePorts are answered, IPv4 addresses before IPv6 ones.
+    pub nodeport: Vec<IpAddr>,
+    /// External interfaces with an IPv4 address, by name, with their index and the
+    /// address their SNATed IPv4 flows use.
     pub external: Vec<LocalAddress>,
+    /// External interfaces with a global IPv6 address, and the one their SNATed IPv6
+    /// flows use.
+    pub external6: Vec<LocalAddress>,
 }
 
 impl NodeAddresses {
+    /// The external interfaces, of either family, each once.
     pub fn interface_names(&self) -> Vec<String> {
-        self.external.iter().map(|a| a.interface.clone()).collect()
+        let mut names: Vec<String> =
+            self.external.iter().chain(&self.external6).map(|a| a.interface.clone()).collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+}
+
+/// Whether `addr` can be a NodePort or SNAT address: not loopback, link-local,
+/// unspecified or multicast (nor IPv4-mapped).
+fn usable_address(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(a) => !a.is_loopback() && !a.is_link_local() && !a.is_unspecified(),
+        IpAddr::V6(a) => {
+            !a.is_loopback()
+                && !a.is_unicast_link_local()
+                && !a.is_unspecified()
+                && !a.is_multicast()
+                && a.to_ipv4_mapped().is_none()
+        }
     }
 }
 
@@ -295,32 +360,33 @@ pub fn select(
     pods: &InterfaceSelector,
     primary: Option<Ipv4Addr>,
 ) -> NodeAddresses {
-    let usable = |a: &&LocalAddress| {
-        !a.addr.is_loopback()
-            && !a.addr.is_link_local()
-            && !a.addr.is_unspecified()
-            && !pods.matches(&a.interface)
-    };
+    let usable = |a: &&LocalAddress| usable_address(a.addr) && !pods.matches(&a.interface);
     let external_iface = |a: &&LocalAddress| {
         options.external_interfaces.is_empty() || options.external_interfaces.contains(&a.interface)
     };
     let candidates: Vec<&LocalAddress> = local.iter().filter(usable).filter(external_iface).collect();
-    let mut first_by_interface: BTreeMap<&str, &LocalAddress> = BTreeMap::new();
+    let (mut first_v4, mut first_v6): (BTreeMap<&str, &LocalAddress>, BTreeMap<&str, &LocalAddress>) =
+        Default::default();
     for a in &candidates {
-        first_by_interface.entry(a.interface.as_str()).or_insert(a);
+        let first = if a.addr.is_ipv4() { &mut first_v4 } else { &mut first_v6 };
+        first.entry(a.interface.as_str()).or_insert(a);
     }
-    let mut nodeport: Vec<Ipv4Addr> = candidates
+    let mut nodeport: Vec<IpAddr> = candidates
         .iter()
         .filter(|a| options.nodeport_addresses.admits(a.addr, primary))
         .map(|a| a.addr)
         .collect();
     nodeport.sort();
     nodeport.dedup();
-    NodeAddresses { nodeport, external: first_by_interface.into_values().cloned().collect() }
+    NodeAddresses {
+        nodeport,
+        external: first_v4.into_values().cloned().collect(),
+        external6: first_v6.into_values().cloned().collect(),
+    }
 }
 
-/// Writes NODEPORT_CONFIG and makes EXTERNAL_IFACES hold exactly `addresses`'s
-/// interfaces. Returns whether anything changed.
+/// Writes NODEPORT_CONFIG and makes EXTERNAL_IFACES and EXTERNAL_IFACES_V6 hold
+/// exactly `addresses`'s interfaces. Returns whether anything changed.
 pub fn write_maps(maps: &mut Maps, options: &NorthSouthOptions, addresses: &NodeAddresses) -> Result<bool> {
     let mut changed = false;
     let config = options.config();
@@ -331,19 +397,42 @@ pub fn write_maps(maps: &mut Maps, options: &NorthSouthOptions, addresses: &Node
     let wanted: BTreeMap<u32, ExternalIfaceV4> = addresses
         .external
         .iter()
-        .map(|a| (a.index, ExternalIfaceV4 { addr: a.addr.octets(), _pad: 0 }))
+        .filter_map(|a| match a.addr {
+            IpAddr::V4(addr) => Some((a.index, ExternalIfaceV4 { addr: addr.octets(), _pad: 0 })),
+            IpAddr::V6(_) => None,
+        })
         .collect();
-    let present: Vec<(u32, ExternalIfaceV4)> =
-        maps.external_ifaces.iter().collect::<Result<_, _>>().context("reading EXTERNAL_IFACES")?;
+    changed |= write_external(&mut maps.external_ifaces, &wanted, "EXTERNAL_IFACES")?;
+    let wanted6: BTreeMap<u32, ExternalIfaceV6> = addresses
+        .external6
+        .iter()
+        .filter_map(|a| match a.addr {
+            IpAddr::V6(addr) => Some((a.index, ExternalIfaceV6 { addr: addr.octets() })),
+            IpAddr::V4(_) => None,
+        })
+        .collect();
+    changed |= write_external(&mut maps.external_ifaces_v6, &wanted6, "EXTERNAL_IFACES_V6")?;
+    Ok(changed)
+}
+
+/// Makes `map` (`name`) hold exactly `wanted`. Returns whether anything changed.
+fn write_external<V: aya::Pod + PartialEq>(
+    map: &mut aya::maps::HashMap<aya::maps::MapData, u32, V>,
+    wanted: &BTreeMap<u32, V>,
+    name: &str,
+) -> Result<bool> {
+    let mut changed = false;
+    let present: Vec<(u32, V)> =
+        map.iter().collect::<Result<_, _>>().with_context(|| format!("reading {name}"))?;
     for (index, value) in &present {
         if wanted.get(index) != Some(value) {
-            let _ = maps.external_ifaces.remove(index);
+            let _ = map.remove(index);
             changed = true;
         }
     }
-    for (index, value) in &wanted {
+    for (index, value) in wanted {
         if !present.iter().any(|(i, v)| i == index && v == value) {
-            maps.external_ifaces.insert(index, value, 0).context("writing EXTERNAL_IFACES")?;
+            map.insert(index, value, 0).with_context(|| format!("writing {name}"))?;
             changed = true;
         }
     }
@@ -355,7 +444,29 @@ mod tests {
     use super::*;
 
     fn addr(interface: &str, index: u32, a: [u8; 4]) -> LocalAddress {
-        LocalAddress { interface: interface.into(), index, addr: Ipv4Addr::from(a) }
+        LocalAddress { interface: interface.into(), index, addr: Ipv4Addr::from(a).into() }
+    }
+
+    fn addr6(interface: &str, index: u32, a: &str) -> LocalAddress {
+        LocalAddress { interface: interface.into(), index, addr: a.parse::<Ipv6Addr>().unwrap().into() }
+    }
+
+    /// [`node`] with IPv6: link-local addresses everywhere, global ones on eth0 and a pod veth.
+    fn dual_stack_node() -> Vec<LocalAddress> {
+        let mut local = node();
+        local.extend([
+            addr6("lo", 1, "::1"),
+            addr6("eth0", 2, "fe80::1"),
+            addr6("eth0", 2, "fd00:192:168:100::10"),
+            addr6("eth0", 2, "fd00:192:168:100::50"),
+            addr6("eth1", 3, "fe80::2"),
+            addr6("veth2", 5, "fd00:10:244::1"),
+        ]);
+        local
+    }
+
+    fn ips(addrs: &[&str]) -> Vec<IpAddr> {
+        addrs.iter().map(|a| a.parse().unwrap()).collect()
     }
 
     fn node() -> Vec<LocalAddress> {
@@ -376,25 +487,78 @@ mod tests {
     #[test]
     fn by_default_every_usable_address_answers_nodeports() {
         let selected = select(&NorthSouthOptions::default(), &node(), &pods(), None);
-        let want: Vec<Ipv4Addr> =
-            vec![[10, 0, 0, 10].into(), [192, 168, 100, 10].into(), [192, 168, 100, 50].into()];
-        assert_eq!(selected.nodeport, want);
+        assert_eq!(selected.nodeport, ips(&["10.0.0.10", "192.168.100.10", "192.168.100.50"]));
         assert_eq!(selected.interface_names(), ["eth0", "eth1"]);
         assert_eq!(
             selected.external[0].addr,
             Ipv4Addr::new(192, 168, 100, 10),
             "first address of eth0 for SNAT"
         );
+        assert!(selected.external6.is_empty());
+    }
+
+    #[test]
+    fn global_ipv6_addresses_answer_nodeports_and_the_first_one_snats() {
+        let selected = select(&NorthSouthOptions::default(), &dual_stack_node(), &pods(), None);
+        assert_eq!(
+            selected.nodeport,
+            ips(&[
+                "10.0.0.10",
+                "192.168.100.10",
+                "192.168.100.50",
+                "fd00:192:168:100::10",
+                "fd00:192:168:100::50"
+            ]),
+            "no loopback, link-local or pod-facing address"
+        );
+        // eth1 has only a link-local IPv6 address: no IPv6 SNAT address there.
+        assert_eq!(selected.external6, vec![addr6("eth0", 2, "fd00:192:168:100::10")]);
+        assert_eq!(selected.interface_names(), ["eth0", "eth1"]);
+    }
+
+    #[test]
+    fn nodeport_addresses_select_per_family_as_kube_proxy() {
+        let only = |values: &[&str]| NorthSouthOptions {
+            nodeport_addresses: NodePortAddresses::parse(
+                &values.iter().map(|v| v.to_string()).collect::<Vec<_>>(),
+            )
+            .unwrap(),
+            ..Default::default()
+        };
+        let selected = |values: &[&str]| select(&only(values), &dual_stack_node(), &pods(), None).nodeport;
+        // An IPv6 CIDR selects IPv6 addresses; IPv4 ones all answer (no IPv4 CIDR given).
+        assert_eq!(
+            selected(&["fd00:192:168:100::50/128"]),
+            ips(&["10.0.0.10", "192.168.100.10", "192.168.100.50", "fd00:192:168:100::50"])
+        );
+        // An IPv4 CIDR alone leaves every IPv6 address answering.
+        assert_eq!(
+            selected(&["10.0.0.0/8"]),
+            ips(&["10.0.0.10", "fd00:192:168:100::10", "fd00:192:168:100::50"])
+        );
+        assert_eq!(selected(&["10.0.0.0/8", "fd00:192:168:100::/64"]).len(), 3);
+        assert!(selected(&["10.0.0.0/8", "fd00:1::/64"]).iter().all(IpAddr::is_ipv4));
+        // The primary IPv6 address is not known: `primary` answers IPv4 only.
+        let primary = Ipv4Addr::new(192, 168, 100, 50);
+        let options =
+            NorthSouthOptions { nodeport_addresses: NodePortAddresses::Primary, ..Default::default() };
+        assert_eq!(
+            select(&options, &dual_stack_node(), &pods(), Some(primary)).nodeport,
+            vec![IpAddr::V4(primary)]
+        );
     }
 
     #[test]
     fn nodeport_addresses_filter_by_prefix() {
         let options = NorthSouthOptions {
-            nodeport_addresses: NodePortAddresses::Cidrs(vec!["192.168.100.0/28".parse().unwrap()]),
+            nodeport_addresses: NodePortAddresses::Cidrs {
+                v4: vec!["192.168.100.0/28".parse().unwrap()],
+                v6: Vec::new(),
+            },
             ..Default::default()
         };
         let selected = select(&options, &node(), &pods(), None);
-        assert_eq!(selected.nodeport, vec![Ipv4Addr::new(192, 168, 100, 10)]);
+        assert_eq!(selected.nodeport, ips(&["192.168.100.10"]));
     }
 
     #[test]
@@ -402,7 +566,7 @@ mod tests {
         let options =
             NorthSouthOptions { nodeport_addresses: NodePortAddresses::Primary, ..Default::default() };
         let primary = Ipv4Addr::new(192, 168, 100, 50);
-        assert_eq!(select(&options, &node(), &pods(), Some(primary)).nodeport, vec![primary]);
+        assert_eq!(select(&options, &node(), &pods(), Some(primary)).nodeport, vec![IpAddr::V4(primary)]);
         assert!(select(&options, &node(), &pods(), None).nodeport.is_empty());
         // A primary address the node does not hold answers nothing.
         assert!(select(&options, &node(), &pods(), Some(Ipv4Addr::new(192, 0, 2, 1))).nodeport.is_empty());
@@ -419,21 +583,24 @@ mod tests {
         assert_eq!(parse(&["primary"]), Ok(NodePortAddresses::Primary));
         assert_eq!(
             parse(&["10.0.0.0/8", "192.168.1.0/24"]),
-            Ok(NodePortAddresses::Cidrs(vec![
-                "10.0.0.0/8".parse().unwrap(),
-                "192.168.1.0/24".parse().unwrap()
-            ]))
+            Ok(NodePortAddresses::Cidrs {
+                v4: vec!["10.0.0.0/8".parse().unwrap(), "192.168.1.0/24".parse().unwrap()],
+                v6: Vec::new()
+            })
         );
         assert!(
             parse(&["primary", "10.0.0.0/8"]).unwrap_err().contains("can't use both 'primary' and CIDRs")
         );
         assert!(parse(&["foo"]).unwrap_err().contains("must be a valid CIDR"));
-        // IPv6 CIDRs are valid; with no IPv4 one, IPv4 NodePorts answer everywhere (per family).
-        assert_eq!(parse(&["fd00::/64"]), Ok(NodePortAddresses::All));
+        // IPv6 CIDRs select IPv6 addresses (masked to their prefix); per family, see
+        // `nodeport_addresses_select_per_family_as_kube_proxy`.
+        let fd00 = Cidr6 { addr: "fd00::".parse().unwrap(), prefix_len: 64 };
+        assert_eq!(parse(&["fd00::1/64"]), Ok(NodePortAddresses::Cidrs { v4: Vec::new(), v6: vec![fd00] }));
         assert_eq!(
             parse(&["fd00::/64", "10.0.0.0/8"]),
-            Ok(NodePortAddresses::Cidrs(vec!["10.0.0.0/8".parse().unwrap()]))
+            Ok(NodePortAddresses::Cidrs { v4: vec!["10.0.0.0/8".parse().unwrap()], v6: vec![fd00] })
         );
+        assert_eq!(parse(&["fd00::/64", "10.0.0.0/8"]).unwrap().to_strings(), ["10.0.0.0/8", "fd00::/64"]);
         assert!(parse(&["fd00::/129"]).is_err());
         assert_eq!(NodePortAddresses::Primary.to_strings(), ["primary"]);
     }
@@ -472,7 +639,7 @@ mod tests {
         let options = NorthSouthOptions { external_interfaces: vec!["eth1".into()], ..Default::default() };
         let selected = select(&options, &node(), &pods(), None);
         assert_eq!(selected.interface_names(), ["eth1"]);
-        assert_eq!(selected.nodeport, vec![Ipv4Addr::new(10, 0, 0, 10)]);
+        assert_eq!(selected.nodeport, ips(&["10.0.0.10"]));
     }
 
     #[test]

@@ -60,7 +60,7 @@ impl SyncLoop<'_> {
     pub(super) fn refresh_node_addresses(
         &mut self,
         primary: Option<std::net::Ipv4Addr>,
-    ) -> Vec<std::net::Ipv4Addr> {
+    ) -> Vec<std::net::IpAddr> {
         let primary = self.fixed_primary.or(primary);
         let addresses = match nodeport::local_addresses() {
             Ok(local) => nodeport::select(&self.north_south, &local, &self.pod_interfaces, primary),

@@ -104,6 +104,8 @@ map_table! {
         affinity_v6: HashMap<MapData, AffinityKeyV6, AffinityValueV4> = MAP_AFFINITY_V6, LruHashMap, (AffinityKeyV6, AffinityValueV4), usage "affinity_v6";
         /// Remapped source ports of IPv6 flows (port-reuse clashes), as `snat` for IPv4.
         snat_v6: HashMap<MapData, CtKeyV6, SnatEntryV6> = MAP_SNAT_V6, LruHashMap, (CtKeyV6, SnatEntryV6);
+        /// The IPv6 address each external interface source-NATs to, as `external_ifaces`.
+        external_ifaces_v6: HashMap<MapData, u32, ExternalIfaceV6> = MAP_EXTERNAL_IFACES_V6, HashMap, (u32, ExternalIfaceV6);
     }
     pinned {
         MAP_EVENTS;

@@ -3,7 +3,7 @@
 
 use std::borrow::{Borrow, Cow};
 use std::collections::{HashMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::ops::Range;
 
 use k8s_openapi::api::core::v1::Service;
@@ -285,7 +285,10 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
             .max_by(|a, b| a.cmp(b))
             .map(|(_, text)| text);
         let health_check = plan.health_check_port.map(|port| {
-            let (local_ready, local_terminating) = local_endpoint_counts(slices);
+            // A dual-stack pod is one endpoint: its IPv4 address counts, unless the Service is
+            // IPv6 only.
+            let ipv4 = plan.vips.iter().any(IpAddr::is_ipv4);
+            let (local_ready, local_terminating) = local_endpoint_counts(slices, ipv4);
             HealthCheck { service: plan.name.clone(), port, local_ready, local_terminating }
         });
         let first = claims.len();
@@ -302,11 +305,12 @@ pub(crate) fn build_parts<S: Borrow<Sourced<Service>>, E: Borrow<Sourced<Endpoin
 }
 
 /// Adds a Service's frontend entries, port by port: its cluster IPs, then the node ports, external IPs
-/// and load-balancer IPs.
+/// and load-balancer IPs. North–south addresses of a family the Service has no cluster IP of are left
+/// out, as kube-proxy's proxier of that family never sees the Service.
 pub(super) fn add_claims(
     plan: &ServicePlan,
     slices: &[SliceUse],
-    node_addresses: &[Ipv4Addr],
+    node_addresses: &[IpAddr],
     claims: &mut Vec<Claim>,
 ) {
     let source_ranges = load_balancer_sources(plan, node_addresses);
@@ -340,26 +344,39 @@ pub(super) fn add_claims(
                 (vip, number, FrontendKind::NodePort, ClaimField::NodePort { port: port.index })
             })
         });
+        // No IPv6 source filter in the datapath yet: an IPv6 load-balancer IP whose Service restricts
+        // IPv6 sources is left to the load balancer rather than opened to every client.
+        let load_balancer_ips =
+            plan.load_balancer_ips.iter().filter(|(vip, _)| vip.is_ipv4() || !plan.ipv6_source_ranges);
         let external_ips = plan
             .external_ips
             .iter()
             .map(|&(vip, ip)| (vip, port.port, FrontendKind::ExternalIp, ClaimField::ExternalIp { ip }));
-        let load_balancer_ips = plan.load_balancer_ips.iter().map(|&(vip, ingress)| {
+        let load_balancer_ips = load_balancer_ips.map(|&(vip, ingress)| {
             (vip, port.port, FrontendKind::LoadBalancer, ClaimField::LoadBalancerIp { ingress })
         });
-        let mut north_south =
-            node_ports.into_iter().flatten().chain(external_ips).chain(load_balancer_ips).peekable();
+        let has_family = |vip: &IpAddr| plan.vips.iter().any(|v| v.is_ipv4() == vip.is_ipv4());
+        let mut north_south = node_ports
+            .into_iter()
+            .flatten()
+            .chain(external_ips)
+            .chain(load_balancer_ips)
+            .filter(|(vip, ..)| has_family(vip))
+            .peekable();
         if north_south.peek().is_none() {
             continue;
         }
-        // North–south is IPv4 only so far (node addresses, external and load-balancer IPs).
-        let cluster_wide = select(&endpoints_v4, false);
-        let node_local = plan.external_local.then(|| select(&endpoints_v4, true));
+        // Each family's entries from its own endpoints, as for the cluster IPs.
+        let (mut v4, mut v6) = (None, None);
         for (vip, number, kind, field) in north_south {
-            let vip = IpAddr::V4(vip);
+            let (selection, endpoints) =
+                if vip.is_ipv4() { (&mut v4, &endpoints_v4) } else { (&mut v6, &endpoints_v6) };
+            let (cluster_wide, node_local) = selection.get_or_insert_with(|| {
+                (select(endpoints, false), plan.external_local.then(|| select(endpoints, true)))
+            });
             claims.push(Claim {
                 field,
-                internal: entry(vip, number, kind, Scope::Internal, &cluster_wide),
+                internal: entry(vip, number, kind, Scope::Internal, cluster_wide),
                 external: node_local.as_ref().map(|local| entry(vip, number, kind, Scope::External, local)),
             });
         }
@@ -398,7 +415,8 @@ impl Entries<'_> {
             kind,
             scope,
             external_local: kind != FrontendKind::ClusterIp && plan.external_local,
-            source_ranges: if kind == FrontendKind::LoadBalancer {
+            // IPv4 ranges filter IPv4 clients only (kube-proxy's per-family ranges).
+            source_ranges: if kind == FrontendKind::LoadBalancer && vip.is_ipv4() {
                 self.source_ranges.to_vec()
             } else {
                 Vec::new()
@@ -413,11 +431,14 @@ impl Entries<'_> {
 /// `allowFromNode`: when a range holds one of this node's addresses, the load-balancer IPs themselves
 /// are admitted too — a VIP-style load balancer whose IP is local to the node loops the node's own
 /// requests back with that IP as their source.
-pub(super) fn load_balancer_sources(plan: &ServicePlan, node_addresses: &[Ipv4Addr]) -> Vec<Cidr4> {
+pub(super) fn load_balancer_sources(plan: &ServicePlan, node_addresses: &[IpAddr]) -> Vec<Cidr4> {
     let mut ranges = plan.source_ranges.clone();
-    let allow_from_node = ranges.iter().any(|range| node_addresses.iter().any(|&addr| range.contains(addr)));
+    let allow_from_node = ranges.iter().any(|range| {
+        node_addresses.iter().any(|addr| matches!(addr, IpAddr::V4(addr) if range.contains(*addr)))
+    });
     if allow_from_node {
         for &(ip, _) in &plan.load_balancer_ips {
+            let IpAddr::V4(ip) = ip else { continue };
             let own = Cidr4 { addr: ip, prefix_len: 32 };
             if !ranges.iter().any(|range| range.contains(ip)) {
                 ranges.push(own);

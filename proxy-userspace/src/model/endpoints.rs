@@ -393,14 +393,13 @@ impl Topology {
 }
 
 /// The distinct addresses of a Service's endpoints on this node (all slices and ports) that are ready,
-/// and those that are serving and terminating but not ready, for its health check.
-pub(super) fn local_endpoint_counts(slices: &[SliceUse]) -> (usize, usize) {
+/// and those that are serving and terminating but not ready, for its health check: of one family
+/// (`ipv4`, or IPv6), so that a dual-stack pod is one endpoint, not two.
+pub(super) fn local_endpoint_counts(slices: &[SliceUse], ipv4: bool) -> (usize, usize) {
     let mut ready = BTreeSet::new();
     let mut terminating = BTreeSet::new();
     for &(addr, state) in slices.iter().flat_map(|slice| &slice.endpoints) {
-        // The health check answers for the IPv4 north–south frontends (the only ones kproxy serves): a
-        // dual-stack pod is one endpoint, not two.
-        if !state.local || !addr.is_ipv4() {
+        if !state.local || addr.is_ipv4() != ipv4 {
             continue;
         }
         if state.ready {

@@ -36,10 +36,16 @@
 //!   using only this node's endpoints (the terminating fallback applies among them);
 //! - `ipMode: Proxy` ingress entries are left to the load balancer, and only the LoadBalancer IPs are
 //!   subject to `spec.loadBalancerSourceRanges`.
+//! - each family is a proxy of its own, as kube-proxy's dual-stack proxiers are: a Service gets
+//!   north–south entries only on the addresses of a family it has a cluster IP of, each taking its
+//!   backends from the EndpointSlices of that family; the health check counts the Service's IPv4
+//!   endpoints (its IPv6 ones when it is IPv6-only), so a dual-stack pod counts once. IPv4 source
+//!   ranges filter IPv4 clients only, and an IPv6 load-balancer IP of a Service with an IPv6 source
+//!   range is not programmed (the datapath has no IPv6 source filter yet).
 
 use std::borrow::{Borrow, Cow};
 use std::collections::{HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -78,9 +84,10 @@ pub struct ModelOptions {
     /// with Some(n), ONLY Services whose label equals n are programmed (kube-proxy's semantics).
     /// An empty name is the same as `None`.
     pub service_proxy_name: Option<String>,
-    /// This node's addresses that answer NodePorts (`--nodeport-addresses` applied); none: no NodePort
-    /// frontends.
-    pub node_addresses: Vec<Ipv4Addr>,
+    /// This node's addresses that answer NodePorts (`--nodeport-addresses` applied), of both
+    /// families; none: no NodePort frontends. A Service gets NodePorts on the addresses of the
+    /// families it has a cluster IP of.
+    pub node_addresses: Vec<IpAddr>,
     /// This node's zone (its `topology.kubernetes.io/zone` label, or `--node-zone`), for zone hints.
     /// `None` (or empty): zone hints are never followed.
     pub zone: Option<String>,

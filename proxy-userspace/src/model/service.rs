@@ -47,12 +47,16 @@ pub(super) struct ServicePlan<'a> {
     /// Its cluster IPs, of either family (`spec.clusterIPs` in order).
     pub(super) vips: Vec<IpAddr>,
     pub(super) ports: Vec<PortPlan>,
-    /// Usable IPv4 `spec.externalIPs`, each with its index there.
-    pub(super) external_ips: Vec<(Ipv4Addr, usize)>,
-    /// Usable IPv4 `status.loadBalancer.ingress[].ip` of a LoadBalancer Service, each with its index.
-    pub(super) load_balancer_ips: Vec<(Ipv4Addr, usize)>,
+    /// Usable `spec.externalIPs` of either family, each with its index there.
+    pub(super) external_ips: Vec<(IpAddr, usize)>,
+    /// Usable `status.loadBalancer.ingress[].ip` of a LoadBalancer Service, of either family, each
+    /// with its index.
+    pub(super) load_balancer_ips: Vec<(IpAddr, usize)>,
     /// The valid IPv4 `spec.loadBalancerSourceRanges` of a LoadBalancer Service.
     pub(super) source_ranges: Vec<Cidr4>,
+    /// Whether `spec.loadBalancerSourceRanges` has a valid IPv6 range: the datapath has no IPv6
+    /// source filter yet, so such a Service's IPv6 load-balancer IPs are left to the load balancer.
+    pub(super) ipv6_source_ranges: bool,
     pub(super) affinity_timeout: Option<u32>,
     /// `internalTrafficPolicy: Local`.
     pub(super) local_only: bool,
@@ -189,14 +193,15 @@ pub(super) fn plan_service<'a>(
         errors,
     );
     let external_ips = external_ips(spec, origin, &name, errors);
-    let (load_balancer_ips, source_ranges) = if spec.type_.as_deref() == Some("LoadBalancer") {
-        (
-            load_balancer_ips(svc, origin, &name, errors),
-            load_balancer_source_ranges(spec, origin, &name, errors),
-        )
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    let (load_balancer_ips, (source_ranges, ipv6_source_ranges)) =
+        if spec.type_.as_deref() == Some("LoadBalancer") {
+            (
+                load_balancer_ips(svc, origin, &name, errors),
+                load_balancer_source_ranges(spec, origin, &name, errors),
+            )
+        } else {
+            (Vec::new(), (Vec::new(), false))
+        };
     let health_check_port = health_check_port(spec, external_local, origin, &name, errors);
     Some(ServicePlan {
         origin,
@@ -206,6 +211,7 @@ pub(super) fn plan_service<'a>(
         external_ips,
         load_balancer_ips,
         source_ranges,
+        ipv6_source_ranges,
         affinity_timeout,
         local_only,
         external_local,
@@ -404,21 +410,18 @@ fn traffic_policy(
     }
 }
 
-/// `spec.externalIPs` (IPv4, each once) with their index.
+/// `spec.externalIPs` (either family, each once) with their index.
 fn external_ips(
     spec: &ServiceSpec,
     origin: &str,
     name: &ServiceName,
     errors: &mut Vec<ManifestError>,
-) -> Vec<(Ipv4Addr, usize)> {
-    let mut external_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
+) -> Vec<(IpAddr, usize)> {
+    let mut external_ips: Vec<(IpAddr, usize)> = Vec::new();
     for (index, text) in spec.external_ips.iter().flatten().enumerate() {
         match north_south_address(text, "external IP") {
-            Ok(Some(ip)) if !external_ips.iter().any(|&(seen, _)| seen == ip) => {
-                external_ips.push((ip, index))
-            }
-            Ok(Some(_)) => {}
-            Ok(None) => debug!(service = %name, ip = text, "IPv6 external IPs are not programmed yet"),
+            Ok(ip) if !external_ips.iter().any(|&(seen, _)| seen == ip) => external_ips.push((ip, index)),
+            Ok(_) => {}
             Err(message) => {
                 errors.push(service_error(origin, name, format!("spec.externalIPs[{index}]"), message));
             }
@@ -427,15 +430,15 @@ fn external_ips(
     external_ips
 }
 
-/// The `status.loadBalancer.ingress` IPs to answer on (IPv4, each once, not `ipMode: Proxy`) with
-/// their index.
+/// The `status.loadBalancer.ingress` IPs to answer on (either family, each once, not `ipMode:
+/// Proxy`) with their index.
 fn load_balancer_ips(
     svc: &Sourced<Service>,
     origin: &str,
     name: &ServiceName,
     errors: &mut Vec<ManifestError>,
-) -> Vec<(Ipv4Addr, usize)> {
-    let mut load_balancer_ips: Vec<(Ipv4Addr, usize)> = Vec::new();
+) -> Vec<(IpAddr, usize)> {
+    let mut load_balancer_ips: Vec<(IpAddr, usize)> = Vec::new();
     let ingress = svc.object.status.as_ref().and_then(|status| status.load_balancer.as_ref());
     for (index, entry) in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten().enumerate() {
         // Hostname-only entries (e.g. AWS ELB) have no address to answer on.
@@ -447,13 +450,10 @@ fn load_balancer_ips(
             continue;
         }
         match north_south_address(text, "load-balancer IP") {
-            Ok(Some(ip)) if !load_balancer_ips.iter().any(|&(seen, _)| seen == ip) => {
+            Ok(ip) if !load_balancer_ips.iter().any(|&(seen, _)| seen == ip) => {
                 load_balancer_ips.push((ip, index))
             }
-            Ok(Some(_)) => {}
-            Ok(None) => {
-                debug!(service = %name, ip = text, "IPv6 load-balancer IPs are not programmed yet")
-            }
+            Ok(_) => {}
             Err(message) => {
                 let field = format!("status.loadBalancer.ingress[{index}].ip");
                 errors.push(service_error(origin, name, field, message));
@@ -463,14 +463,15 @@ fn load_balancer_ips(
     load_balancer_ips
 }
 
-/// `spec.loadBalancerSourceRanges` (IPv4, each once, sorted).
+/// `spec.loadBalancerSourceRanges` (IPv4, each once, sorted), and whether there is a valid IPv6 one.
 fn load_balancer_source_ranges(
     spec: &ServiceSpec,
     origin: &str,
     name: &ServiceName,
     errors: &mut Vec<ManifestError>,
-) -> Vec<Cidr4> {
+) -> (Vec<Cidr4>, bool) {
     let mut source_ranges = Vec::new();
+    let mut ipv6 = false;
     for (index, text) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
         match source_range(text) {
             Ok(Some(range)) => {
@@ -478,7 +479,10 @@ fn load_balancer_source_ranges(
                     source_ranges.push(range);
                 }
             }
-            Ok(None) => debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4"),
+            Ok(None) => {
+                debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4");
+                ipv6 = true;
+            }
             Err(message) => {
                 let field = format!("spec.loadBalancerSourceRanges[{index}]");
                 errors.push(service_error(origin, name, field, message));
@@ -486,7 +490,7 @@ fn load_balancer_source_ranges(
         }
     }
     source_ranges.sort();
-    source_ranges
+    (source_ranges, ipv6)
 }
 
 /// `spec.healthCheckNodePort`, served only with `externalTrafficPolicy: Local`.
@@ -508,15 +512,14 @@ fn health_check_port(
     }
 }
 
-/// An external or load-balancer address: `Ok(None)` for IPv6 (not programmed yet), `Err` for text that
-/// is not an address or an address the datapath cannot use.
-pub(super) fn north_south_address(text: &str, what: &str) -> Result<Option<Ipv4Addr>, String> {
+/// An external or load-balancer address of either family; `Err` for text that is not an address or
+/// an address the datapath cannot use.
+pub(super) fn north_south_address(text: &str, what: &str) -> Result<IpAddr, String> {
     match text.parse::<IpAddr>() {
-        Ok(IpAddr::V4(ip)) => match unusable_v4(ip) {
+        Ok(ip) => match unusable(ip) {
             Some(problem) => Err(format!("{ip} is {problem}, not a usable {what}; it is skipped")),
-            None => Ok(Some(ip)),
+            None => Ok(ip),
         },
-        Ok(IpAddr::V6(_)) => Ok(None),
         Err(_) => Err(format!("{text:?} is not an IP address; it is skipped")),
     }
 }
