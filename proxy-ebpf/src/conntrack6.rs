@@ -1,14 +1,15 @@
 //! IPv6 conntrack: CONNTRACK_V6 with the states, transitions and timeouts of IPv4's
 //! (`proxy_common::conntrack`: `CtState`, `record_packet`, `reply_moves_state`, `Timeouts`), and
 //! the same pairing of a flow's forward and reply entries. Reply entries are keyed by
-//! `backend → client`, `backend → HAIRPIN_ADDR_V6` for a hairpin flow, or `backend →
-//! client:remapped port` for a flow whose source port was remapped (port reuse, `snat6`).
+//! `backend → client`, `backend → HAIRPIN_ADDR_V6` for a hairpin flow, `backend →
+//! client:remapped port` for a flow whose source port was remapped (port reuse, `snat6`), or
+//! `backend → node address:port` for a source-NATed north–south flow (`CT_FLAG_SNAT`).
 use proxy_common::{
     conntrack::{
         Clash, ClashingFlow, CtState, Timeouts, clashing_forward_key, forward_points_back, record_packet,
         reply_moves_state,
     },
-    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP},
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, reply_key_in_snat},
     maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
     stats::Stat,
 };
@@ -27,8 +28,9 @@ pub fn lookup(key: &CtKeyV6) -> Option<*mut CtEntryV6> {
 }
 
 /// The key of a forward entry's reply entry: `backend → client`, `backend → hairpin address` for a
-/// pod's flow to itself, or `backend → client:remapped port` for a remapped flow — `None` when its
-/// remapped port is gone from SNAT_V6 (evicted): nothing can find its replies any more.
+/// pod's flow to itself, `backend → client:remapped port` for a remapped flow, or `backend → node
+/// address:port` for a source-NATed one — `None` when its SNAT_V6 entry is gone (evicted):
+/// nothing can find its replies any more.
 ///
 /// # Safety
 /// `forward` must come from [`lookup`] in this program run.
@@ -41,8 +43,14 @@ unsafe fn reply_key(forward_key: &CtKeyV6, forward: *const CtEntryV6) -> Option<
     if flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = HAIRPIN_ADDR_V6;
     }
-    if flags & CT_FLAG_REMAP != 0 {
-        key.dport = snat6::forward(forward_key)?;
+    if reply_key_in_snat(flags) {
+        let to = snat6::forward_entry(forward_key)?;
+        // SAFETY: a map value valid for this program run, read in place. A remapped flow's
+        // address there is the client's own, already the key's.
+        unsafe {
+            key.daddr = (*to).addr;
+            key.dport = (*to).port;
+        }
     }
     Some(key)
 }
@@ -85,7 +93,7 @@ pub unsafe fn remove_pair(forward_key: &CtKeyV6, forward: *const CtEntryV6) {
     if let Some(reply_key) = unsafe { reply_key(forward_key, forward) } {
         let _ = CONNTRACK_V6.remove(reply_key);
         // SAFETY: as above.
-        if unsafe { (*forward).flags } & CT_FLAG_REMAP != 0 {
+        if reply_key_in_snat(unsafe { (*forward).flags }) {
             snat6::remove(forward_key, &reply_key);
         }
     }
@@ -208,6 +216,28 @@ pub fn create(
     now: u64,
     reply_to: ReplyTo6,
 ) -> Result<(), Verdict> {
+    let client = if reply_to.flags & CT_FLAG_HAIRPIN != 0 { &HAIRPIN_ADDR_V6 } else { &flow.saddr };
+    create_to(flow, forward_key, backend, backend_id, rev_nat_id, now, reply_to, client)
+}
+
+/// [`create`] with the address the replies come back to (`reply_addr`: the client, the hairpin
+/// address, or the node address of a source-NATed flow).
+#[inline(always)]
+#[allow(
+    clippy::needless_borrows_for_generic_args,
+    clippy::too_many_arguments,
+    reason = "by reference: a by-value entry is a copy on the stack; inlined, the arguments cost nothing"
+)]
+pub fn create_to(
+    flow: &Flow6,
+    forward_key: &CtKeyV6,
+    backend: &proxy_common::maps_v6::BackendV6,
+    backend_id: u32,
+    rev_nat_id: proxy_common::maps::RevNatId,
+    now: u64,
+    reply_to: ReplyTo6,
+    reply_addr: &[u8; 16],
+) -> Result<(), Verdict> {
     let mut entry = CtEntryV6 {
         created_ns: now,
         last_seen_ns: now,
@@ -220,9 +250,7 @@ pub fn create(
         ..Default::default()
     };
     let mut reply_key = forward_key.reply_of(backend.addr, backend.port);
-    if reply_to.flags & CT_FLAG_HAIRPIN != 0 {
-        reply_key.daddr = HAIRPIN_ADDR_V6;
-    }
+    reply_key.daddr = *reply_addr;
     reply_key.dport = reply_to.port;
     CONNTRACK_V6.insert(reply_key, &entry, 0).map_err(|_| Verdict::pass(Stat::ConntrackInsertFailed))?;
     entry.packets = 1;
@@ -255,6 +283,11 @@ impl ReplyTo6 {
     pub const fn remap(port: [u8; 2], direct: bool) -> Self {
         let flags = if direct { CT_FLAG_REMAP | proxy_common::maps::CT_FLAG_DIRECT } else { CT_FLAG_REMAP };
         ReplyTo6 { port, flags, _pad: 0 }
+    }
+
+    /// Replies to the node address a source-NATed flow took, at `port`.
+    pub const fn snat(port: [u8; 2]) -> Self {
+        ReplyTo6 { port, flags: CT_FLAG_SNAT, _pad: 0 }
     }
 
     pub const fn with_flag(self, flag: u8) -> Self {

@@ -88,8 +88,8 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
             // then remapped. A hairpin flow's reply tuple is no pod's own.
             let backend = &choice.backend;
             if backend.addr != flow.saddr && conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
-                found.reply_to =
-                    ReplyTo6::remap(snat6::remap(flow, &backend.addr, backend.port, found.now)?, false);
+                let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;
+                found.reply_to = ReplyTo6::remap(port, false);
             }
             let verdict = new_flow(ctx, flow, &found, choice)?;
             if found.reply_to.is(CT_FLAG_REMAP) {
@@ -105,7 +105,7 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
             Some(Clash::Remap) => {
                 let now = conntrack::now();
-                let port = snat6::remap(flow, &flow.daddr, flow.dport, now)?;
+                let port = snat6::remap(flow, &flow.daddr, flow.dport, &flow.saddr, now)?;
                 direct(ctx, flow, now, port)
             }
             _ => Err(Verdict::pass(Stat::PassNoService)),

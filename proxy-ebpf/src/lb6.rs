@@ -22,7 +22,13 @@ use crate::{
 /// The frontend's slot 0 for a client inside the cluster (a pod).
 #[inline(always)]
 pub fn lookup_frontend(flow: &Flow6) -> Option<&'static ServiceValueV4> {
-    let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, SCOPE_INTERNAL, 0);
+    lookup_scope(flow, SCOPE_INTERNAL)
+}
+
+/// The frontend's slot 0 of `scope`.
+#[inline(always)]
+pub fn lookup_scope(flow: &Flow6, scope: u8) -> Option<&'static ServiceValueV4> {
+    let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, scope, 0);
     // SAFETY: entries are replaced whole by userspace, never freed under us for longer than the
     // RCU section this program runs in.
     unsafe { SERVICES_V6.get(key) }
@@ -61,9 +67,9 @@ const AFFINITY_SLOT_SCAN: u16 = 64;
 /// The active slot of the frontend (1..=count) that holds `backend_id`, `hint` first: a sticky
 /// backend must still be the frontend's own (see `lb::slot_of`).
 #[inline(always)]
-fn slot_of(flow: &Flow6, count: u16, backend_id: u32, hint: u32) -> Option<u16> {
+fn slot_of(flow: &Flow6, scope: u8, count: u16, backend_id: u32, hint: u32) -> Option<u16> {
     let holds = |slot: u16| {
-        let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, SCOPE_INTERNAL, slot);
+        let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, scope, slot);
         // SAFETY: as in `lookup_frontend`.
         unsafe { SERVICES_V6.get(key) }.is_some_and(|v| v.backend_id == backend_id)
     };
@@ -85,14 +91,28 @@ fn slot_of(flow: &Flow6, count: u16, backend_id: u32, hint: u32) -> Option<u16> 
 /// is fresh and its backend still an active one of the frontend's (sessionAffinity: ClientIP, keyed
 /// by the Service port's affinity id as IPv4's), otherwise one of the frontend's `count` active
 /// slots with equal probability (slots past `count` hold terminating backends, which take no new
-/// flow). Maglev is IPv4's only for now: such a frontend gets a random pick. Not inlined: a stage
-/// of its own, called from the program before `new_flow`, which has no room for it.
-#[inline(never)]
+/// flow). Maglev is IPv4's only for now: such a frontend gets a random pick. The internal entry's
+/// slots; the work is [`select_backend_in`]'s, not inlined: a stage of its own, called from the
+/// program before `new_flow`, which has no room for it.
+#[inline(always)]
 pub fn select_backend(
     flow: &Flow6,
     frontend: &ServiceValueV4,
     now: u64,
     choice: &mut Choice6,
+) -> Result<(), Verdict> {
+    select_backend_in(flow, frontend, now, choice, SCOPE_INTERNAL)
+}
+
+/// [`select_backend`] among the slots of the frontend entry of `scope` (`SCOPE_EXTERNAL`:
+/// `externalTrafficPolicy: Local`'s entry of a north–south frontend, this node's endpoints only).
+#[inline(never)]
+pub fn select_backend_in(
+    flow: &Flow6,
+    frontend: &ServiceValueV4,
+    now: u64,
+    choice: &mut Choice6,
+    scope: u8,
 ) -> Result<(), Verdict> {
     let affinity = frontend.flags & SVC_FLAG_AFFINITY != 0;
     let affinity_key = AffinityKeyV6 { client: flow.saddr, rev_nat_id: frontend.affinity_id() };
@@ -102,7 +122,7 @@ pub fn select_backend(
             let timeout_ns = u64::from(frontend.affinity_timeout_s) * 1_000_000_000;
             let backend_id = (*sticky).backend_id;
             if now.saturating_sub((*sticky).last_used_ns) <= timeout_ns
-                && let Some(slot) = slot_of(flow, frontend.count, backend_id, (*sticky).slot)
+                && let Some(slot) = slot_of(flow, scope, frontend.count, backend_id, (*sticky).slot)
                 && let Some(backend) = BACKENDS_V6.get(backend_id)
                 && backend.flags & BACKEND_FLAG_TERMINATING == 0
             {
@@ -118,7 +138,7 @@ pub fn select_backend(
     // SAFETY: a helper without side effects.
     let pick = unsafe { bpf_get_prandom_u32() };
     let slot = select_slot(pick, frontend.count).ok_or(Verdict::pass(Stat::NoBackend))?;
-    let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, SCOPE_INTERNAL, slot);
+    let key = ServiceKeyV6::new(flow.daddr, flow.dport, flow.proto, scope, slot);
     // SAFETY: as in `lookup_frontend`.
     let backend_id =
         unsafe { SERVICES_V6.get(key) }.map(|v| v.backend_id).ok_or(Verdict::pass(Stat::SlotMiss))?;

@@ -7,8 +7,9 @@
 //! - `kproxy_egress` (tc egress of a pod's veth, packets entering the pod):
 //!   replies un-NATed back to the Service (`egress.rs`);
 //! - IPv6 on the pod veths: ClusterIP DNAT, refusals and un-NAT in chains of
-//!   their own (`ingress6.rs`, `egress6.rs`), chosen by ethertype;
-//!   `kproxy_external_ingress` passes IPv6 for now;
+//!   their own (`ingress6.rs`, `egress6.rs`), chosen by ethertype; on the
+//!   external interfaces NodePorts, ExternalIPs and LB IPs with SNAT
+//!   (`external6.rs`);
 //! - `kproxy_xdp`: the north-south fast path for remote backends (`xdp.rs`);
 //! - the cgroup socket hooks: socket-level load balancing (`sock.rs`; IPv6 sockets, with
 //!   IPv4-mapped addresses, in `sock6.rs`).
@@ -24,7 +25,9 @@ mod conntrack6;
 mod egress;
 mod egress6;
 mod events;
+mod external6;
 mod fib;
+mod fib6;
 mod icmp;
 mod icmp6;
 mod ingress;
@@ -71,6 +74,10 @@ pub fn kproxy_ingress(ctx: TcContext) -> i32 {
 /// reply would otherwise not come back through this node.
 #[classifier]
 pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
+    // IPv6 takes a chain of its own (`external6`), as on the pod veths.
+    if parse6::is_ipv6(&ctx) {
+        return external6::run(&ctx);
+    }
     let mut route = fib::Route::NONE;
     let result = ingress::ingress::<true>(&ctx, &mut route);
     finish(&ctx, result, &route)

@@ -183,3 +183,8 @@ pub static CHOICE6_SCRATCH: PerCpuArray<crate::lb6::Choice6> = PerCpuArray::with
 #[map(name = "EXTERNAL_IFACES_V6")]
 pub static EXTERNAL_IFACES_V6: HashMap<u32, proxy_common::maps_v6::ExternalIfaceV6> =
     HashMap::with_max_entries(proxy_common::maps_v6::EXTERNAL_IFACES_V6_CAPACITY, 0);
+
+/// What the IPv6 external ingress stages share: a redirect's route and the node address a new
+/// flow is source-NATed to (`external6`). Not pinned.
+#[map(name = "EXTERNAL6_SCRATCH")]
+pub static EXTERNAL6_SCRATCH: PerCpuArray<crate::external6::External6> = PerCpuArray::with_max_entries(1, 0);

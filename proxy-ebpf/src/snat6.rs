@@ -1,9 +1,10 @@
-//! Remapped source ports of IPv6 flows, as `snat.rs` for IPv4: a new flow whose reply tuple a live
+//! Rewritten client tuples of IPv6 flows, as `snat.rs` for IPv4: a new flow whose reply tuple a live
 //! translated flow already has (the client reused its source port) gets a port of the SNAT range
-//! instead, its address kept (netfilter's clash resolution). SNAT_V6 holds both directions: the
-//! flow's own forward key → the remapped port, and its reply key (`backend → client:remapped
-//! port`) → the client's own port. A port is taken by inserting the reverse entry with
-//! BPF_NOEXIST, which fails if another flow (on any CPU) holds it.
+//! instead, its address kept (netfilter's clash resolution); a north–south flow to a remote
+//! backend becomes the node's address and a port of that range (source NAT). SNAT_V6 holds both
+//! directions: the flow's own forward key → the address and port it became, and its reply key
+//! (`backend → that address:port`) → the client's own address and port. A port is taken by
+//! inserting the reverse entry with BPF_NOEXIST, which fails if another flow (on any CPU) holds it.
 //!
 //! The search over candidate ports runs in `bpf_loop`, one attempt per callback call, rather than
 //! as a loop in the program: without CAP_PERFMON (the DaemonSet's capabilities) the verifier also
@@ -64,20 +65,28 @@ extern "C" fn attempt(_index: u64, search: *mut c_void) -> i64 {
     1
 }
 
-/// Takes a free port of the SNAT range for `flow`, sent to `backend:backend_port`, and records both
-/// directions. Not inlined: a stage of its own, called from the program between the clash check
-/// and the stage that records the flow (its keys would not fit beside either).
+/// Takes a free port of the SNAT range for `flow`, sent to `backend:backend_port`, with `source` as
+/// its source address — the client's own for a remapped port, a node address for source NAT — and
+/// records both directions. Not inlined: a stage of its own, called from the program between the
+/// clash check (or the route lookup) and the stage that records the flow (its keys would not fit
+/// beside either).
 #[inline(never)]
 #[allow(
     clippy::needless_borrows_for_generic_args,
     reason = "by reference: a by-value key is a copy on the stack"
 )]
-pub fn remap(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2], now: u64) -> Result<[u8; 2], Verdict> {
+pub fn remap(
+    flow: &Flow6,
+    backend: &[u8; 16],
+    backend_port: [u8; 2],
+    source: &[u8; 16],
+    now: u64,
+) -> Result<[u8; 2], Verdict> {
     let (min, max) = config::nodeport().port_range();
     let mut search = Search {
         reply_key: CtKeyV6 {
             saddr: *backend,
-            daddr: flow.saddr,
+            daddr: *source,
             sport: backend_port,
             dport: [0; 2],
             proto: flow.proto,
@@ -97,6 +106,7 @@ pub fn remap(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2], now: u64) 
     }
     let port = search.reply_key.dport;
     // The forward entry, keyed by the flow's own (pre-DNAT) tuple as its conntrack entry.
+    search.to_client.addr = *source;
     search.to_client.port = port;
     if SNAT_V6.insert(&flow.ct_key(CT_DIR_FORWARD), &search.to_client, 0).is_err() {
         let _ = SNAT_V6.remove(&search.reply_key);
@@ -105,11 +115,18 @@ pub fn remap(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2], now: u64) 
     Ok(port)
 }
 
-/// The port a remapped flow (its forward key) sends from.
+/// The port a remapped or source-NATed flow (its forward key) sends from.
 #[inline(always)]
 pub fn forward(forward_key: &CtKeyV6) -> Option<[u8; 2]> {
     // SAFETY: the value is copied out at once.
     unsafe { SNAT_V6.get(forward_key) }.map(|e| e.port)
+}
+
+/// The address and port a remapped or source-NATed flow (its forward key) sends from, read in
+/// place (a map value valid for this program run).
+#[inline(always)]
+pub fn forward_entry(forward_key: &CtKeyV6) -> Option<*const SnatEntryV6> {
+    SNAT_V6.get_ptr(forward_key)
 }
 
 /// The client's own port for a reply of a remapped flow (keyed by the reply's tuple).
@@ -117,6 +134,12 @@ pub fn forward(forward_key: &CtKeyV6) -> Option<[u8; 2]> {
 pub fn reverse(reply_key: &CtKeyV6) -> Option<[u8; 2]> {
     // SAFETY: as above.
     unsafe { SNAT_V6.get(reply_key) }.map(|e| e.port)
+}
+
+/// The client (address and port) a reply of a source-NATed flow goes back to, read in place.
+#[inline(always)]
+pub fn reverse_entry(reply_key: &CtKeyV6) -> Option<*const SnatEntryV6> {
+    SNAT_V6.get_ptr(reply_key)
 }
 
 /// Forgets both directions of a remapped flow.

@@ -1,0 +1,398 @@
+//! BPF_PROG_TEST_RUN of the external tc program (`kproxy_external_ingress`) on IPv6 frames (issue 19):
+//! byte-exact rewrites of a NodePort flow to a backend on another node (DNAT + SNAT to the node's
+//! IPv6 address, sent back out with the route's MACs) and of its reply, a NodePort flow to a local
+//! backend (DNAT only, its reply un-NATed by the egress program), and `externalTrafficPolicy: Local`
+//! without a local endpoint (dropped). Every expected frame is built from scratch here, its L4
+//! checksum computed over the IPv6 pseudo-header by proxy_common's reference math, and every
+//! output's checksum is verified the same way.
+//!
+//! The route lookups need an interface, routes and neighbours: each test runs in a thread that
+//! moves itself into a new network namespace (`unshare(CLONE_NEWNET)`) with one veth pair to the
+//! "underlay" (static neighbours, the peer node's pod prefix routed via it, no route out) and one to
+//! a local pod. The namespace disappears with the thread. The maps are programmed through the
+//! agent's Syncer; EXTERNAL_IFACES_V6 is written as the agent writes it.
+
+use std::net::Ipv6Addr;
+use std::process::Command;
+
+use aya::maps::{HashMap, MapData, PerCpuArray};
+use kproxy::{
+    bpf,
+    model::{BackendAddr, Desired, Frontend, FrontendKind, Scope, ServiceName},
+    net::Protocol,
+    sync::Syncer,
+};
+use proxy_common::{
+    checksum,
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, IPPROTO_TCP, IPPROTO_UDP},
+    maps_v6::{CtEntryV6, CtKeyV6, ExternalIfaceV6, SnatEntryV6},
+    packet::{TCP_ACK, TCP_SYN},
+    stats::Stat,
+};
+
+mod common;
+
+use common::harness::{DROP, PASS as TCX_NEXT, test_run};
+
+const TC_ACT_REDIRECT: u32 = 7;
+
+const fn addr6(net: u16, subnet: u16, host: u16) -> [u8; 16] {
+    let (n, s, h) = (net.to_be_bytes(), subnet.to_be_bytes(), host.to_be_bytes());
+    [0xfd, 0x00, n[0], n[1], s[0], s[1], 0, 0, 0, 0, 0, 0, 0, 0, h[0], h[1]]
+}
+
+/// The underlay fd00:192:168:100::/64: this node, the peer node, an external client.
+const NODE: [u8; 16] = addr6(0x0192, 0x0100, 0x10);
+const PEER: [u8; 16] = addr6(0x0192, 0x0100, 0x11);
+const CLIENT: [u8; 16] = addr6(0x0192, 0x0100, 0x200);
+/// A pod of the peer node (fd00:244:1::/64, routed via the peer) and one of this node
+/// (fd00:244::/64 on pod0).
+const REMOTE_BACKEND: [u8; 16] = addr6(0x0244, 0x0001, 0x05);
+const LOCAL_BACKEND: [u8; 16] = addr6(0x0244, 0x0000, 0x05);
+const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xc8];
+const LOCAL_POD_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x05];
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn mac(m: [u8; 6]) -> String {
+    m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+fn ip(a: [u8; 16]) -> String {
+    Ipv6Addr::from(a).to_string()
+}
+
+/// Runs `test` in a thread inside a fresh network namespace with `ext0` (the node's external
+/// interface, NODE/64, the peer node and the client as permanent neighbours, the peer's pod prefix
+/// routed via it) and `pod0` (a local pod's veth, fd00:244::/64 on it), IPv6 forwarding on; `test`
+/// gets ext0's index.
+fn in_private_netns6(test: impl FnOnce(u32) + Send + 'static) {
+    let result = std::thread::spawn(move || {
+        // SAFETY: unshare affects only this thread, which owns nothing shared yet.
+        let ret = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+        assert_eq!(ret, 0, "unshare(CLONE_NEWNET) needs root: {}", std::io::Error::last_os_error());
+        for knob in ["all/disable_ipv6", "default/disable_ipv6"] {
+            std::fs::write(format!("/proc/sys/net/ipv6/conf/{knob}"), "0").unwrap();
+        }
+        sh(&["ip", "link", "add", "ext0", "address", &mac(NODE_MAC), "type", "veth", "peer", "name", "ext1"]);
+        sh(&["ip", "link", "add", "pod0", "type", "veth", "peer", "name", "pod1"]);
+        for dev in ["lo", "ext0", "ext1", "pod0", "pod1"] {
+            sh(&["ip", "link", "set", dev, "up"]);
+        }
+        // bpf_fib_lookup answers IPv6 only where the ingress interface forwards.
+        std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1").unwrap();
+        sh(&["ip", "-6", "addr", "add", &format!("{}/64", ip(NODE)), "dev", "ext0", "nodad"]);
+        sh(&["ip", "-6", "route", "add", "fd00:244:1::/64", "via", &ip(PEER), "dev", "ext0"]);
+        sh(&["ip", "-6", "route", "add", "fd00:244::/64", "dev", "pod0"]);
+        for (addr, m, dev) in
+            [(PEER, PEER_MAC, "ext0"), (CLIENT, CLIENT_MAC, "ext0"), (LOCAL_BACKEND, LOCAL_POD_MAC, "pod0")]
+        {
+            sh(&[
+                "ip",
+                "-6",
+                "neigh",
+                "replace",
+                &ip(addr),
+                "lladdr",
+                &mac(m),
+                "dev",
+                dev,
+                "nud",
+                "permanent",
+            ]);
+        }
+        let index = bpf::interfaces().unwrap().into_iter().find(|i| i.name == "ext0").unwrap().index;
+        test(index);
+    })
+    .join();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+fn web(kind: FrontendKind, vip: [u8; 16], port: u16, backends: &[[u8; 16]]) -> Frontend {
+    let mut fe = Frontend::new(
+        ServiceName { namespace: "default".into(), name: "web".into() },
+        "http",
+        Ipv6Addr::from(vip),
+        port,
+        Protocol::Tcp,
+        backends.iter().map(|a| BackendAddr { addr: Ipv6Addr::from(*a).into(), port: 80 }).collect(),
+    );
+    fe.kind = kind;
+    fe
+}
+
+/// The real object, its maps programmed with `frontends` and ext0's IPv6 address.
+struct Node6 {
+    ebpf: aya::Ebpf,
+    _syncer: Syncer,
+    conntrack: HashMap<MapData, CtKeyV6, CtEntryV6>,
+    snat: HashMap<MapData, CtKeyV6, SnatEntryV6>,
+    stats: PerCpuArray<MapData, u64>,
+    ingress: u32,
+}
+
+impl Node6 {
+    fn new(ingress: u32, frontends: Vec<Frontend>) -> Self {
+        let mut ebpf = bpf::load_unpinned().expect("loading the datapath needs root");
+        let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
+        let mut own = maps.try_clone().unwrap();
+        own.external_ifaces_v6.insert(ingress, ExternalIfaceV6 { addr: NODE }, 0).unwrap();
+        let mut syncer = Syncer::with_store(bpf::BpfStore::from_maps(maps, false)).unwrap();
+        let report = syncer.apply(&Desired::new(frontends));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        Self {
+            ebpf,
+            _syncer: syncer,
+            conntrack: own.conntrack_v6,
+            snat: own.snat_v6,
+            stats: own.stats,
+            ingress,
+        }
+    }
+
+    /// `program` on a frame that arrived on ext0.
+    fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &aya::programs::SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
+        // struct __sk_buff up to ifindex (offset 40), which picks the device the packet is on.
+        let mut ctx = [0u8; 192];
+        ctx[40..44].copy_from_slice(&self.ingress.to_ne_bytes());
+        test_run(prog, frame, Some(&ctx))
+    }
+
+    fn external(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        self.run("kproxy_external_ingress", frame)
+    }
+
+    fn stat(&self, stat: Stat) -> u64 {
+        self.stats.get(&(stat as u32), 0).unwrap().iter().sum()
+    }
+
+    fn ct(&self, key: &CtKeyV6) -> Option<CtEntryV6> {
+        self.conntrack.get(key, 0).ok()
+    }
+}
+
+fn ct_key6(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, proto: u8, direction: u8) -> CtKeyV6 {
+    CtKeyV6 {
+        saddr: src,
+        daddr: dst,
+        sport: sport.to_be_bytes(),
+        dport: dport.to_be_bytes(),
+        proto,
+        direction,
+        _pad: [0; 2],
+    }
+}
+
+/// An IPv6 TCP or UDP packet in an Ethernet frame (to `dmac` from `smac`), its L4 checksum computed
+/// from scratch over the pseudo-header; a flow label, traffic class and hop limit the datapath
+/// must keep.
+#[derive(Clone, Debug)]
+struct Packet6 {
+    src: [u8; 16],
+    dst: [u8; 16],
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    tcp_flags: u8,
+    payload: Vec<u8>,
+}
+
+impl Packet6 {
+    fn tcp(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, flags: u8, payload: &[u8]) -> Self {
+        Self { src, dst, sport, dport, proto: IPPROTO_TCP, tcp_flags: flags, payload: payload.to_vec() }
+    }
+
+    fn udp(src: [u8; 16], sport: u16, dst: [u8; 16], dport: u16, payload: &[u8]) -> Self {
+        Self { proto: IPPROTO_UDP, ..Self::tcp(src, sport, dst, dport, 0, payload) }
+    }
+
+    fn frame(&self, dmac: [u8; 6], smac: [u8; 6]) -> Vec<u8> {
+        let mut seg = Vec::new();
+        seg.extend_from_slice(&self.sport.to_be_bytes());
+        seg.extend_from_slice(&self.dport.to_be_bytes());
+        let check_at = if self.proto == IPPROTO_TCP {
+            seg.extend_from_slice(&0x0102_0304u32.to_be_bytes());
+            seg.extend_from_slice(&0u32.to_be_bytes());
+            seg.extend_from_slice(&[5 << 4, self.tcp_flags]);
+            seg.extend_from_slice(&64800u16.to_be_bytes());
+            seg.extend_from_slice(&[0, 0, 0, 0]);
+            16
+        } else {
+            seg.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+            seg.extend_from_slice(&[0, 0]);
+            6
+        };
+        seg.extend_from_slice(&self.payload);
+        let check = checksum::l4_checksum_v6(&self.src, &self.dst, self.proto, &seg);
+        seg[check_at..check_at + 2].copy_from_slice(&check.to_be_bytes());
+        let mut frame = Vec::new();
+        frame.extend_from_slice(&dmac);
+        frame.extend_from_slice(&smac);
+        frame.extend_from_slice(&0x86ddu16.to_be_bytes());
+        let len = (seg.len() as u16).to_be_bytes();
+        frame.extend_from_slice(&[0x60, 0x0a, 0xbc, 0xde, len[0], len[1], self.proto, 61]);
+        frame.extend_from_slice(&self.src);
+        frame.extend_from_slice(&self.dst);
+        frame.extend_from_slice(&seg);
+        frame
+    }
+}
+
+/// Whether the L4 checksum of a frame built here is right, recomputed over the pseudo-header.
+fn l4_checksum_valid(frame: &[u8]) -> bool {
+    let (src, dst): ([u8; 16], [u8; 16]) =
+        (frame[22..38].try_into().unwrap(), frame[38..54].try_into().unwrap());
+    let end = 54 + usize::from(u16::from_be_bytes([frame[18], frame[19]]));
+    let segment = &frame[54..end];
+    let pseudo = checksum::pseudo_header_sum_v6(&src, &dst, frame[20], segment.len() as u32);
+    checksum::is_valid(checksum::add_words(pseudo, segment))
+}
+
+/// The source port of a frame built here.
+fn source_port(frame: &[u8]) -> u16 {
+    u16::from_be_bytes([frame[54], frame[55]])
+}
+
+#[test]
+fn a_v6_nodeport_flow_to_a_remote_backend_is_dnated_snated_to_the_node_and_sent_out_and_so_is_its_reply() {
+    in_private_netns6(|ingress| {
+        let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet6::tcp(CLIENT, 40000, NODE, 30080, TCP_SYN, b"hello");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "{out:02x?}");
+
+        // The SNAT port is the one the datapath took: the forward entry and SNAT_V6 agree on it.
+        let fwd =
+            node.ct(&ct_key6(CLIENT, 40000, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD)).expect("forward");
+        assert_eq!(fwd.flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        assert_eq!((fwd.nat_addr, u16::from_be_bytes(fwd.nat_port)), (REMOTE_BACKEND, 80));
+        let port = source_port(&out);
+        assert!((61000..=65535).contains(&port), "SNAT port {port}");
+        let to_node =
+            node.snat.get(&ct_key6(CLIENT, 40000, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD), 0).unwrap();
+        assert_eq!((to_node.addr, u16::from_be_bytes(to_node.port)), (NODE, port));
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..syn.clone() };
+        assert_eq!(
+            out,
+            translated.frame(PEER_MAC, NODE_MAC),
+            "DNAT + SNAT, hop limit and flow label kept, MACs of the route to the peer node"
+        );
+        assert!(l4_checksum_valid(&out));
+        let reply_key = ct_key6(REMOTE_BACKEND, 80, NODE, port, IPPROTO_TCP, CT_DIR_REPLY);
+        let reply = node.ct(&reply_key).expect("reply entry keyed by the node address and SNAT port");
+        assert_eq!((reply.nat_addr, u16::from_be_bytes(reply.nat_port)), (NODE, 30080));
+        assert_eq!(reply.flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        let to_client = node.snat.get(&reply_key, 0).unwrap();
+        assert_eq!((to_client.addr, u16::from_be_bytes(to_client.port)), (CLIENT, 40000));
+        assert_eq!((node.stat(Stat::DnatNew), node.stat(Stat::SnatNew)), (1, 1));
+
+        // The backend's answer, to the node address and SNAT port, goes back to the client from
+        // the NodePort, out of ext0 to the client's MAC.
+        let syn_ack = Packet6::tcp(REMOTE_BACKEND, 80, NODE, port, TCP_SYN | TCP_ACK, b"world!");
+        let (action, out) = node.external(&syn_ack.frame(NODE_MAC, PEER_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "{out:02x?}");
+        let back = Packet6 { src: NODE, sport: 30080, dst: CLIENT, dport: 40000, ..syn_ack };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::SnatReverse), 1);
+
+        // The client's next segment follows the same translation, port and route.
+        let ack = Packet6::tcp(CLIENT, 40000, NODE, 30080, TCP_ACK, b"more");
+        let (action, out) = node.external(&ack.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..ack };
+        assert_eq!(out, translated.frame(PEER_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::DnatEstablished), 1);
+    });
+}
+
+#[test]
+fn a_v6_nodeport_datagram_to_a_remote_backend_is_source_natted_with_its_udp_checksum_right() {
+    in_private_netns6(|ingress| {
+        let mut dns = web(FrontendKind::NodePort, NODE, 30053, &[REMOTE_BACKEND]);
+        dns.proto = Protocol::Udp;
+        let node = Node6::new(ingress, vec![dns]);
+        let query = Packet6::udp(CLIENT, 5353, NODE, 30053, b"a query of odd length");
+        let (action, out) = node.external(&query.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "{out:02x?}");
+        let port = source_port(&out);
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..query.clone() };
+        assert_eq!(out, translated.frame(PEER_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+
+        let answer = Packet6::udp(REMOTE_BACKEND, 80, NODE, port, b"an answer");
+        let (action, out) = node.external(&answer.frame(NODE_MAC, PEER_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let back = Packet6 { src: NODE, sport: 30053, dst: CLIENT, dport: 5353, ..answer };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+    });
+}
+
+#[test]
+fn a_v6_nodeport_flow_to_a_local_backend_is_dnated_only_and_its_reply_un_nated_on_the_way_out() {
+    in_private_netns6(|ingress| {
+        let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[LOCAL_BACKEND])]);
+        let syn = Packet6::tcp(CLIENT, 40001, NODE, 30080, TCP_SYN, b"");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TCX_NEXT, "to the stack, which routes it to the pod");
+        let translated = Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn };
+        assert_eq!(out, translated.frame(NODE_MAC, CLIENT_MAC), "DNAT alone: the backend sees the client");
+        assert!(l4_checksum_valid(&out));
+        let fwd = node.ct(&ct_key6(CLIENT, 40001, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+        assert_eq!(fwd.flags & CT_FLAG_SNAT, 0);
+        assert_eq!(node.stat(Stat::SnatNew), 0);
+
+        // Its answer leaves through the external interface's egress, from the NodePort again.
+        let syn_ack = Packet6::tcp(LOCAL_BACKEND, 80, CLIENT, 40001, TCP_SYN | TCP_ACK, b"");
+        let (action, out) = node.run("kproxy_egress", &syn_ack.frame(CLIENT_MAC, NODE_MAC));
+        assert_eq!(action, TCX_NEXT);
+        let back = Packet6 { src: NODE, sport: 30080, ..syn_ack };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+    });
+}
+
+#[test]
+fn external_traffic_policy_local_drops_v6_clients_without_a_local_endpoint_and_keeps_the_client_with_one() {
+    in_private_netns6(|ingress| {
+        // Policy Local: the internal entry has every endpoint; the external one this node's.
+        let local_entry = |vip: [u8; 16], port: u16, local: &[[u8; 16]], all: &[[u8; 16]]| {
+            let internal = Frontend { external_local: true, ..web(FrontendKind::NodePort, vip, port, all) };
+            let external = Frontend {
+                scope: Scope::External,
+                local_only: true,
+                no_local_endpoints: local.is_empty(),
+                ..web(FrontendKind::NodePort, vip, port, local)
+            };
+            [internal, external]
+        };
+        let mut frontends = local_entry(NODE, 30090, &[], &[REMOTE_BACKEND]).to_vec();
+        frontends.extend(local_entry(NODE, 30091, &[LOCAL_BACKEND], &[REMOTE_BACKEND, LOCAL_BACKEND]));
+        let node = Node6::new(ingress, frontends);
+
+        let syn = Packet6::tcp(CLIENT, 40002, NODE, 30090, TCP_SYN, b"");
+        let (action, _) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, DROP, "no local endpoint: dropped, not refused nor sent elsewhere");
+        assert_eq!(node.stat(Stat::DropNoLocalEndpoint), 1);
+        assert!(node.ct(&ct_key6(CLIENT, 40002, NODE, 30090, IPPROTO_TCP, CT_DIR_FORWARD)).is_none());
+
+        // With one, every new flow goes to it, unSNATed, however many remote endpoints there are.
+        for client_port in 40010..40020 {
+            let syn = Packet6::tcp(CLIENT, client_port, NODE, 30091, TCP_SYN, b"");
+            let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+            assert_eq!(action, TCX_NEXT);
+            assert_eq!(out, Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn }.frame(NODE_MAC, CLIENT_MAC));
+        }
+        assert_eq!(node.stat(Stat::SnatNew), 0);
+    });
+}
