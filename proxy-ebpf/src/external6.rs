@@ -34,7 +34,7 @@ use crate::{
     config, conntrack,
     conntrack6::{self, ReplyTo6},
     fib::{self, ingress_ifindex},
-    fib6, lb6,
+    fib6, icmp6, lb6,
     maps::{CHOICE6_SCRATCH, EXTERNAL_IFACES_V6, EXTERNAL6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
@@ -110,7 +110,13 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     let flow = FLOW6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
     // SAFETY: a per-CPU value, used by this program run alone.
     let flow = unsafe { &mut *flow };
-    parse6::flow(ctx, flow).map_err(Verdict::pass)?;
+    match parse6::flow(ctx, flow) {
+        Ok(()) => {}
+        // An ICMPv6 error about a source-NATed flow goes to its client; other ICMPv6 (neighbour
+        // discovery above all) is never touched.
+        Err(Stat::PassNotTcpUdp) => return icmp6::unnat_snat_error(ctx, shared_ptr().cast()),
+        Err(stat) => return Err(Verdict::pass(stat)),
+    }
     let mut found = Found {
         frontend: core::ptr::null(),
         entry: core::ptr::null_mut(),

@@ -27,6 +27,7 @@ use proxy_common::{
     maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_SNAT, IPPROTO_TCP, IPPROTO_UDP},
     maps_v6::{CtEntryV6, CtKeyV6, ExternalIfaceV6, SnatEntryV6},
     packet::{TCP_ACK, TCP_SYN},
+    packet6::IPPROTO_ICMPV6,
     stats::Stat,
 };
 
@@ -45,6 +46,8 @@ const fn addr6(net: u16, subnet: u16, host: u16) -> [u8; 16] {
 const NODE: [u8; 16] = addr6(0x0192, 0x0100, 0x10);
 const PEER: [u8; 16] = addr6(0x0192, 0x0100, 0x11);
 const CLIENT: [u8; 16] = addr6(0x0192, 0x0100, 0x200);
+/// A router between the nodes (on a smaller-MTU link).
+const ROUTER: [u8; 16] = addr6(0x0192, 0x0100, 0x01);
 /// A pod of the peer node (fd00:244:1::/64, routed via the peer) and one of this node
 /// (fd00:244::/64 on pod0).
 const REMOTE_BACKEND: [u8; 16] = addr6(0x0244, 0x0001, 0x05);
@@ -246,6 +249,34 @@ impl Packet6 {
     }
 }
 
+/// An ICMPv6 message of `kind`/`code` (4 bytes of `word`, then `quote`) in a frame to `dmac` from
+/// `smac`, its checksum computed over the pseudo-header.
+fn icmp6_frame(
+    src: [u8; 16],
+    dst: [u8; 16],
+    kind: u8,
+    word: u32,
+    quote: &[u8],
+    dmac: [u8; 6],
+    smac: [u8; 6],
+) -> Vec<u8> {
+    let mut message = vec![kind, 0, 0, 0];
+    message.extend_from_slice(&word.to_be_bytes());
+    message.extend_from_slice(quote);
+    let check = checksum::l4_checksum_v6(&src, &dst, IPPROTO_ICMPV6, &message);
+    message[2..4].copy_from_slice(&check.to_be_bytes());
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&dmac);
+    frame.extend_from_slice(&smac);
+    frame.extend_from_slice(&0x86ddu16.to_be_bytes());
+    let len = (message.len() as u16).to_be_bytes();
+    frame.extend_from_slice(&[0x60, 0, 0, 0, len[0], len[1], IPPROTO_ICMPV6, 64]);
+    frame.extend_from_slice(&src);
+    frame.extend_from_slice(&dst);
+    frame.extend_from_slice(&message);
+    frame
+}
+
 /// Whether the L4 checksum of a frame built here is right, recomputed over the pseudo-header.
 fn l4_checksum_valid(frame: &[u8]) -> bool {
     let (src, dst): ([u8; 16], [u8; 16]) =
@@ -394,5 +425,41 @@ fn external_traffic_policy_local_drops_v6_clients_without_a_local_endpoint_and_k
             assert_eq!(out, Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn }.frame(NODE_MAC, CLIENT_MAC));
         }
         assert_eq!(node.stat(Stat::SnatNew), 0);
+    });
+}
+
+#[test]
+fn packet_too_big_about_a_source_natted_v6_flow_reaches_the_client_about_its_own_packet() {
+    in_private_netns6(|ingress| {
+        let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let big = Packet6::tcp(CLIENT, 40003, NODE, 30080, TCP_SYN, &[0x55; 200]);
+        let (action, out) = node.external(&big.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT);
+        let port = source_port(&out);
+
+        // A router between the nodes cannot forward it: its error to the node quotes the
+        // translated packet (node:SNAT port → backend).
+        const PACKET_TOO_BIG: u8 = 2;
+        let error = icmp6_frame(ROUTER, NODE, PACKET_TOO_BIG, 1280, &out[14..], NODE_MAC, PEER_MAC);
+        let (action, got) = node.external(&error);
+        assert_eq!(action, TC_ACT_REDIRECT, "{got:02x?}");
+        // The client hears of its own packet (client:port → NodePort), from the router, at its MAC.
+        // The quote's own TCP checksum is left as it was: receivers do not check a quote's.
+        let mut quote = out[14..].to_vec();
+        quote[8..24].copy_from_slice(&CLIENT);
+        quote[24..40].copy_from_slice(&NODE);
+        quote[40..42].copy_from_slice(&40003u16.to_be_bytes());
+        quote[42..44].copy_from_slice(&30080u16.to_be_bytes());
+        let want = icmp6_frame(ROUTER, CLIENT, PACKET_TOO_BIG, 1280, &quote, CLIENT_MAC, NODE_MAC);
+        assert_eq!(got, want, "quote and outer destination un-NATed, the ICMPv6 checksum right");
+        assert_ne!(port, 40003);
+        assert_eq!(node.stat(Stat::IcmpErrorUnnat), 1);
+
+        // One about a flow the node never source-NATed is left to the node.
+        let mut stray = out[14..].to_vec();
+        stray[42..44].copy_from_slice(&(port ^ 1).to_be_bytes());
+        let error = icmp6_frame(ROUTER, NODE, PACKET_TOO_BIG, 1280, &stray, NODE_MAC, PEER_MAC);
+        let (action, got) = node.external(&error);
+        assert_eq!((action, got), (TCX_NEXT, error));
     });
 }
