@@ -28,18 +28,25 @@ const WEB_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
 const WEB_A6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0x11);
 const WEB_B6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x11);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x200);
+/// `web6`'s external IP; the client routes fd00:192:168:200::/64 via node 0.
+const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x200, 0, 0, 0, 0x20);
 
 /// Node `i`'s IPv6 address on the underlay.
 fn node_ip6(i: usize) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x10 + i as u16)
 }
 
-/// `web6`: dual-stack, NodePort 30080, policy Cluster, web-a (node 0) and web-b (node 1) behind
-/// it; `web6-local`: dual-stack, NodePort 30081, policy Local, web-b alone.
+/// `web6`: dual-stack, NodePort 30080 and an IPv6 external IP, policy Cluster, web-a (node 0) and
+/// web-b (node 1) behind it; `web6-local`: dual-stack, NodePort 30081, policy Local, web-b alone.
 fn web6_manifests() -> String {
     let service = |name: &str, v4: &str, v6: &str, node_port: u16, policy: &str| {
+        let external_ips = if policy == "Cluster" {
+            format!("  externalIPs: [\"{EXTERNAL_IP6}\"]\n")
+        } else {
+            String::new()
+        };
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: NodePort\n  externalTrafficPolicy: {policy}\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 80, nodePort: {node_port}}}]\n"
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: NodePort\n{external_ips}  externalTrafficPolicy: {policy}\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 80, nodePort: {node_port}}}]\n"
         )
     };
     let slice = |name: &str, service: &str, family: &str, endpoints: &[(String, usize)]| {
@@ -129,6 +136,8 @@ fn add_ipv6_underlay(multi: &MultiNode) {
         ],
     );
     run(&["ip", "-n", x, "-6", "addr", "add", &format!("{CLIENT6}/64"), "dev", "eth0", "nodad"]);
+    let via = node_ip6(0).to_string();
+    run(&["ip", "-n", x, "-6", "route", "add", "fd00:192:168:200::/64", "via", &via, "dev", "eth0"]);
 }
 
 struct NorthSouth6 {
@@ -207,6 +216,7 @@ impl NorthSouth6 {
         for node in 0..2 {
             cluster.wait_for_frontend(node, &format!("[{}]:30080", node_ip6(node)), 2);
             cluster.wait_for_frontend(node, &format!("[{}]:30081", node_ip6(node)), 1);
+            cluster.wait_for_frontend(node, &format!("[{EXTERNAL_IP6}]:80"), 2);
             // The agent attaches within its --poll-ms of starting, apart from programming the maps.
             let deadline = Instant::now() + Duration::from_secs(10);
             while std::fs::read_dir(cluster.pins[node].join("links")).map_or(0, |d| d.count()) < 2 {
@@ -256,7 +266,12 @@ impl NorthSouth6 {
     /// `curl -6` from the external client to `/whoami` on `node`'s IPv6 address: `Ok((backend,
     /// source seen by it))`, or curl's error.
     fn whoami6(&self, node: usize, port: u16) -> Result<(IpAddr, IpAddr), String> {
-        let url = format!("http://[{}]:{port}/whoami", node_ip6(node));
+        self.whoami_at(node_ip6(node), port)
+    }
+
+    /// `curl -6` from the external client to `/whoami` on `addr`.
+    fn whoami_at(&self, addr: Ipv6Addr, port: u16) -> Result<(IpAddr, IpAddr), String> {
+        let url = format!("http://[{addr}]:{port}/whoami");
         let out = self.multi.external_exec_output(["curl", "-6", "-sS", "--max-time", "2", &url]).unwrap();
         if !out.status.success() {
             return Err(String::from_utf8_lossy(&out.stderr).into_owned());
@@ -328,4 +343,23 @@ fn external_traffic_policy_local_over_v6_answers_only_where_the_endpoint_is_and_
     assert!(error.contains("timed out") || error.contains("Timeout"), "{error}");
     assert!(cluster.stat(0, "drop_no_local_endpoint") > before, "dropped by the datapath, counted");
     cluster.whoami6(0, 30080).unwrap_or_else(|e| panic!("{e}\n{}", cluster.agent_logs()));
+}
+
+#[test]
+fn a_v6_external_ip_routed_to_a_node_reaches_both_backends() {
+    let cluster = NorthSouth6::start("ns6x");
+    // The client routes the external IP via node 0, which does not hold it: the datapath
+    // translates it before the node routes anything.
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..40 {
+        let (backend, source) =
+            cluster.whoami_at(EXTERNAL_IP6, 80).unwrap_or_else(|e| panic!("{e}\n{}", cluster.agent_logs()));
+        seen.insert(backend, source);
+        if seen.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 2, "only {seen:?} answered");
+    assert_eq!(seen[&IpAddr::V6(WEB_A6)], IpAddr::V6(CLIENT6), "node 0's own pod sees the client");
+    assert_eq!(seen[&IpAddr::V6(WEB_B6)], IpAddr::V6(node_ip6(0)), "node 1's sees node 0 (source NAT)");
 }
