@@ -388,3 +388,63 @@ fn a_10_mb_download_over_v6_through_a_node_port_from_another_node_arrives_intact
     assert_eq!(cluster.stat(0, "fib_lookup_failed"), 0);
     assert!(cluster.stat(0, "snat_reverse") > 100, "the answer came back through node 0's SNAT");
 }
+
+/// Counts what a connection sends until it is shut, then answers the count (over IPv6 and IPv4).
+const SINK_SERVER6: &str = "
+import socket
+server = socket.socket(socket.AF_INET6)
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+server.bind(('::', 9000))
+server.listen(8)
+while True:
+    conn, _ = server.accept()
+    count = 0
+    while True:
+        data = conn.recv(65536)
+        if not data:
+            break
+        count += len(data)
+    conn.sendall(str(count).encode())
+    conn.close()
+";
+
+/// Node 1 reaches web-b over a link with a smaller MTU (1400): it answers the client's 1500-byte
+/// packets — source-NATed by node 0 — with an ICMPv6 packet too big to node 0's address. IPv6
+/// routers never fragment, so unless node 0 passes that on to the client about the client's own
+/// packet, the upload stalls (a path-MTU black hole).
+#[test]
+fn a_v6_client_uploading_through_a_node_port_learns_a_smaller_path_mtu_behind_it() {
+    let cluster = NorthSouth6::start("ns6pmtu");
+    let web_b = &cluster._pods[1];
+    let sink = web_b.spawn(["python3", "-c", SINK_SERVER6]).unwrap();
+    web_b.wait_listening("tcp", 9000, Some(&sink), Duration::from_secs(10)).unwrap();
+    let sink_service = "apiVersion: v1\nkind: Service\nmetadata: {name: sink6, namespace: default}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.63\n  clusterIPs: [10.96.0.63, \"fd00:10:96::63\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{name: sink, port: 9000, protocol: TCP, targetPort: 9000, nodePort: 30090}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: sink6-v6\n  namespace: default\n  labels: {kubernetes.io/service-name: sink6}\naddressType: IPv6\nendpoints:\n- addresses: [\"fd00:10:244:1::11\"]\n  conditions: {ready: true}\n  nodeName: node-1\nports: [{name: sink, port: 9000, protocol: TCP}]\n";
+    std::fs::write(cluster._manifest_dir.0.join("sink6.yaml"), sink_service).unwrap();
+    cluster.wait_for_frontend(0, &format!("[{}]:30090", node_ip6(0)), 1);
+    cluster.multi.node(1).node_exec(["ip", "link", "set", "dev", web_b.host_veth(), "mtu", "1400"]).unwrap();
+
+    let upload = format!(
+        "
+import socket
+s = socket.create_connection(('{}', 30090), timeout=10)
+s.sendall(bytes(300000))
+s.shutdown(socket.SHUT_WR)
+answer = b''
+while True:
+    data = s.recv(64)
+    if not data:
+        break
+    answer += data
+print(answer.decode())
+",
+        node_ip6(0)
+    );
+    let before = cluster.stat(0, "icmp_error_unnat");
+    let out = cluster
+        .multi
+        .external_exec(["python3", "-c", &upload])
+        .unwrap_or_else(|e| panic!("the upload stalled: {e:#}\n{}", cluster.agent_logs()));
+    assert_eq!(out.trim(), "300000", "the sink got every byte");
+    assert!(cluster.stat(0, "icmp_error_unnat") > before, "no packet too big went on to the client");
+}
