@@ -13,15 +13,19 @@
 //!   `CT_FLAG_SNAT` and sent out with the route's MACs (`fib6`); one to a local backend is DNATed
 //!   only and its replies are un-NATed by the external interface's egress (`egress6`).
 //!
+//! - traffic to no frontend passes, unless it reuses the reply tuple of a live translated flow of the
+//!   same client (an outside client reaching a pod's address directly, on a routed pod network):
+//!   its source port is then remapped, as on the pod veths (`ingress6::direct`).
+//!
 //! A chain of its own, as `ingress6`: `run` is not inlined, so its stages never share a call chain
 //! with IPv4's. The packet (`FLOW6_SCRATCH`), a new flow's backend (`CHOICE6_SCRATCH`) and the
-//! route and node address (`EXTERNAL6_SCRATCH`) live in per-CPU maps. Not built (they pass): the
-//! clash check of direct traffic to pod addresses, masquerading of cluster IPs reached from outside
-//! (no IPv6 cluster CIDR yet), ICMPv6 errors about source-NATed flows, source ranges (the agent
-//! programs no IPv6 LB IP that has them; one flagged is dropped), Maglev.
+//! route and node address (`EXTERNAL6_SCRATCH`) live in per-CPU maps. Not built: masquerading of
+//! cluster IPs reached from outside (no IPv6 cluster CIDR yet; they are DNATed, and source-NATed
+//! to a remote backend), source ranges (the agent programs no IPv6 LB IP that has them; one
+//! flagged is dropped), Maglev.
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    conntrack::starts_tcp_flow,
+    conntrack::{Clash, direct_may_clash, starts_tcp_flow},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL,
         SCOPE_INTERNAL, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
@@ -34,7 +38,7 @@ use crate::{
     config, conntrack,
     conntrack6::{self, ReplyTo6},
     fib::{self, ingress_ifindex},
-    fib6, icmp6, lb6,
+    fib6, icmp6, ingress6, lb6,
     maps::{CHOICE6_SCRATCH, EXTERNAL_IFACES_V6, EXTERNAL6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
@@ -60,6 +64,8 @@ enum Step {
     Refuse,
     Established,
     NewFlow,
+    /// A packet to no frontend (a pod's address, on a routed pod network).
+    Direct,
 }
 
 /// What [`classify`] looked up, for the stage that follows: raw pointers, null when absent.
@@ -134,6 +140,16 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, flow),
         Step::Established => established(ctx, flow, &found),
+        // Untouched, unless a translated flow of this client already has its reply tuple: the
+        // client reused a source port for a pod it had reached through a frontend.
+        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
+            Some(Clash::Remap) => {
+                let now = conntrack::now();
+                let port = snat6::remap(flow, &flow.daddr, flow.dport, &flow.saddr, now)?;
+                ingress6::direct(ctx, flow, now, port)
+            }
+            _ => Err(Verdict::pass(Stat::PassNoService)),
+        },
         Step::NewFlow => {
             let choice = CHOICE6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::NoBackend))?;
             // SAFETY: a per-CPU value, used by this program run alone; `classify` set the
@@ -199,6 +215,10 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
             Some(frontend) => (frontend, SCOPE_INTERNAL),
             // A cluster IP routed to the node, on a port the Service does not have.
             None if lb6::is_vip(&flow.daddr) => return Step::Refuse,
+            // Only a packet that may start a flow can clash (UDP, a bare TCP SYN).
+            None if flow.has_l4_header() && direct_may_clash(flow.proto, flow.tcp_flags) => {
+                return Step::Direct;
+            }
             None => return Step::Pass(Stat::PassNoService),
         },
     };

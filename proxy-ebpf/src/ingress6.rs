@@ -237,9 +237,11 @@ fn remapped_source(ctx: &TcContext, flow: &parse6::Flow6, port: [u8; 2]) -> Resu
 
 /// A packet to a pod's own address whose reply tuple a live translated flow of the client has
 /// (`Step::Direct`): recorded as a direct flow (`CT_FLAG_DIRECT`) on the remapped source `port`,
-/// so that its replies get the client's port back and are never un-NATed to the Service.
+/// so that its replies get the client's port back and are never un-NATed to the Service. The
+/// external chain's too (`external6`: an outside client reaching a pod's address directly, on a
+/// routed pod network).
 #[inline(never)]
-fn direct(ctx: &TcContext, flow: &parse6::Flow6, now: u64, port: [u8; 2]) -> Result<Verdict, Verdict> {
+pub fn direct(ctx: &TcContext, flow: &parse6::Flow6, now: u64, port: [u8; 2]) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_FORWARD);
     let pod = BackendV6 { addr: flow.daddr, port: flow.dport, proto: flow.proto, flags: 0 };
     conntrack6::create(flow, &key, &pod, 0, 0, now, ReplyTo6::remap(port, true))?;

@@ -463,3 +463,38 @@ fn packet_too_big_about_a_source_natted_v6_flow_reaches_the_client_about_its_own
         assert_eq!((action, got), (TCX_NEXT, error));
     });
 }
+
+#[test]
+fn a_v6_client_reaching_the_pod_directly_from_the_port_of_its_live_nodeport_flow_is_remapped() {
+    in_private_netns6(|ingress| {
+        let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[LOCAL_BACKEND])]);
+        // client:40004 → NodePort → the local pod, live.
+        let syn = Packet6::tcp(CLIENT, 40004, NODE, 30080, TCP_SYN, b"");
+        assert_eq!(node.external(&syn.frame(NODE_MAC, CLIENT_MAC)).0, TCX_NEXT);
+        // The same client port straight to the pod (a routed pod network): the same reply tuple,
+        // so its source port is remapped, and the pod's answer gets the client's port back.
+        let direct = Packet6::tcp(CLIENT, 40004, LOCAL_BACKEND, 80, TCP_SYN, b"");
+        let (action, out) = node.external(&direct.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TCX_NEXT);
+        let port = source_port(&out);
+        assert!((61000..=65535).contains(&port), "remapped to {port}");
+        assert_eq!(out, Packet6 { sport: port, ..direct.clone() }.frame(NODE_MAC, CLIENT_MAC));
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::PortRemapped), 1);
+
+        let answer = Packet6::tcp(LOCAL_BACKEND, 80, CLIENT, port, TCP_SYN | TCP_ACK, b"");
+        let (action, out) = node.run("kproxy_egress", &answer.frame(CLIENT_MAC, NODE_MAC));
+        assert_eq!(action, TCX_NEXT);
+        let back = Packet6 { dport: 40004, ..answer };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC), "from the pod itself, to the client's own port");
+        // The NodePort flow's answer still comes from the NodePort.
+        let answer = Packet6::tcp(LOCAL_BACKEND, 80, CLIENT, 40004, TCP_SYN | TCP_ACK, b"");
+        let (_, out) = node.run("kproxy_egress", &answer.frame(CLIENT_MAC, NODE_MAC));
+        assert_eq!(out, Packet6 { src: NODE, sport: 30080, ..answer }.frame(CLIENT_MAC, NODE_MAC));
+
+        // Direct traffic that clashes with nothing is untouched.
+        let other = Packet6::tcp(CLIENT, 40005, LOCAL_BACKEND, 80, TCP_SYN, b"");
+        let frame = other.frame(NODE_MAC, CLIENT_MAC);
+        assert_eq!(node.external(&frame), (TCX_NEXT, frame.clone()));
+    });
+}
