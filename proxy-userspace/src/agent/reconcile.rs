@@ -16,6 +16,7 @@ use crate::{
     agent::nodeport::{NodeAddresses, NorthSouthOptions},
     bpf::{self, InterfaceSelector, Maps},
     k8s::api_watch::{Changes, Objects, Pending},
+    k8s::kept,
     k8s::manifest::ManifestError,
     model::{self, Desired, ModelOptions, service_cidrs::ServiceCidrs},
     net::Protocol,
@@ -95,19 +96,36 @@ impl SyncLoop<'_> {
             zone: options.zone.clone().or_else(|| changes.node_zone()),
             ..options.clone()
         };
-        // Reconcile: the objects → the model → the maps.
-        let snapshot = self.last_good.admit(changes.objects(), options);
+        // Reconcile: the objects → the model → the maps. From the API server, an endpoint change
+        // reaches the model as the objects replaced, at their positions: no pass over every object.
+        let replaced = match &self.cache {
+            Some(_) => changes.take_replaced().and_then(|r| self.last_good.admit_replaced(r, options)),
+            None => None,
+        };
         // The cache is taken out for the sync: the desired state is borrowed from it.
         let mut cache = self.cache.take();
         let built;
-        let (desired, model_errors, changed) = match &mut cache {
+        let (desired, model_errors, changed, taken) = match &mut cache {
             Some(cache) => {
-                let update = cache.update(&snapshot.services, &snapshot.slices, options);
-                (update.desired, update.errors.to_vec(), update.changed)
+                let patched =
+                    replaced.as_ref().and_then(|r| cache.update_replaced(&r.services, &r.slices, options));
+                let (changed, taken) = match (patched, replaced) {
+                    (Some(changed), Some(replaced)) => (changed, Taken::counted(replaced.errors, cache)),
+                    _ => {
+                        let snapshot = self.last_good.admit(changes.objects(), options);
+                        let changed = cache.update(&snapshot.services, &snapshot.slices, options).changed;
+                        (changed, Taken::of(snapshot))
+                    }
+                };
+                let (desired, errors) = cache.result();
+                (desired, errors.to_vec(), changed, taken)
             }
             None => {
-                built = model::build_with(&snapshot.services, &snapshot.slices, options);
-                (&built.0, built.1.clone(), None)
+                // Manifests: modelled whole, from the objects as the source keeps them.
+                let snapshot = self.last_good.admit(changes.objects(), options);
+                let (services, slices) = (kept::decoded(&snapshot.services), kept::decoded(&snapshot.slices));
+                built = model::build_with(&services, &slices, options);
+                (&built.0, built.1.clone(), None, Taken::of(snapshot))
             }
         };
         let (service_cidrs, cidr_errors) =
@@ -127,10 +145,10 @@ impl SyncLoop<'_> {
         self.purge_udp_conntrack(&report);
         // Report: logs, metrics, health.
         let finished = SystemTime::now();
-        self.log_new_errors(&snapshot.errors, &model_errors, &report);
+        self.log_new_errors(&taken.errors, &model_errors, &report);
         self.record(&report, pending, started, finished);
         if report.changed() || !report.errors.is_empty() {
-            self.log_summary(&snapshot, desired, &report, started);
+            self.log_summary(&taken, desired, &report, started);
         }
         let health_checks = desired.health_checks.clone();
         self.cache = cache;
@@ -271,10 +289,10 @@ impl SyncLoop<'_> {
         }
     }
 
-    fn log_summary(&self, snapshot: &Objects, desired: &Desired, report: &SyncReport, started: Instant) {
+    fn log_summary(&self, taken: &Taken, desired: &Desired, report: &SyncReport, started: Instant) {
         tracing::info!(
-            services = snapshot.services.len(),
-            endpoint_slices = snapshot.slices.len(),
+            services = taken.services,
+            endpoint_slices = taken.slices,
             frontends = desired.frontends.len(),
             added = report.frontends_added,
             updated = report.frontends_updated,
@@ -286,6 +304,26 @@ impl SyncLoop<'_> {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
+    }
+}
+
+/// What a sync took of the source: its errors (and those of kept last good versions), and how many
+/// objects it holds, for the summary.
+struct Taken {
+    errors: Vec<ManifestError>,
+    services: usize,
+    slices: usize,
+}
+
+impl Taken {
+    fn of(objects: Objects) -> Self {
+        Self { services: objects.services.len(), slices: objects.slices.len(), errors: objects.errors }
+    }
+
+    /// After objects replaced in place: as many as the model's last whole list.
+    fn counted(errors: Vec<ManifestError>, cache: &crate::model::cache::ModelCache) -> Self {
+        let (services, slices) = cache.object_counts();
+        Self { errors, services, slices }
     }
 }
 

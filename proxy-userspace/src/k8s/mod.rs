@@ -5,6 +5,7 @@
 
 pub mod api_endpoint;
 pub mod api_watch;
+pub mod kept;
 pub mod manifest;
 pub mod manifest_watch;
 pub mod time;

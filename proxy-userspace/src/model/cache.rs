@@ -23,29 +23,51 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use super::claims::{Merge, Parts, entry_stats};
 use crate::{
-    k8s::LABEL_SERVICE_NAME,
-    k8s::manifest::{ManifestError, Sourced},
+    k8s::kept::{Kept, decoded},
+    k8s::manifest::ManifestError,
     model::{self, Desired, Frontend, ModelOptions, Scope},
 };
 
 struct Entry {
-    service: Arc<Sourced<Service>>,
-    slices: Vec<Arc<Sourced<EndpointSlice>>>,
+    service: Arc<Kept<Service>>,
+    slices: Vec<Arc<Kept<EndpointSlice>>>,
     parts: Parts,
+}
+
+/// One Service's part of the model, from its objects decoded.
+fn build_parts(
+    service: &Kept<Service>,
+    slices: &[Arc<Kept<EndpointSlice>>],
+    options: &ModelOptions,
+) -> Parts {
+    model::build_parts(&[service.sourced()], &decoded(slices), options)
+}
+
+/// The Service a slice belongs to: its namespace (`default` for none) and its label.
+fn service_of(slice: &Kept<EndpointSlice>) -> Option<(&str, &str)> {
+    Some((slice.namespace().unwrap_or("default"), slice.service_name()?))
+}
+
+/// A Service's namespace and name as its slices' label names it (`default` for no namespace).
+fn service_key<T>(object: &Kept<T>) -> (&str, &str) {
+    (object.namespace().unwrap_or("default"), object.name().unwrap_or_default())
 }
 
 /// Per-Service model results of the last sync, keyed by the identity of the
 /// Service object they were built from.
 #[derive(Default)]
 pub struct ModelCache {
-    entries: HashMap<*const Sourced<Service>, Entry>,
+    entries: HashMap<*const Kept<Service>, Entry>,
     /// The options the entries were built with.
     options: Option<ModelOptions>,
     /// The last result, patched or replaced by the next call.
     last: Option<(Desired, Vec<ManifestError>)>,
     /// The objects of the last call, in order: a replaced slice is found by identity at its position.
-    last_services: Vec<Arc<Sourced<Service>>>,
-    last_slices: Vec<Arc<Sourced<EndpointSlice>>>,
+    last_services: Vec<Arc<Kept<Service>>>,
+    last_slices: Vec<Arc<Kept<EndpointSlice>>>,
+    /// `last_services` is in (namespace, name) order, each once (as from the API server): a slice's
+    /// Service is found by binary search.
+    services_sorted: bool,
     /// Services rebuilt by the last call (for logs and tests).
     pub rebuilt: usize,
 }
@@ -142,8 +164,8 @@ impl ModelCache {
     /// the Services whose objects changed since the last call.
     pub fn build(
         &mut self,
-        services: &[Arc<Sourced<Service>>],
-        slices: &[Arc<Sourced<EndpointSlice>>],
+        services: &[Arc<Kept<Service>>],
+        slices: &[Arc<Kept<EndpointSlice>>],
         options: &ModelOptions,
     ) -> (Desired, Vec<ManifestError>) {
         let update = self.update(services, slices, options);
@@ -154,8 +176,8 @@ impl ModelCache {
     /// some Services' endpoints did.
     pub fn update<'a>(
         &mut self,
-        services: &'a [Arc<Sourced<Service>>],
-        slices: &'a [Arc<Sourced<EndpointSlice>>],
+        services: &'a [Arc<Kept<Service>>],
+        slices: &'a [Arc<Kept<EndpointSlice>>],
         options: &ModelOptions,
     ) -> Update<'_> {
         if self.options.as_ref() != Some(options) {
@@ -189,38 +211,135 @@ impl ModelCache {
         Update { desired, errors, changed }
     }
 
+    /// [`ModelCache::update`] for objects replaced in place, each at its position in the last call's
+    /// lists (the sync loop's [`Replaced`](crate::k8s::api_watch::Replaced), after last good
+    /// versions): the same result ([`ModelCache::result`]), for the work of the Services those slices
+    /// belong to — no pass over every object — and [`Update::changed`]. `None`, having changed
+    /// nothing, when that does not follow from the last call (a Service replaced, a slice renamed or
+    /// moved to another Service, other options): then [`ModelCache::update`] with every object.
+    pub fn update_replaced(
+        &mut self,
+        services: &[(usize, Arc<Kept<Service>>)],
+        slices: &[(usize, Arc<Kept<EndpointSlice>>)],
+        options: &ModelOptions,
+    ) -> Option<Option<Changed>> {
+        if self.options.as_ref() != Some(options) || self.last.is_none() {
+            return None;
+        }
+        let same_at = |list: &[Arc<Kept<Service>>], at: usize, object: &Arc<Kept<Service>>| {
+            list.get(at).is_some_and(|last| Arc::ptr_eq(last, object))
+        };
+        if !services.iter().all(|(at, service)| same_at(&self.last_services, *at, service)) {
+            return None;
+        }
+        // Each replaced slice and the Service entry holding its last version, as in rebuild_in_place.
+        let mut replaced_slices = Vec::new();
+        for (at, new) in slices {
+            let old = self.last_slices.get(*at)?;
+            if Arc::ptr_eq(old, new) {
+                continue;
+            }
+            let service = service_of(new);
+            if new.namespace() != old.namespace() || new.name() != old.name() || service != service_of(old) {
+                return None;
+            }
+            let Some(service) = service else { continue };
+            let Some(holder) = self.service_named(service) else { continue };
+            let key = Arc::as_ptr(holder);
+            if !self.entries.get(&key)?.slices.iter().any(|s| Arc::ptr_eq(s, old)) {
+                return None;
+            }
+            replaced_slices.push((*at, key));
+        }
+        let mut replaced: Vec<(*const Kept<Service>, Parts)> = Vec::new();
+        for &(at, key) in &replaced_slices {
+            let new = &slices.iter().find(|(i, _)| *i == at).expect("listed above").1;
+            let entry = self.entries.get_mut(&key).expect("checked above");
+            for slice in entry.slices.iter_mut().filter(|s| Arc::ptr_eq(s, &self.last_slices[at])) {
+                *slice = Arc::clone(new);
+            }
+            if !replaced.iter().any(|(k, _)| *k == key) {
+                replaced.push((key, Parts::default()));
+            }
+        }
+        for (key, old) in &mut replaced {
+            let entry = self.entries.get_mut(key).expect("checked above");
+            let parts = build_parts(&entry.service, &entry.slices, options);
+            *old = std::mem::replace(&mut entry.parts, parts);
+        }
+        for (at, slice) in slices {
+            self.last_slices[*at] = Arc::clone(slice);
+        }
+        self.rebuilt = replaced.len();
+        let patchable = replaced.iter().all(|(key, old)| same_claims(old, &self.entries[key].parts));
+        let changed = if patchable && let Some((desired, _)) = self.last.as_mut() {
+            let mut changed = Changed::default();
+            for (key, old) in &replaced {
+                patch(desired, old, &self.entries[key].parts, &mut changed);
+            }
+            Some(changed)
+        } else {
+            let mut merge = Merge::default();
+            for service in &self.last_services {
+                merge.add(Cow::Borrowed(&self.entries[&Arc::as_ptr(service)].parts));
+            }
+            self.last = Some(merge.finish());
+            None
+        };
+        Some(changed)
+    }
+
+    /// The result of the last [`ModelCache::update`] or [`ModelCache::update_replaced`] (empty before).
+    pub fn result(&self) -> (&Desired, &[ManifestError]) {
+        static EMPTY: std::sync::LazyLock<Desired> = std::sync::LazyLock::new(Desired::default);
+        match &self.last {
+            Some((desired, errors)) => (desired, errors),
+            None => (&EMPTY, &[]),
+        }
+    }
+
+    /// How many Services and EndpointSlices the last call had.
+    pub fn object_counts(&self) -> (usize, usize) {
+        (self.last_services.len(), self.last_slices.len())
+    }
+
+    /// The last call's Service of this namespace and name.
+    fn service_named(&self, (namespace, name): (&str, &str)) -> Option<&Arc<Kept<Service>>> {
+        if self.services_sorted {
+            let at = self.last_services.binary_search_by(|s| service_key(s).cmp(&(namespace, name))).ok()?;
+            return Some(&self.last_services[at]);
+        }
+        self.last_services.iter().find(|s| service_key(s) == (namespace, name))
+    }
+
     /// Rebuilds the Services whose objects changed, regrouping every slice by its Service: whether the
     /// result may be patched (the same Services as last time), and each rebuilt Service's last parts.
     fn rebuild<'a>(
         &mut self,
-        services: &'a [Arc<Sourced<Service>>],
-        slices: &'a [Arc<Sourced<EndpointSlice>>],
+        services: &'a [Arc<Kept<Service>>],
+        slices: &'a [Arc<Kept<EndpointSlice>>],
         options: &ModelOptions,
-    ) -> (bool, Vec<(*const Sourced<Service>, Parts)>) {
-        let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Sourced<EndpointSlice>>>> = HashMap::new();
+    ) -> (bool, Vec<(*const Kept<Service>, Parts)>) {
+        let mut by_service: HashMap<(&'a str, &'a str), Vec<Arc<Kept<EndpointSlice>>>> = HashMap::new();
         for slice in slices {
-            let meta = &slice.object.metadata;
-            let Some(name) = meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else { continue };
-            let namespace = meta.namespace.as_deref().unwrap_or("default");
-            by_service.entry((namespace, name.as_str())).or_default().push(Arc::clone(slice));
+            let Some(name) = slice.service_name() else { continue };
+            let namespace = slice.namespace().unwrap_or("default");
+            by_service.entry((namespace, name)).or_default().push(Arc::clone(slice));
         }
 
         // Patching needs the same Services as last time, each rebuilt one with its last parts.
         let mut patchable = self.last.is_some() && services.len() == self.entries.len();
-        let mut replaced: Vec<(*const Sourced<Service>, Parts)> = Vec::new();
+        let mut replaced: Vec<(*const Kept<Service>, Parts)> = Vec::new();
         let mut next = HashMap::with_capacity(services.len());
         self.rebuilt = 0;
         for service in services {
-            let meta = &service.object.metadata;
-            let name =
-                (meta.namespace.as_deref().unwrap_or("default"), meta.name.as_deref().unwrap_or_default());
-            let its_slices = by_service.remove(&name).unwrap_or_default();
+            let its_slices = by_service.remove(&service_key(service)).unwrap_or_default();
             let key = Arc::as_ptr(service);
             let entry = match self.entries.remove(&key) {
                 Some(e) if Arc::ptr_eq(&e.service, service) && same(&e.slices, &its_slices) => e,
                 found => {
                     self.rebuilt += 1;
-                    let parts = model::build_parts(std::slice::from_ref(service), &its_slices, options);
+                    let parts = build_parts(service, &its_slices, options);
                     match found {
                         Some(old) if Arc::ptr_eq(&old.service, service) => replaced.push((key, old.parts)),
                         _ => patchable = false,
@@ -231,6 +350,7 @@ impl ModelCache {
             next.insert(key, entry);
         }
         self.entries = next;
+        self.services_sorted = services.windows(2).all(|w| service_key(&w[0]) < service_key(&w[1]));
         self.last_services = services.to_vec();
         self.last_slices = slices.to_vec();
         (patchable, replaced)
@@ -242,10 +362,10 @@ impl ModelCache {
     /// changed nothing, when that is not the case.
     fn rebuild_in_place(
         &mut self,
-        services: &[Arc<Sourced<Service>>],
-        slices: &[Arc<Sourced<EndpointSlice>>],
+        services: &[Arc<Kept<Service>>],
+        slices: &[Arc<Kept<EndpointSlice>>],
         options: &ModelOptions,
-    ) -> Option<Vec<(*const Sourced<Service>, Parts)>> {
+    ) -> Option<Vec<(*const Kept<Service>, Parts)>> {
         if self.last.is_none()
             || services.len() != self.last_services.len()
             || slices.len() != self.last_slices.len()
@@ -253,30 +373,17 @@ impl ModelCache {
         {
             return None;
         }
-        let service_of = |slice: &Sourced<EndpointSlice>| {
-            let meta = &slice.object.metadata;
-            let name = meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME))?;
-            Some((meta.namespace.as_deref().unwrap_or("default").to_owned(), name.clone()))
-        };
         // Each replaced slice and the Service entry holding its last version (none for a slice of no
         // listed Service: it is in no entry, and stays in none).
         let mut replaced_slices = Vec::new();
         for at in (0..slices.len()).filter(|&at| !Arc::ptr_eq(&slices[at], &self.last_slices[at])) {
             let (new, old) = (&slices[at], &self.last_slices[at]);
-            let (new_meta, old_meta) = (&new.object.metadata, &old.object.metadata);
             let service = service_of(new);
-            if new_meta.namespace != old_meta.namespace
-                || new_meta.name != old_meta.name
-                || service != service_of(old)
-            {
+            if new.namespace() != old.namespace() || new.name() != old.name() || service != service_of(old) {
                 return None;
             }
-            let Some((namespace, name)) = service else { continue };
-            let holder = services.iter().find(|s| {
-                let meta = &s.object.metadata;
-                meta.namespace.as_deref().unwrap_or("default") == namespace
-                    && meta.name.as_deref().unwrap_or_default() == name
-            });
+            let Some(service) = service else { continue };
+            let holder = services.iter().find(|s| service_key(s) == service);
             let Some(holder) = holder else { continue };
             let key = Arc::as_ptr(holder);
             if !self.entries.get(&key)?.slices.iter().any(|s| Arc::ptr_eq(s, old)) {
@@ -284,7 +391,7 @@ impl ModelCache {
             }
             replaced_slices.push((at, key));
         }
-        let mut replaced: Vec<(*const Sourced<Service>, Parts)> = Vec::new();
+        let mut replaced: Vec<(*const Kept<Service>, Parts)> = Vec::new();
         for &(at, key) in &replaced_slices {
             let entry = self.entries.get_mut(&key).expect("checked above");
             for slice in entry.slices.iter_mut().filter(|s| Arc::ptr_eq(s, &self.last_slices[at])) {
@@ -296,7 +403,7 @@ impl ModelCache {
         }
         for (key, old) in &mut replaced {
             let entry = self.entries.get_mut(key).expect("checked above");
-            let parts = model::build_parts(std::slice::from_ref(&entry.service), &entry.slices, options);
+            let parts = build_parts(&entry.service, &entry.slices, options);
             *old = std::mem::replace(&mut entry.parts, parts);
         }
         // Every replaced slice is remembered, those of no listed Service too.
@@ -315,7 +422,10 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::{k8s::manifest::parse_str, model::FrontendKind};
+    use crate::{
+        k8s::manifest::{Sourced, parse_str},
+        model::FrontendKind,
+    };
 
     const OBJECTS: &str = "
 apiVersion: v1
@@ -403,15 +513,27 @@ spec:
         texts
     }
 
-    type Shared = (Vec<Arc<Sourced<Service>>>, Vec<Arc<Sourced<EndpointSlice>>>);
+    type Shared = (Vec<Arc<Kept<Service>>>, Vec<Arc<Kept<EndpointSlice>>>);
+
+    fn kept<T: crate::k8s::kept::Slim + serde::Serialize + serde::de::DeserializeOwned>(
+        object: Sourced<T>,
+    ) -> Arc<Kept<T>> {
+        Arc::new(Kept::compact(object.origin, object.object))
+    }
+
+    /// The full model of the same objects.
+    fn full_build(
+        services: &[Arc<Kept<Service>>],
+        slices: &[Arc<Kept<EndpointSlice>>],
+        options: &ModelOptions,
+    ) -> (Desired, Vec<ManifestError>) {
+        model::build_with(&decoded(services), &decoded(slices), options)
+    }
 
     fn objects(text: &str) -> Shared {
         let parsed = parse_str(text, "test.yaml");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        (
-            parsed.services.into_iter().map(Arc::new).collect(),
-            parsed.slices.into_iter().map(Arc::new).collect(),
-        )
+        (parsed.services.into_iter().map(kept).collect(), parsed.slices.into_iter().map(kept).collect())
     }
 
     /// An endpoint change patches the last result in place — the Service's frontends, its health check's
@@ -432,7 +554,7 @@ spec:
         for (i, service) in [(1, "dns"), (2, "shop")] {
             next[i] = Arc::clone(&edited[i]);
             let update = cache.update(&services, &next, &options);
-            let (full, full_errors) = model::build_with(&services, &next, &options);
+            let (full, full_errors) = full_build(&services, &next, &options);
             assert_eq!(update.desired, &full, "{service}");
             assert_eq!(sorted(update.errors), sorted(&full_errors), "{service}");
             let changed = update.changed.expect("patched in place");
@@ -448,10 +570,46 @@ spec:
             "test.yaml",
         );
         let mut with_thief = slices.clone();
-        with_thief.push(Arc::new(thief_slice.slices.into_iter().next().unwrap()));
+        with_thief.push(kept(thief_slice.slices.into_iter().next().unwrap()));
         let update = cache.update(&services, &with_thief, &options);
-        assert_eq!(update.desired, &model::build_with(&services, &with_thief, &options).0);
+        assert_eq!(update.desired, &full_build(&services, &with_thief, &options).0);
         assert_eq!(update.changed.expect("patched in place").frontends, Vec::<usize>::new());
+    }
+
+    /// Slices replaced in place and given by their position alone give what a whole update gives, with
+    /// the Services in key order (as from the API server: found by binary search) or not; a Service
+    /// replaced is not for that path.
+    #[test]
+    fn slices_replaced_at_their_positions_give_what_a_whole_update_gives() {
+        let options = on_node(&["192.168.1.10"]);
+        let (mut services, slices) = objects(OBJECTS);
+        let edited = OBJECTS.replace("10.244.0.21", "10.244.0.22").replace("10.244.2.31", "10.244.2.39");
+        let (edited_services, edited) = objects(&edited);
+        for in_key_order in [false, true] {
+            if in_key_order {
+                services.sort_by(|a, b| service_key(a).cmp(&service_key(b)));
+            }
+            let mut cache = ModelCache::default();
+            let _ = cache.update(&services, &slices, &options);
+            let mut next = slices.clone();
+            for (i, service) in [(1, "dns"), (2, "shop")] {
+                next[i] = Arc::clone(&edited[i]);
+                let changed = cache.update_replaced(&[], &[(i, Arc::clone(&edited[i]))], &options);
+                let changed = changed.expect("replaced in place").expect("patched");
+                let (full, full_errors) = full_build(&services, &next, &options);
+                let (desired, errors) = cache.result();
+                assert_eq!(desired, &full, "{service}, in key order: {in_key_order}");
+                assert_eq!(sorted(errors), sorted(&full_errors));
+                assert!(!changed.frontends.is_empty());
+                assert!(changed.frontends.iter().all(|&at| full.frontends[at].service.name == service));
+                assert_eq!(cache.rebuilt, 1);
+            }
+            let _ = cache.update(&services, &next, &options);
+            assert_eq!(cache.rebuilt, 0, "a whole update after finds nothing left to rebuild");
+            let replaced_service = [(0, Arc::clone(&edited_services[0]))];
+            assert!(cache.update_replaced(&replaced_service, &[], &options).is_none());
+            assert_eq!(cache.result().0, &full_build(&services, &next, &options).0, "unchanged");
+        }
     }
 
     #[test]
@@ -460,7 +618,7 @@ spec:
         let options = on_node(&["192.168.1.10", "10.0.0.5"]);
         let mut cache = ModelCache::default();
         let (desired, errors) = cache.build(&services, &slices, &options);
-        let (full, full_errors) = model::build_with(&services, &slices, &options);
+        let (full, full_errors) = full_build(&services, &slices, &options);
         assert_eq!(desired, full);
         assert_eq!(sorted(&errors), sorted(&full_errors));
         assert!(errors.iter().any(|e| e.to_string().contains("already used by Service default/web")));
@@ -489,12 +647,12 @@ spec:
         slices2[1] = Arc::clone(&changed[1]);
         let (desired, _) = cache.build(&services, &slices2, &options);
         assert_eq!(cache.rebuilt, 1);
-        assert_eq!(desired, model::build_with(&services, &slices2, &options).0);
+        assert_eq!(desired, full_build(&services, &slices2, &options).0);
 
         // A Service goes away: its frontends go; the thief does not get the VIP
         // because web still owns it.
         let (desired, _) = cache.build(&services[1..], &slices2, &options);
-        assert_eq!(desired, model::build_with(&services[1..], &slices2, &options).0);
+        assert_eq!(desired, full_build(&services[1..], &slices2, &options).0);
         assert_eq!(cache.rebuilt, 0);
 
         // Other options (node addresses, node name) invalidate everything.
@@ -503,7 +661,7 @@ spec:
         {
             let (desired, errors) = cache.build(&services, &slices2, &options);
             assert_eq!(cache.rebuilt, services.len());
-            let (full, full_errors) = model::build_with(&services, &slices2, &options);
+            let (full, full_errors) = full_build(&services, &slices2, &options);
             assert_eq!(desired, full);
             assert_eq!(sorted(&errors), sorted(&full_errors));
         }

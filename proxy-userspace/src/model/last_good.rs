@@ -14,7 +14,8 @@ use std::{collections::HashMap, sync::Arc};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
-    k8s::api_watch::Objects,
+    k8s::api_watch::{Objects, Replaced},
+    k8s::kept::Kept,
     k8s::manifest::{ManifestError, Sourced},
     model::{self, ModelOptions},
 };
@@ -22,9 +23,9 @@ use crate::{
 /// The decision about one object, kept until its version changes.
 struct Decision<T> {
     /// The version last seen.
-    seen: Arc<Sourced<T>>,
+    seen: Arc<Kept<T>>,
     /// The version to program: `seen` when valid (or never seen valid), else the last valid one.
-    programmed: Arc<Sourced<T>>,
+    programmed: Arc<Kept<T>>,
     /// Why `seen` is not programmed (empty when it is).
     kept: Vec<ManifestError>,
     /// `programmed` passed validation (false for an object never seen valid).
@@ -39,8 +40,8 @@ pub struct LastGood {
     options: Option<ModelOptions>,
 }
 
-fn key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
-    (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
+fn key<T>(object: &Kept<T>) -> (String, String) {
+    (object.namespace().unwrap_or_default().to_owned(), object.name().unwrap_or_default().to_owned())
 }
 
 /// The decisions about one kind, and the objects of the last call in their order: the sources hand
@@ -53,23 +54,25 @@ struct KindState<T> {
     last: Vec<Admitted<T>>,
     /// The last call had two objects of the same name (manifests): the next one decides afresh.
     last_had_duplicates: bool,
+    /// How many of `last` keep an older version (with its error): none, and no error is looked for.
+    kept: usize,
 }
 
 impl<T> Default for KindState<T> {
     fn default() -> Self {
-        Self { decisions: HashMap::new(), last: Vec::new(), last_had_duplicates: false }
+        Self { decisions: HashMap::new(), last: Vec::new(), last_had_duplicates: false, kept: 0 }
     }
 }
 
 /// One object of the last call: as given, what was programmed for it, and why that differs.
 struct Admitted<T> {
-    given: Arc<Sourced<T>>,
-    programmed: Arc<Sourced<T>>,
+    given: Arc<Kept<T>>,
+    programmed: Arc<Kept<T>>,
     kept: Vec<ManifestError>,
 }
 
 impl<T> Admitted<T> {
-    fn of(given: &Arc<Sourced<T>>, decision: &Decision<T>) -> Self {
+    fn of(given: &Arc<Kept<T>>, decision: &Decision<T>) -> Self {
         Self {
             given: Arc::clone(given),
             programmed: Arc::clone(&decision.programmed),
@@ -78,16 +81,14 @@ impl<T> Admitted<T> {
     }
 }
 
-type Meta<T> = fn(&T) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
 /// The decision for `object`, given the one kept for its name (if any).
 fn decide<T>(
-    object: &Arc<Sourced<T>>,
+    object: &Arc<Kept<T>>,
     last: Option<Decision<T>>,
-    problems: &impl Fn(&Sourced<T>) -> Vec<ManifestError>,
+    problems: &impl Fn(&Kept<T>) -> Vec<ManifestError>,
 ) -> Decision<T> {
     match last {
-        Some(decision) if Arc::ptr_eq(&decision.seen, object) => decision,
+        Some(decision) if Kept::same(&decision.seen, object) => decision,
         last => {
             let found = problems(object);
             match last.filter(|last| last.valid && !found.is_empty()) {
@@ -119,65 +120,102 @@ impl<T> KindState<T> {
     /// Decides for each object of one kind; `problems` validates one version.
     fn admit(
         &mut self,
-        objects: Vec<Arc<Sourced<T>>>,
-        meta: Meta<T>,
-        problems: impl Fn(&Sourced<T>) -> Vec<ManifestError>,
+        objects: Vec<Arc<Kept<T>>>,
+        problems: impl Fn(&Kept<T>) -> Vec<ManifestError>,
         errors: &mut Vec<ManifestError>,
-    ) -> Vec<Arc<Sourced<T>>> {
-        if !self.admit_in_place(&objects, meta, &problems) {
-            self.admit_all(&objects, meta, &problems);
+    ) -> Vec<Arc<Kept<T>>> {
+        if !self.admit_in_place(&objects, &problems) {
+            self.admit_all(&objects, &problems);
         }
-        let mut out = Vec::with_capacity(self.last.len());
-        for admitted in &self.last {
-            out.push(Arc::clone(&admitted.programmed));
-            errors.extend(admitted.kept.iter().cloned());
+        self.kept_errors(errors);
+        self.last.iter().map(|admitted| Arc::clone(&admitted.programmed)).collect()
+    }
+
+    /// Why the objects that keep an older version do.
+    fn kept_errors(&self, errors: &mut Vec<ManifestError>) {
+        if self.kept > 0 {
+            errors.extend(self.last.iter().flat_map(|admitted| admitted.kept.iter().cloned()));
         }
-        out
+    }
+
+    /// Decides for the objects replaced at these positions of the last call's list: what to program
+    /// at each. `None` when the positions are not the last call's (having decided some of them, which
+    /// a whole admit decides the same way again).
+    fn admit_replaced(
+        &mut self,
+        replaced: Vec<(usize, Arc<Kept<T>>)>,
+        problems: impl Fn(&Kept<T>) -> Vec<ManifestError>,
+        errors: &mut Vec<ManifestError>,
+    ) -> Option<Vec<(usize, Arc<Kept<T>>)>> {
+        if self.last_had_duplicates {
+            return None;
+        }
+        let mut out = Vec::with_capacity(replaced.len());
+        for (i, object) in replaced {
+            let last = self.last.get(i)?;
+            if object.namespace() != last.given.namespace() || object.name() != last.given.name() {
+                return None;
+            }
+            self.replace(i, &object, &problems);
+            out.push((i, Arc::clone(&self.last[i].programmed)));
+        }
+        self.kept_errors(errors);
+        Some(out)
+    }
+
+    /// Decides again for the object now at position `i` of the last call's list (the same name).
+    fn replace(
+        &mut self,
+        i: usize,
+        object: &Arc<Kept<T>>,
+        problems: &impl Fn(&Kept<T>) -> Vec<ManifestError>,
+    ) {
+        let k = key(object);
+        let decision = decide(object, self.decisions.remove(&k), problems);
+        let admitted = Admitted::of(object, &decision);
+        self.kept =
+            self.kept + usize::from(!admitted.kept.is_empty()) - usize::from(!self.last[i].kept.is_empty());
+        self.last[i] = admitted;
+        self.decisions.insert(k, decision);
     }
 
     /// The common case: the same names at the same positions as last time, some objects replaced.
     /// Returns false (having changed nothing) when that is not the case.
     fn admit_in_place(
         &mut self,
-        objects: &[Arc<Sourced<T>>],
-        meta: Meta<T>,
-        problems: &impl Fn(&Sourced<T>) -> Vec<ManifestError>,
+        objects: &[Arc<Kept<T>>],
+        problems: &impl Fn(&Kept<T>) -> Vec<ManifestError>,
     ) -> bool {
         if self.last_had_duplicates || objects.len() != self.last.len() {
             return false;
         }
         let replaced: Vec<usize> =
-            (0..objects.len()).filter(|&i| !Arc::ptr_eq(&objects[i], &self.last[i].given)).collect();
+            (0..objects.len()).filter(|&i| !Kept::same(&objects[i], &self.last[i].given)).collect();
         let same_names = replaced.iter().all(|&i| {
-            let (new, old) = (&meta(&objects[i].object), &meta(&self.last[i].given.object));
-            new.namespace == old.namespace && new.name == old.name
+            let (new, old) = (&objects[i], &self.last[i].given);
+            new.namespace() == old.namespace() && new.name() == old.name()
         });
         if !same_names {
             return false;
         }
         for i in replaced {
-            let k = key(meta(&objects[i].object));
-            let decision = decide(&objects[i], self.decisions.remove(&k), problems);
-            self.last[i] = Admitted::of(&objects[i], &decision);
-            self.decisions.insert(k, decision);
+            self.replace(i, &objects[i], problems);
         }
         true
     }
 
     /// Decides every object again from its name, forgetting the names that are gone.
-    fn admit_all(
-        &mut self,
-        objects: &[Arc<Sourced<T>>],
-        meta: Meta<T>,
-        problems: &impl Fn(&Sourced<T>) -> Vec<ManifestError>,
-    ) {
+    fn admit_all(&mut self, objects: &[Arc<Kept<T>>], problems: &impl Fn(&Kept<T>) -> Vec<ManifestError>) {
         let mut previous = std::mem::take(&mut self.decisions);
         self.last.clear();
         self.last_had_duplicates = false;
+        self.kept = 0;
         for object in objects {
-            let k = key(meta(&object.object));
+            let k = key(object);
             let decision = decide(object, previous.remove(&k), problems);
-            self.last.push(Admitted::of(object, &decision));
+            let admitted = Admitted::of(object, &decision);
+            self.kept += usize::from(!admitted.kept.is_empty());
+            self.last.push(admitted);
             if self.decisions.contains_key(&k) {
                 // The same name twice (manifests): the model reports it; no decision is kept for either.
                 self.last_had_duplicates = true;
@@ -194,11 +232,19 @@ impl LastGood {
     pub fn admit(&mut self, objects: Objects, options: &ModelOptions) -> Objects {
         if self.options.as_ref() != Some(options) {
             // Validity depends on the options: decide again, but keep the last valid versions.
+            let unseen = Arc::new(Kept::whole(Arc::new(Sourced {
+                origin: String::new(),
+                object: Service::default(),
+            })));
             for decision in self.services.decisions.values_mut() {
-                decision.seen = Arc::new(Sourced { origin: String::new(), object: Service::default() });
+                decision.seen = Arc::clone(&unseen);
             }
+            let unseen = Arc::new(Kept::whole(Arc::new(Sourced {
+                origin: String::new(),
+                object: EndpointSlice::default(),
+            })));
             for decision in self.slices.decisions.values_mut() {
-                decision.seen = Arc::new(Sourced { origin: String::new(), object: EndpointSlice::default() });
+                decision.seen = Arc::clone(&unseen);
             }
             // Every object is decided again.
             self.services.last.clear();
@@ -206,19 +252,33 @@ impl LastGood {
             self.options = Some(options.clone());
         }
         let Objects { services, slices, mut errors } = objects;
-        let services = self.services.admit(
-            services,
-            |s: &Service| &s.metadata,
-            |s| model::service_problems(s, options),
-            &mut errors,
-        );
-        let slices = self.slices.admit(
-            slices,
-            |s: &EndpointSlice| &s.metadata,
-            |s| model::slice_problems(s, options),
-            &mut errors,
-        );
+        // Validated decoded, only when they changed.
+        let services =
+            self.services.admit(services, |s| model::service_problems(&s.sourced(), options), &mut errors);
+        let slices = self.slices.admit(slices, |s| model::slice_problems(&s.sourced(), options), &mut errors);
         Objects { services, slices, errors }
+    }
+
+    /// [`LastGood::admit`] for objects replaced in place at their positions of the last call's lists
+    /// (see [`Changes::take_replaced`](crate::k8s::api_watch::Changes::take_replaced)): what to
+    /// program at each position, and every error about a kept version. `None` when that does not
+    /// follow from the last call (other options, other positions): then admit the objects whole.
+    pub fn admit_replaced(&mut self, replaced: Replaced, options: &ModelOptions) -> Option<Replaced> {
+        if self.options.as_ref() != Some(options) {
+            return None;
+        }
+        let Replaced { services, slices, mut errors } = replaced;
+        let services = self.services.admit_replaced(
+            services,
+            |s| model::service_problems(&s.sourced(), options),
+            &mut errors,
+        )?;
+        let slices = self.slices.admit_replaced(
+            slices,
+            |s| model::slice_problems(&s.sourced(), options),
+            &mut errors,
+        )?;
+        Some(Replaced { services, slices, errors })
     }
 }
 
@@ -231,8 +291,12 @@ mod tests {
         let parsed = manifest::parse_str(text, "test.yaml");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
         Objects {
-            services: parsed.services.into_iter().map(Arc::new).collect(),
-            slices: parsed.slices.into_iter().map(Arc::new).collect(),
+            services: parsed
+                .services
+                .into_iter()
+                .map(|s| Arc::new(Kept::compact(s.origin, s.object)))
+                .collect(),
+            slices: parsed.slices.into_iter().map(|s| Arc::new(Kept::compact(s.origin, s.object))).collect(),
             errors: Vec::new(),
         }
     }
@@ -245,7 +309,7 @@ mod tests {
     }
 
     fn port_of(objects: &Objects) -> i32 {
-        objects.services[0].object.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port
+        objects.services[0].sourced().object.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port
     }
 
     #[test]
@@ -259,7 +323,7 @@ mod tests {
         // A port out of range and an address that is not one: both keep their last good version.
         let admitted = last_good.admit(objects(&web("70000", "10.244.0.300")), &options);
         assert_eq!(port_of(&admitted), 80);
-        assert_eq!(admitted.slices[0].object.endpoints[0].addresses, ["10.244.0.11"]);
+        assert_eq!(admitted.slices[0].sourced().object.endpoints[0].addresses, ["10.244.0.11"]);
         let errors: Vec<String> = admitted.errors.iter().map(ToString::to_string).collect();
         assert_eq!(errors.len(), 2, "{errors:#?}");
         assert!(
@@ -276,7 +340,7 @@ mod tests {
         let admitted = last_good.admit(objects(&web("8080", "10.244.0.12")), &options);
         assert!(admitted.errors.is_empty());
         assert_eq!(port_of(&admitted), 8080);
-        assert_eq!(admitted.slices[0].object.endpoints[0].addresses, ["10.244.0.12"]);
+        assert_eq!(admitted.slices[0].sourced().object.endpoints[0].addresses, ["10.244.0.12"]);
     }
 
     #[test]
@@ -309,6 +373,18 @@ mod tests {
         let again = Objects { services: services.clone(), slices: vec![], errors: vec![] };
         let admitted = last_good.admit(again, &options);
         assert!(Arc::ptr_eq(&admitted.services[0], &services[0]));
+
+        // From manifests each snapshot wraps the objects anew: the object inside is what counts.
+        let parsed = manifest::parse_str(&web("80", "10.244.0.11"), "test.yaml");
+        let inner = Arc::new(parsed.services.into_iter().next().unwrap());
+        let wrapped = || Objects {
+            services: vec![Arc::new(Kept::whole(Arc::clone(&inner)))],
+            slices: vec![],
+            errors: vec![],
+        };
+        let first = last_good.admit(wrapped(), &options);
+        let again = last_good.admit(wrapped(), &options);
+        assert!(Arc::ptr_eq(&again.services[0], &first.services[0]), "decided once");
     }
 
     /// The fast path (objects at the same positions, one replaced) decides exactly as deciding every
@@ -334,10 +410,51 @@ mod tests {
         let again = last_good.admit(next, &options);
         assert_eq!(port_of(&again), 80, "still the last good version");
         assert_eq!(again.errors.len(), 1, "its error is still reported: {:?}", again.errors);
-        assert_eq!(again.slices[0].object.endpoints[0].addresses, ["10.244.0.12"]);
+        assert_eq!(again.slices[0].sourced().object.endpoints[0].addresses, ["10.244.0.12"]);
     }
 
-    fn bad_services(last_good: &LastGood) -> Vec<Arc<Sourced<Service>>> {
+    /// Objects replaced at their positions are decided as a whole admit decides them: the last good
+    /// version stays, with its error; other options or positions are not for that path.
+    #[test]
+    fn objects_replaced_at_their_positions_are_decided_as_a_whole_admit_decides() {
+        let options = ModelOptions::default();
+        let mut last_good = LastGood::default();
+        let _ = last_good.admit(objects(&web("80", "10.244.0.11")), &options);
+        let bad = objects(&web("70000", "10.244.0.300"));
+        let at_zero = |objects: &Objects| Replaced {
+            services: vec![(0, Arc::clone(&objects.services[0]))],
+            slices: vec![(0, Arc::clone(&objects.slices[0]))],
+            errors: Vec::new(),
+        };
+        let admitted = last_good.admit_replaced(at_zero(&bad), &options).expect("the same positions");
+        let port = |service: &Arc<Kept<Service>>| {
+            service.sourced().object.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port
+        };
+        assert_eq!((admitted.services[0].0, port(&admitted.services[0].1)), (0, 80), "the last good version");
+        assert_eq!(admitted.slices[0].1.sourced().object.endpoints[0].addresses, ["10.244.0.11"]);
+        assert_eq!(admitted.errors.len(), 2, "{:?}", admitted.errors);
+        let whole = last_good.admit(
+            Objects { services: bad.services.clone(), slices: bad.slices.clone(), errors: Vec::new() },
+            &options,
+        );
+        assert!(Arc::ptr_eq(&whole.services[0], &admitted.services[0].1));
+        assert_eq!(whole.errors, admitted.errors);
+        // Still reported while the bad version stays, with nothing replaced.
+        let nothing = Replaced { services: vec![], slices: vec![], errors: vec![] };
+        assert_eq!(last_good.admit_replaced(nothing, &options).unwrap().errors.len(), 2);
+
+        let fixed = objects(&web("81", "10.244.0.12"));
+        let admitted = last_good.admit_replaced(at_zero(&fixed), &options).unwrap();
+        assert_eq!(port(&admitted.services[0].1), 81);
+        assert!(admitted.errors.is_empty());
+        let elsewhere =
+            Replaced { services: vec![(3, Arc::clone(&fixed.services[0]))], slices: vec![], errors: vec![] };
+        assert!(last_good.admit_replaced(elsewhere, &options).is_none(), "a position the last call had not");
+        let other = ModelOptions { node_name: Some("worker-1".into()), ..Default::default() };
+        assert!(last_good.admit_replaced(at_zero(&fixed), &other).is_none(), "other options");
+    }
+
+    fn bad_services(last_good: &LastGood) -> Vec<Arc<Kept<Service>>> {
         last_good.services.last.iter().map(|a| Arc::clone(&a.given)).collect()
     }
 }

@@ -139,7 +139,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::k8s::manifest::{Sourced, parse_str};
+    use crate::k8s::kept::{Kept, decoded};
+    use crate::k8s::manifest::parse_str;
     use crate::model::{ModelOptions, cache::ModelCache};
     use crate::sync::mem_store::MemStore;
 
@@ -161,7 +162,7 @@ spec:
   ports: [{name: http, port: 80, protocol: TCP}]
 ";
 
-    fn slice(service: &str, endpoints: &str) -> Arc<Sourced<k8s_openapi::api::discovery::v1::EndpointSlice>> {
+    fn slice(service: &str, endpoints: &str) -> Arc<Kept<k8s_openapi::api::discovery::v1::EndpointSlice>> {
         let text = format!(
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {service}-1, namespace: default, \
              labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nendpoints: [{endpoints}]\n\
@@ -169,7 +170,8 @@ spec:
         );
         let parsed = parse_str(&text, "test.yaml");
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        Arc::new(parsed.slices.into_iter().next().unwrap())
+        let slice = parsed.slices.into_iter().next().unwrap();
+        Arc::new(Kept::compact(slice.origin, slice.object))
     }
 
     const TERMINATING: &str = "conditions: {ready: false, serving: true, terminating: true}";
@@ -189,7 +191,8 @@ spec:
         let options =
             ModelOptions { node_addresses: vec!["192.168.1.10".parse().unwrap()], ..Default::default() };
         let parsed = parse_str(SERVICES, "test.yaml");
-        let services: Vec<_> = parsed.services.into_iter().map(Arc::new).collect();
+        let services: Vec<_> =
+            parsed.services.into_iter().map(|s| Arc::new(Kept::compact(s.origin, s.object))).collect();
         let shared = format!("{{addresses: [10.244.0.11], {TERMINATING}}}");
         let mut slices = vec![
             slice("web", "{addresses: [10.244.0.11]}, {addresses: [10.244.0.12]}"),
@@ -218,7 +221,7 @@ spec:
             slices[*which] = slice(["web", "api"][*which], endpoints);
             let update = cache.update(&services, &slices, &options);
             let changed = update.changed.clone().expect("an endpoint change is patched in place");
-            let (desired, _) = crate::model::build_with(&services, &slices, &options);
+            let (desired, _) = crate::model::build_with(&decoded(&services), &decoded(&slices), &options);
             assert_eq!(update.desired, &desired, "step {i}: the patched state is the full model's");
             let report = alone.apply_changed(update.desired, &changed).expect("in step");
             let expected = full.apply(update.desired);

@@ -12,6 +12,7 @@ use kube::ResourceExt as _;
 use tokio::sync::Notify;
 
 use super::{QueueObserver, WatchObserver};
+use crate::k8s::kept::{IntoKept, Kept};
 use crate::k8s::manifest::{ManifestError, Sourced};
 use crate::k8s::time::parse_rfc3339;
 
@@ -23,11 +24,138 @@ const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigg
 /// [`Snapshot::services`] hands them to the model in that order.
 pub type ObjectKey = (String, String, u32);
 
+/// One kind's objects as last seen, by key. `insert` takes them kept compactly (the API server's) or
+/// whole (the manifests', shared with that source). Each object keeps its position in the last list
+/// the sync loop took ([`Changes::objects`]), and the map notes which keys were replaced in place
+/// since, so that an endpoint change reaches the sync loop as that one object at its position
+/// ([`Changes::take_replaced`]) rather than as every object again.
+pub struct ObjectMap<T> {
+    objects: BTreeMap<ObjectKey, Slot<T>>,
+    /// Keys replaced in place since the last take.
+    replaced: Vec<ObjectKey>,
+    /// Keys came or went since the last whole take (or none was taken yet): positions moved.
+    moved: bool,
+}
+
+struct Slot<T> {
+    object: Arc<Kept<T>>,
+    /// Position in the last whole list taken (meaningless while the map has `moved`).
+    position: usize,
+}
+
+impl<T> Clone for Slot<T> {
+    fn clone(&self) -> Self {
+        Self { object: Arc::clone(&self.object), position: self.position }
+    }
+}
+
+impl<T> Default for ObjectMap<T> {
+    fn default() -> Self {
+        Self { objects: BTreeMap::new(), replaced: Vec::new(), moved: true }
+    }
+}
+
+impl<T> Clone for ObjectMap<T> {
+    fn clone(&self) -> Self {
+        Self { objects: self.objects.clone(), replaced: self.replaced.clone(), moved: self.moved }
+    }
+}
+
+impl<T> ObjectMap<T> {
+    pub fn insert(&mut self, key: ObjectKey, object: impl IntoKept<T>) -> Option<Arc<Kept<T>>> {
+        let object = object.into_kept();
+        match self.objects.get_mut(&key) {
+            Some(slot) => {
+                self.replaced.push(key);
+                Some(std::mem::replace(&mut slot.object, object))
+            }
+            None => {
+                self.moved = true;
+                self.objects.insert(key, Slot { object, position: usize::MAX });
+                None
+            }
+        }
+    }
+
+    pub fn remove(&mut self, key: &ObjectKey) -> Option<Arc<Kept<T>>> {
+        let removed = self.objects.remove(key)?;
+        self.moved = true;
+        Some(removed.object)
+    }
+
+    pub fn clear(&mut self) {
+        self.objects.clear();
+        self.moved = true;
+    }
+
+    pub fn len(&self) -> usize {
+        self.objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty()
+    }
+
+    pub fn get(&self, key: &ObjectKey) -> Option<&Arc<Kept<T>>> {
+        self.objects.get(key).map(|slot| &slot.object)
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Arc<Kept<T>>> {
+        self.objects.values().map(|slot| &slot.object)
+    }
+
+    /// The objects in the order the model resolves their claims in (see [`Snapshot::services`]).
+    fn in_claim_order(&self) -> Vec<(&ObjectKey, &Arc<Kept<T>>)> {
+        let mut ordered: Vec<(&ObjectKey, &Arc<Kept<T>>)> =
+            self.objects.iter().map(|(key, slot)| (key, &slot.object)).collect();
+        // Stable: equal disambiguators stay in key order.
+        ordered.sort_by_key(|(key, _)| key.2);
+        ordered
+    }
+
+    /// Every object in claim order, each remembering its position there; nothing is pending after.
+    fn take_all(&mut self) -> Vec<Arc<Kept<T>>> {
+        // Claim position of each object in key order (the key order itself from the API server).
+        let mut by_claim: Vec<(u32, usize)> =
+            self.objects.keys().enumerate().map(|(at, key)| (key.2, at)).collect();
+        by_claim.sort_by_key(|&(disambiguator, _)| disambiguator);
+        let mut positions = vec![0; by_claim.len()];
+        for (position, &(_, at)) in by_claim.iter().enumerate() {
+            positions[at] = position;
+        }
+        let mut all: Vec<Option<Arc<Kept<T>>>> = vec![None; positions.len()];
+        for (slot, &position) in self.objects.values_mut().zip(&positions) {
+            slot.position = position;
+            all[position] = Some(Arc::clone(&slot.object));
+        }
+        self.replaced.clear();
+        self.moved = false;
+        all.into_iter().map(|object| object.expect("every position taken once")).collect()
+    }
+
+    /// The objects replaced in place since the last take, at their positions; `None` when keys came
+    /// or went (then only a whole take says what the sync loop should hold).
+    fn take_replaced(&mut self) -> Option<Vec<(usize, Arc<Kept<T>>)>> {
+        if self.moved {
+            return None;
+        }
+        self.replaced.sort();
+        self.replaced.dedup();
+        let replaced = self
+            .replaced
+            .drain(..)
+            .filter_map(|key| self.objects.get(&key))
+            .map(|slot| (slot.position, Arc::clone(&slot.object)))
+            .collect();
+        Some(replaced)
+    }
+}
+
 /// Objects as last seen.
 #[derive(Default, Clone)]
 pub struct Snapshot {
-    pub services: BTreeMap<ObjectKey, Arc<Sourced<Service>>>,
-    pub slices: BTreeMap<ObjectKey, Arc<Sourced<EndpointSlice>>>,
+    pub services: ObjectMap<Service>,
+    pub slices: ObjectMap<EndpointSlice>,
     /// ServiceCIDRs (cluster-scoped: an empty namespace), for the drop of unallocated service addresses.
     pub service_cidrs: BTreeMap<ObjectKey, Arc<Sourced<ServiceCIDR>>>,
     /// Errors of the source itself (unreadable files, unparsable documents).
@@ -35,31 +163,32 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The objects, shared with the snapshot (no deep copy), in the order the
-    /// model resolves their claims in (the first to claim an address keeps
-    /// it): by the key's disambiguator, then by namespace and name. From the
-    /// manifests source an address thus stays with the Service that held it
-    /// while a newcomer claims it; from the API server this is key order.
+    /// The objects, decoded, in the order the model resolves their claims in (the first to claim an
+    /// address keeps it): by the key's disambiguator, then by namespace and name. From the manifests
+    /// source an address thus stays with the Service that held it while a newcomer claims it; from
+    /// the API server this is key order.
     pub fn services(&self) -> Vec<Arc<Sourced<Service>>> {
-        in_claim_order(&self.services)
+        self.services.in_claim_order().into_iter().map(|(_, object)| object.sourced()).collect()
     }
 
     pub fn slices(&self) -> Vec<Arc<Sourced<EndpointSlice>>> {
-        in_claim_order(&self.slices)
+        self.slices.in_claim_order().into_iter().map(|(_, object)| object.sourced()).collect()
     }
 }
 
-fn in_claim_order<T>(objects: &BTreeMap<ObjectKey, Arc<T>>) -> Vec<Arc<T>> {
-    let mut ordered: Vec<(&ObjectKey, &Arc<T>)> = objects.iter().collect();
-    // Stable: equal disambiguators stay in key order.
-    ordered.sort_by_key(|(key, _)| key.2);
-    ordered.into_iter().map(|(_, object)| Arc::clone(object)).collect()
+/// The objects a sync reads, shared with the snapshot, in claim order (see [`Snapshot::services`]).
+pub struct Objects {
+    pub services: Vec<Arc<Kept<Service>>>,
+    pub slices: Vec<Arc<Kept<EndpointSlice>>>,
+    pub errors: Vec<ManifestError>,
 }
 
-/// The objects a sync reads.
-pub struct Objects {
-    pub services: Vec<Arc<Sourced<Service>>>,
-    pub slices: Vec<Arc<Sourced<EndpointSlice>>>,
+/// What changed since the sync loop last took the objects, when only objects were replaced in place:
+/// each at its position in the [`Objects`] taken then (see [`Changes::take_replaced`]).
+pub struct Replaced {
+    pub services: Vec<(usize, Arc<Kept<Service>>)>,
+    pub slices: Vec<(usize, Arc<Kept<EndpointSlice>>)>,
+    /// The source's errors, as [`Objects::errors`].
     pub errors: Vec<ManifestError>,
 }
 
@@ -108,8 +237,22 @@ impl Changes {
     /// The objects and source errors as shared handles: what a sync needs,
     /// without copying the keys or the objects.
     pub fn objects(&self) -> Objects {
-        let snapshot = self.snapshot.lock().expect("poisoned");
-        Objects { services: snapshot.services(), slices: snapshot.slices(), errors: snapshot.errors.clone() }
+        let mut snapshot = self.snapshot.lock().expect("poisoned");
+        let (services, slices) = (snapshot.services.take_all(), snapshot.slices.take_all());
+        Objects { services, slices, errors: snapshot.errors.clone() }
+    }
+
+    /// The objects replaced in place since the last [`Changes::objects`] or `take_replaced`, at their
+    /// positions in what that call returned: an endpoint change costs the sync loop that one object.
+    /// `None`, taking nothing, when objects came or went since (then [`Changes::objects`] is the way).
+    pub fn take_replaced(&self) -> Option<Replaced> {
+        let mut snapshot = self.snapshot.lock().expect("poisoned");
+        if snapshot.services.moved || snapshot.slices.moved {
+            return None;
+        }
+        let services = snapshot.services.take_replaced()?;
+        let slices = snapshot.slices.take_replaced()?;
+        Some(Replaced { services, slices, errors: snapshot.errors.clone() })
     }
 
     /// The ServiceCIDR objects as last seen, in key order.
@@ -235,21 +378,93 @@ impl Kinded {
         }
     }
 
-    pub(super) fn store(self, snapshot: &mut Snapshot, k: ObjectKey) {
+    /// The object as the snapshot keeps it: without what the model never reads, encoded (see
+    /// [`Kept`]). Done before the snapshot is locked.
+    pub(super) fn kept(self) -> KeptKind {
         match self {
-            Kinded::Service(mut object) => {
-                object.metadata.managed_fields = None;
+            Kinded::Service(object) => {
                 let origin = origin("Service", object.resource_version());
-                snapshot.services.insert(k, Arc::new(Sourced { origin, object: *object }));
+                KeptKind::Service(Arc::new(Kept::compact(origin, *object)))
             }
-            Kinded::Slice(mut object) => {
-                object.metadata.managed_fields = None;
-                // Kept until the slice changes: without the spare room a decoded list leaves (an
-                // endpoint is some 300 bytes, and 3 endpoints were decoded into room for 4).
-                object.endpoints.shrink_to_fit();
+            Kinded::Slice(object) => {
                 let origin = origin("EndpointSlice", object.resource_version());
-                snapshot.slices.insert(k, Arc::new(Sourced { origin, object: *object }));
+                KeptKind::Slice(Arc::new(Kept::compact(origin, *object)))
             }
         }
+    }
+}
+
+/// A watched object as the snapshot keeps it.
+pub(super) enum KeptKind {
+    Service(Arc<Kept<Service>>),
+    Slice(Arc<Kept<EndpointSlice>>),
+}
+
+impl KeptKind {
+    pub(super) fn store(self, snapshot: &mut Snapshot, k: ObjectKey) {
+        match self {
+            KeptKind::Service(object) => {
+                snapshot.services.insert(k, object);
+            }
+            KeptKind::Slice(object) => {
+                snapshot.slices.insert(k, object);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(name: &str, version: u32) -> Arc<Kept<Service>> {
+        let mut object = Service::default();
+        object.metadata.name = Some(name.to_owned());
+        object.metadata.namespace = Some("default".to_owned());
+        Arc::new(Kept::compact(format!("version {version}"), object))
+    }
+
+    fn key(name: &str) -> ObjectKey {
+        ("default".to_owned(), name.to_owned(), 0)
+    }
+
+    fn names(objects: &[Arc<Kept<Service>>]) -> Vec<&str> {
+        objects.iter().map(|o| o.name().unwrap()).collect()
+    }
+
+    /// An object replaced in place is handed over alone, at its position in the last list taken,
+    /// once; a newcomer or a deletion moves the positions, and only the whole list says them again.
+    #[test]
+    fn a_replaced_object_is_taken_at_its_position_until_objects_come_or_go() {
+        let changes = Changes::default();
+        let insert = |name: &str, object: &Arc<Kept<Service>>| {
+            changes.snapshot.lock().unwrap().services.insert(key(name), Arc::clone(object));
+        };
+        for name in ["a", "b", "c"] {
+            insert(name, &service(name, 1));
+        }
+        assert!(changes.take_replaced().is_none(), "nothing was taken yet");
+        assert_eq!(names(&changes.objects().services), ["a", "b", "c"]);
+        assert!(changes.take_replaced().unwrap().services.is_empty());
+
+        let b = service("b", 2);
+        insert("b", &service("b", 3));
+        insert("b", &b);
+        let replaced = changes.take_replaced().unwrap();
+        assert_eq!(replaced.services.len(), 1, "replaced twice, handed over once");
+        assert_eq!(replaced.services[0].0, 1);
+        assert!(Arc::ptr_eq(&replaced.services[0].1, &b), "its latest version");
+        assert!(changes.take_replaced().unwrap().services.is_empty(), "taken");
+
+        insert("aa", &service("aa", 1));
+        insert("c", &service("c", 2));
+        assert!(changes.take_replaced().is_none(), "a newcomer moves the positions");
+        let all = changes.objects();
+        assert_eq!(names(&all.services), ["a", "aa", "b", "c"]);
+        assert_eq!(all.services[3].origin(), "version 2");
+        insert("c", &service("c", 3));
+        assert_eq!(changes.take_replaced().unwrap().services[0].0, 3);
+        changes.snapshot.lock().unwrap().services.remove(&key("a"));
+        assert!(changes.take_replaced().is_none(), "a deletion too");
     }
 }

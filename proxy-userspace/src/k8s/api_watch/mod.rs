@@ -13,7 +13,7 @@ mod watchers;
 
 use std::time::Duration;
 
-pub use changes::{Changes, Kinded, ObjectKey, Objects, Pending, Snapshot};
+pub use changes::{Changes, Kinded, ObjectKey, ObjectMap, Objects, Pending, Replaced, Snapshot};
 pub use observer::{QueueObserver, WatchObserver, WatchProgress};
 pub(crate) use reflect::describe;
 pub use watchers::{node_primary_ipv4, watch_cluster};

@@ -12,8 +12,8 @@ use kube::{Api, Client, ResourceExt as _, api::ListParams};
 use serde::de::DeserializeOwned;
 
 use super::{
-    Changes, Kinded, Snapshot, WatchObserver, WatchOptions, WatchProgress,
-    changes::{key, origin},
+    Changes, Kinded, ObjectKey, Snapshot, WatchObserver, WatchOptions, WatchProgress,
+    changes::{KeptKind, key, origin},
     label_selector,
     reflect::{Selectors, Update, reflect},
 };
@@ -82,15 +82,19 @@ async fn watch_kind<K>(
         Update::Listed(objects) => {
             let count = objects.len() as u64;
             {
+                // Kept compactly page by page as they come, before the snapshot is locked.
+                let kept: Vec<(ObjectKey, KeptKind)> = objects
+                    .into_iter()
+                    .map(|object| (key(object.namespace(), object.name_any()), object.into().kept()))
+                    .collect();
                 let mut snapshot = changes.snapshot.lock().expect("poisoned");
                 if is_service {
                     snapshot.services.clear();
                 } else {
                     snapshot.slices.clear();
                 }
-                for object in objects {
-                    let k = key(object.namespace(), object.name_any());
-                    object.into().store(&mut snapshot, k);
+                for (k, object) in kept {
+                    object.store(&mut snapshot, k);
                 }
             }
             {
@@ -107,7 +111,8 @@ async fn watch_kind<K>(
             let k = key(object.namespace(), object.name_any());
             let kinded: Kinded = Box::new(object).into();
             let trigger = kinded.trigger_time();
-            kinded.store(&mut changes.snapshot.lock().expect("poisoned"), k);
+            let kept = kinded.kept();
+            kept.store(&mut changes.snapshot.lock().expect("poisoned"), k);
             if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
         }
         Update::Deleted(object) => {
