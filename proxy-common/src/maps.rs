@@ -537,12 +537,50 @@ pub struct AffinityValueV4 {
     pub slot: u32,
 }
 
-/// `vip` → number of frontends on it: a packet to a known VIP on a port the
-/// Service does not have is refused, like one to a Service without endpoints.
+/// Every address with a frontend → how many cluster-IP frontends it has, and whether it has
+/// north–south ones (node addresses' NodePorts, external and LB IPs). The datapath looks up a
+/// frontend only for a packet whose destination is here: a packet to any other address (a pod,
+/// most of a node's packets) costs this one lookup of a 4-byte key instead of a service-map lookup
+/// per scope. A packet to a cluster IP on a port the Service does not have is refused, like one to
+/// a Service without endpoints; north–south addresses carry other traffic too, and are not.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct VipV4 {
+    /// The cluster-IP frontends, with [`VipV4::NORTH_SOUTH`] set when there are north–south
+    /// ones (one word, so that the map keeps the layout of the version that counted cluster IPs
+    /// alone).
     pub frontends: u32,
+}
+
+impl VipV4 {
+    pub const NORTH_SOUTH: u32 = 1 << 31;
+
+    pub const fn new(cluster_ip_frontends: u32, north_south: bool) -> Self {
+        let flag = if north_south { Self::NORTH_SOUTH } else { 0 };
+        VipV4 { frontends: (cluster_ip_frontends & !Self::NORTH_SOUTH) | flag }
+    }
+
+    pub const fn cluster_ip_frontends(self) -> u32 {
+        self.frontends & !Self::NORTH_SOUTH
+    }
+
+    pub const fn has_north_south(self) -> bool {
+        self.frontends & Self::NORTH_SOUTH != 0
+    }
+
+    /// The entry with one more frontend: a cluster IP's, or a north–south one.
+    pub const fn with_frontend(self, north_south: bool) -> Self {
+        if north_south {
+            VipV4::new(self.cluster_ip_frontends(), true)
+        } else {
+            VipV4::new(self.cluster_ip_frontends() + 1, self.has_north_south())
+        }
+    }
+
+    /// Whether the address is a cluster IP: its ports without a frontend are refused.
+    pub const fn is_cluster_ip(self) -> bool {
+        self.cluster_ip_frontends() != 0
+    }
 }
 
 /// `rev_nat_id` → "namespace/name:port", written by the agent so that dumps
@@ -607,6 +645,27 @@ mod pod {
 mod tests {
     use super::*;
     use core::mem::{align_of, size_of};
+
+    #[test]
+    fn a_vip_entry_tells_cluster_ips_from_north_south_addresses() {
+        let cluster_ip = VipV4::new(3, false);
+        assert_eq!(
+            cluster_ip,
+            VipV4 { frontends: 3 },
+            "the layout of an entry that counted cluster IPs alone"
+        );
+        assert!(cluster_ip.is_cluster_ip() && !cluster_ip.has_north_south());
+        let node_address = VipV4::new(0, true);
+        assert!(!node_address.is_cluster_ip(), "a node address's other ports are not refused");
+        assert!(node_address.has_north_south());
+        let both = VipV4::default().with_frontend(false).with_frontend(true).with_frontend(false);
+        assert_eq!((both.cluster_ip_frontends(), both.has_north_south()), (2, true));
+        assert_eq!(
+            VipV4::new(u32::MAX, false).cluster_ip_frontends(),
+            VipV4::NORTH_SOUTH - 1,
+            "the count never sets the flag"
+        );
+    }
 
     #[test]
     fn layouts_have_no_implicit_holes() {

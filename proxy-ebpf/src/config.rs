@@ -15,8 +15,19 @@ pub struct Config {
 #[inline(always)]
 pub fn get() -> Config {
     let stored = CONFIG.get(0).copied().unwrap_or(ConfigV4::default());
-    let hairpin_addr = if stored.hairpin_addr == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { stored.hairpin_addr };
-    Config { timeouts: Timeouts::from_config(&stored), hairpin_addr }
+    Config { timeouts: Timeouts::from_config(&stored), hairpin_addr: hairpin_or_default(stored.hairpin_addr) }
+}
+
+/// The hairpin address alone: what every packet needs, without the timeouts, which only a packet
+/// of a known flow does.
+#[inline(always)]
+pub fn hairpin_addr() -> [u8; 4] {
+    hairpin_or_default(CONFIG.get(0).map_or([0; 4], |stored| stored.hairpin_addr))
+}
+
+#[inline(always)]
+fn hairpin_or_default(stored: [u8; 4]) -> [u8; 4] {
+    if stored == [0; 4] { DEFAULT_HAIRPIN_ADDR } else { stored }
 }
 
 /// SNAT port range and cluster CIDR.

@@ -7,11 +7,14 @@ use proxy_common::{
     stats::Stat,
 };
 
-use crate::{conntrack, events, icmp, nat, parse, snat, stats, verdict::Verdict};
+use crate::{conntrack, events, icmp, maps::FLOW_SCRATCH, nat, parse, snat, stats, verdict::Verdict};
 
 pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
-    let flow = match parse::flow(ctx) {
-        Ok(flow) => flow,
+    let flow = FLOW_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
+    // SAFETY: a per-CPU value, used by this program run alone.
+    let flow = unsafe { &mut *flow };
+    let flow: &parse::Flow = match parse::flow(ctx, flow) {
+        Ok(()) => flow,
         Err(Stat::PassNotTcpUdp) => return icmp::unnat_error(ctx),
         Err(stat) => return Err(Verdict::pass(stat)),
     };
@@ -29,15 +32,15 @@ pub fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     };
     // SAFETY: as in `ingress`.
     unsafe {
-        conntrack::touch(entry, &flow, CT_DIR_REPLY, now);
-        conntrack::track_reply(entry, &flow, (flow.daddr, client_port), (reply.nat_addr, reply.nat_port));
+        conntrack::touch(entry, flow, CT_DIR_REPLY, now);
+        conntrack::track_reply(entry, flow, (flow.daddr, client_port), (reply.nat_addr, reply.nat_port));
     }
-    nat::rewrite_tuple(ctx, &flow, (reply.nat_addr, flow.daddr, reply.nat_port, client_port))?;
+    nat::rewrite_tuple(ctx, flow, (reply.nat_addr, flow.daddr, reply.nat_port, client_port))?;
     if reply.flags & CT_FLAG_DIRECT == 0 {
         stats::count(Stat::ReverseNat);
     }
     // SAFETY: as in `ingress`.
     let entry = unsafe { &*entry };
-    events::unnat(&flow, entry, ((reply.nat_addr, reply.nat_port), (flow.daddr, client_port)), now);
+    events::unnat(flow, entry, ((reply.nat_addr, reply.nat_port), (flow.daddr, client_port)), now);
     Ok(Verdict::NEXT)
 }

@@ -21,7 +21,7 @@ use crate::{
     events, fib,
     fib::ingress_ifindex,
     icmp, inherited, lb,
-    maps::EXTERNAL_IFACES,
+    maps::{EXTERNAL_IFACES, FLOW_SCRATCH},
     nat, parse, reject, snat, stats,
     verdict::Verdict,
 };
@@ -70,8 +70,11 @@ struct Found {
 /// packet.
 #[inline(always)]
 pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) -> Result<Verdict, Verdict> {
-    let flow = match parse::flow(ctx) {
-        Ok(flow) => flow,
+    let flow = FLOW_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
+    // SAFETY: a per-CPU value, used by this program run alone.
+    let flow = unsafe { &mut *flow };
+    let flow: &parse::Flow = match parse::flow(ctx, flow) {
+        Ok(()) => flow,
         Err(Stat::PassNotTcpUdp) if lb::unallocated_other_protocol(ctx) => {
             return Err(Verdict::drop(Stat::DropUnallocatedServiceIp));
         }
@@ -85,22 +88,22 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
         now: 0,
         hairpin_addr: [0; 4],
     };
-    match classify::<EXTERNAL>(ctx, &flow, &mut found) {
+    match classify::<EXTERNAL>(ctx, flow, &mut found) {
         Step::Pass(stat) => Err(Verdict::pass(stat)),
         Step::Drop(stat) => Err(Verdict::drop(stat)),
-        Step::HairpinReply => hairpin_reply(ctx, &flow),
-        Step::SnatReply => snat_reply(ctx, &flow, route),
+        Step::HairpinReply => hairpin_reply(ctx, flow),
+        Step::SnatReply => snat_reply(ctx, flow, route),
         // A later fragment follows the translation its first fragment made; it
         // never starts a flow nor answers for a refused one.
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
-        Step::Refuse => refuse(ctx, &flow),
-        Step::Established => established(ctx, &flow, &found, route),
+        Step::Refuse => refuse(ctx, flow),
+        Step::Established => established(ctx, flow, &found, route),
         Step::NewFlow => {
             let mut plan = NewFlowPlan {
                 choice: lb::Choice { backend_id: 0, backend: BackendV4::default(), slot: 0 },
                 reply_to: ReplyTo::CLIENT,
             };
-            plan_new_flow::<EXTERNAL>(ctx, &flow, &found, &mut plan, route)?;
+            plan_new_flow::<EXTERNAL>(ctx, flow, &found, &mut plan, route)?;
             let backend = &plan.choice.backend;
             let mut reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(backend.addr, backend.port);
             reply_key.daddr = plan.reply_to.client_addr(reply_key.daddr);
@@ -108,16 +111,16 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
             // tuple netfilter still holds for a flow it translated would make
             // netfilter drop this one.
             if !plan.reply_to.is(CT_FLAG_SNAT)
-                && (conntrack::claim(&flow, &reply_key).is_some() || inherited::holds_reply(&reply_key))
+                && (conntrack::claim(flow, &reply_key).is_some() || inherited::holds_reply(&reply_key))
             {
                 plan.reply_to = plan.reply_to.with_port([0; 2]);
             }
-            new_flow(ctx, &flow, &found, &plan)
+            new_flow(ctx, flow, &found, &plan)
         }
         Step::Direct => {
             let reply_key = flow.ct_key(CT_DIR_FORWARD).reply_of(flow.daddr, flow.dport);
-            match conntrack::claim(&flow, &reply_key) {
-                Some(Clash::Remap) => direct(ctx, &flow),
+            match conntrack::claim(flow, &reply_key) {
+                Some(Clash::Remap) => direct(ctx, flow),
                 _ => Err(Verdict::pass(Stat::PassNoService)),
             }
         }
@@ -126,8 +129,8 @@ pub fn ingress<const EXTERNAL: bool>(ctx: &TcContext, route: &mut fib::Route) ->
 
 #[inline(never)]
 fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &mut Found) -> Step {
-    let config = config::get();
-    if !EXTERNAL && flow.daddr == config.hairpin_addr {
+    let hairpin_addr = config::hairpin_addr();
+    if !EXTERNAL && flow.daddr == hairpin_addr {
         return Step::HairpinReply;
     }
     let (snat_min, snat_max) = config::nodeport().port_range();
@@ -136,16 +139,19 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
         return Step::SnatReply;
     }
     let key = flow.ct_key(CT_DIR_FORWARD);
-    found.hairpin_addr = config.hairpin_addr;
+    found.hairpin_addr = hairpin_addr;
 
     // A known flow before its frontend: as with netfilter's conntrack, it
     // continues after its Service (or the port) is deleted, and so does a
     // direct flow whose source port was remapped.
-    if known_flow(ctx, flow, &key, &config, found) {
+    if known_flow(ctx, flow, &key, found) {
         return Step::Established;
     }
+    // Every address with a frontend has an entry: a packet to any other (a pod's) looks up no
+    // service map.
+    let Some(vip) = lb::vip_entry(&flow.daddr) else { return no_frontend(flow, &key, false) };
     let frontend = if EXTERNAL { lb::lookup_external_frontend(flow) } else { lb::lookup_frontend(flow) };
-    let Some(frontend) = frontend else { return no_frontend(flow, &key) };
+    let Some(frontend) = frontend else { return no_frontend(flow, &key, vip.is_cluster_ip()) };
     // A connection opened through kube-proxy's rules before kproxy attached:
     // netfilter translates it until it ends (and un-NATs its replies).
     if inherited::is_open(&key) {
@@ -167,14 +173,9 @@ fn classify<const EXTERNAL: bool>(ctx: &TcContext, flow: &parse::Flow, found: &m
 /// Whether `key` is a live flow that keeps its backend ([`Found::entry`] then points at its entry). An
 /// expired entry, or a UDP flow whose backend is gone, is deleted: the packet is looked up as a new flow.
 #[inline(always)]
-fn known_flow(
-    ctx: &TcContext,
-    flow: &parse::Flow,
-    key: &CtKeyV4,
-    config: &config::Config,
-    found: &mut Found,
-) -> bool {
+fn known_flow(ctx: &TcContext, flow: &parse::Flow, key: &CtKeyV4, found: &mut Found) -> bool {
     let Some(entry) = conntrack::lookup(key) else { return false };
+    let config = config::get();
     // The clock is read only for a packet that needs it: a packet to no
     // Service never does.
     let now = conntrack::now();
@@ -182,7 +183,7 @@ fn known_flow(
     // SAFETY: map values stay valid for the program's run; concurrent
     // writers only race on counters and timestamps.
     let entry_copy = unsafe { *entry };
-    if conntrack::expired(key, &entry_copy, config, now) {
+    if conntrack::expired(key, &entry_copy, &config, now) {
         conntrack::remove_pair(key, &entry_copy, &config.hairpin_addr);
         stats::count(Stat::ConntrackExpired);
     } else if lb::keeps_backend(&entry_copy, flow.proto) {
@@ -196,11 +197,11 @@ fn known_flow(
     false
 }
 
-/// A packet of no known flow to no frontend: a missing port of a Service, an unallocated service address,
-/// or traffic to a pod.
+/// A packet of no known flow to no frontend: a missing port of a Service (`cluster_ip`: its
+/// destination is one), an unallocated service address, or traffic to a pod.
 #[inline(always)]
-fn no_frontend(flow: &parse::Flow, key: &CtKeyV4) -> Step {
-    if lb::is_vip(&flow.daddr) {
+fn no_frontend(flow: &parse::Flow, key: &CtKeyV4, cluster_ip: bool) -> Step {
+    if cluster_ip {
         // The port may have been removed from the Service while
         // netfilter's connection through it goes on.
         if inherited::is_open(key) {

@@ -5,7 +5,7 @@ use proxy_common::{
     maps::{
         AffinityKeyV4, AffinityValueV4, BACKEND_FLAG_TERMINATING, BackendV4, CT_FLAG_DIRECT, CtEntryV4,
         IPPROTO_TCP, SCOPE_EXTERNAL, SCOPE_INTERNAL, SOURCE_RANGE_ID_BITS, SVC_FLAG_AFFINITY,
-        SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4, SourceRangeV4,
+        SVC_FLAG_MAGLEV, ServiceKeyV4, ServiceValueV4, SourceRangeV4, VipV4,
     },
     packet::{ETH_HLEN, IP_OFFSET_MASK},
     service_cidr::drops_other_protocol,
@@ -56,10 +56,19 @@ pub fn source_allowed(rev_nat_id: proxy_common::maps::RevNatId, client: [u8; 4])
     SOURCE_RANGES_V4.get(&key).is_some()
 }
 
-/// Whether `addr` is a Service's cluster IP (on any port).
+/// Whether `addr` is a Service's cluster IP (on any port). North–south addresses have entries
+/// too, and are none.
 #[inline(always)]
 pub fn is_vip(addr: &[u8; 4]) -> bool {
-    VIPS_V4.get_ptr(addr).is_some()
+    vip_entry(addr).is_some_and(|entry| entry.is_cluster_ip())
+}
+
+/// The VIPS_V4 entry of `addr`: `None` for an address with no frontend at all (a pod's, most
+/// often), for which no service map needs a lookup.
+#[inline(always)]
+pub fn vip_entry(addr: &[u8; 4]) -> Option<VipV4> {
+    // SAFETY: a word copied out at once.
+    unsafe { VIPS_V4.get(addr) }.copied()
 }
 
 /// Whether `addr` is inside a service CIDR. Asked only of an address that is

@@ -34,10 +34,12 @@ pub fn lookup_scope(flow: &Flow6, scope: u8) -> Option<&'static ServiceValueV4> 
     unsafe { SERVICES_V6.get(key) }
 }
 
-/// Whether `addr` is a Service's IPv6 cluster IP (on any port).
+/// Whether `addr` is a Service's IPv6 cluster IP (on any port). North–south addresses have
+/// entries too ([`proxy_common::maps::VipV4`]), and are none.
 #[inline(always)]
 pub fn is_vip(addr: &[u8; 16]) -> bool {
-    VIPS_V6.get_ptr(addr).is_some()
+    // SAFETY: a word copied out at once.
+    unsafe { VIPS_V6.get(addr) }.is_some_and(|entry| entry.is_cluster_ip())
 }
 
 /// Whether a known flow stays on the backend its entry records: TCP always, UDP while its backend

@@ -151,6 +151,11 @@ pub static SNAT_V6: LruHashMap<proxy_common::maps_v6::CtKeyV6, proxy_common::map
 pub static VIPS_V6: HashMap<[u8; 16], proxy_common::maps_v6::VipV6> =
     HashMap::with_max_entries(proxy_common::maps_v6::VIPS_V6_CAPACITY, 0);
 
+/// Where the IPv4 tc programs keep the packet they parse (`parse::Flow`), outside the 512-byte
+/// stack their stages share. Not pinned.
+#[map(name = "FLOW_SCRATCH")]
+pub static FLOW_SCRATCH: PerCpuArray<crate::parse::Flow> = PerCpuArray::with_max_entries(1, 0);
+
 /// Where the IPv6 programs keep the packet they parse (`parse6::Flow6`): the IPv6 chain shares
 /// the 512-byte stack with the entry point's frame, sized by the IPv4 stages. Not pinned.
 #[map(name = "FLOW6_SCRATCH")]

@@ -41,3 +41,23 @@ pub fn load(prog_type: u32, value: i32, name: &str) -> Result<OwnedFd> {
     // SAFETY: a fresh descriptor the kernel just returned to us.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
+
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+
+/// One `BPF_PROG_TEST_RUN` of the program `fd` on `data` repeated `repeat` times: its return
+/// value and the kernel's mean ns per repetition (the bench's floor, measured as kproxy's
+/// programs are).
+pub fn test_run(fd: &OwnedFd, data: &[u8], repeat: u32) -> Result<(u32, u32)> {
+    use std::os::fd::AsRawFd as _;
+    let mut out = vec![0u8; data.len() + 256];
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(data.len() as u32).to_ne_bytes());
+    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(data.as_ptr() as u64).to_ne_bytes());
+    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+    attr[32..36].copy_from_slice(&repeat.to_ne_bytes());
+    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN of a constant program")?;
+    let word = |at: usize| u32::from_ne_bytes([attr[at], attr[at + 1], attr[at + 2], attr[at + 3]]);
+    Ok((word(4), word(36)))
+}

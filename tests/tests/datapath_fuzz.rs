@@ -160,8 +160,7 @@ impl World {
         };
         maps.config.set(0, timeouts, 0).unwrap();
         let fragments = HashMap::try_from(ebpf.take_map("FRAGMENTS_V4").expect("FRAGMENTS_V4")).unwrap();
-        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .with_vips(maps.vips)
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);
         let syncer = Syncer::with_store(store).unwrap();
         Self {

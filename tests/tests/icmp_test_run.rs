@@ -82,8 +82,7 @@ impl External {
         );
         web.kind = FrontendKind::NodePort;
         let stats = maps.stats;
-        let store =
-            bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names).with_vips(maps.vips);
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips);
         let mut syncer = Syncer::with_store(store).unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(vec![web]));
         assert!(report.errors.is_empty(), "{:?}", report.errors);

@@ -58,8 +58,8 @@ impl Node {
         let mut ebpf = bpf::load_unpinned_with(&capacities).expect("loading the datapath needs root");
         let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         let (conntrack, stats, maglev) = (maps.conntrack, maps.stats, maps.maglev);
-        let store =
-            bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names).with_maglev(maglev);
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
+            .with_maglev(maglev);
         let mut syncer = Syncer::with_store(store).unwrap().with_maglev(MaglevSettings { seed, tables: 4 });
         let report = syncer.apply(&desired(backends));
         assert!(report.errors.is_empty(), "{:?}", report.errors);

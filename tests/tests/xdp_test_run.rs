@@ -69,8 +69,7 @@ impl Xdp0 {
         let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
         let (conntrack, stats, snat) = (maps.conntrack, maps.stats, maps.snat);
-        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .with_vips(maps.vips)
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);
         let mut syncer = Syncer::with_store(store).unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(frontends));

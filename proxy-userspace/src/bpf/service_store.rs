@@ -18,7 +18,7 @@ use crate::net::Cidr4;
 pub trait Store {
     fn read_services(&self) -> Result<Vec<(ServiceKeyV4, ServiceValueV4)>>;
     fn read_backends(&self) -> Result<Vec<(u32, BackendV4)>>;
-    /// Empty when the store does not manage VIPS_V4.
+    /// Every address with a frontend ([`VipV4`]).
     fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>>;
     fn read_name(&self, rev_nat_id: RevNatId) -> Option<String>;
     fn put_service(&mut self, key: ServiceKeyV4, value: ServiceValueV4) -> Result<()>;
@@ -95,28 +95,30 @@ pub struct V6Maps {
     vips: HashMap<MapData, [u8; 16], VipV4>,
 }
 
-/// The pinned (or freshly loaded) service maps. VIPS_V4, SOURCE_RANGES_V4 and MAGLEV_V4 are kept only when
-/// added ([`BpfStore::with_vips`] …; [`BpfStore::from_maps`] adds the first two).
+/// The pinned (or freshly loaded) service maps. SOURCE_RANGES_V4 and MAGLEV_V4 are kept only when
+/// added ([`BpfStore::with_source_ranges`] …; [`BpfStore::from_maps`] adds the first); VIPS_V4
+/// always, as the datapath looks up frontends only on the addresses it holds.
 pub struct BpfStore {
     services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
     backends: HashMap<MapData, u32, BackendV4>,
     rev_nat: HashMap<MapData, RevNatId, RevNatV4>,
     names: HashMap<MapData, RevNatId, FrontendNameV4>,
-    vips: Option<HashMap<MapData, [u8; 4], VipV4>>,
+    vips: HashMap<MapData, [u8; 4], VipV4>,
     source_ranges: Option<LpmTrie<MapData, SourceRangeV4, u8>>,
     maglev: Option<Array<MapData, u32>>,
     v6: Option<V6Maps>,
 }
 
 impl BpfStore {
-    /// SERVICES_V4, BACKENDS_V4, REV_NAT_V4 and FRONTEND_NAMES_V4 alone.
+    /// SERVICES_V4, BACKENDS_V4, REV_NAT_V4, FRONTEND_NAMES_V4 and VIPS_V4 alone.
     pub fn new(
         services: HashMap<MapData, ServiceKeyV4, ServiceValueV4>,
         backends: HashMap<MapData, u32, BackendV4>,
         rev_nat: HashMap<MapData, RevNatId, RevNatV4>,
         names: HashMap<MapData, RevNatId, FrontendNameV4>,
+        vips: HashMap<MapData, [u8; 4], VipV4>,
     ) -> Self {
-        Self { services, backends, rev_nat, names, vips: None, source_ranges: None, maglev: None, v6: None }
+        Self { services, backends, rev_nat, names, vips, source_ranges: None, maglev: None, v6: None }
     }
 
     /// The service maps of `maps` with VIPS_V4, SOURCE_RANGES_V4 and the IPv6 maps, and MAGLEV_V4 when
@@ -128,17 +130,10 @@ impl BpfStore {
             rev_nat: maps.rev_nat_v6,
             vips: maps.vips_v6,
         };
-        let mut store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names)
-            .with_vips(maps.vips)
+        let mut store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);
         store.v6 = Some(v6);
         if maglev { store.with_maglev(maps.maglev) } else { store }
-    }
-
-    /// Also keeps VIPS_V4 (VIP → number of frontends).
-    pub fn with_vips(mut self, vips: HashMap<MapData, [u8; 4], VipV4>) -> Self {
-        self.vips = Some(vips);
-        self
     }
 
     /// Also keeps SOURCE_RANGES_V4 (loadBalancerSourceRanges).
@@ -168,10 +163,7 @@ impl Store for BpfStore {
         self.backends.iter().map(|e| e.context("reading the backends map")).collect()
     }
     fn read_vips(&self) -> Result<Vec<([u8; 4], VipV4)>> {
-        match &self.vips {
-            Some(vips) => vips.iter().map(|e| e.context("reading the VIPs map")).collect(),
-            None => Ok(Vec::new()),
-        }
+        self.vips.iter().map(|e| e.context("reading the VIPs map")).collect()
     }
     fn read_name(&self, rev_nat_id: RevNatId) -> Option<String> {
         self.names.get(&rev_nat_id, 0).ok().map(|n| n.as_str().to_owned())
@@ -201,16 +193,10 @@ impl Store for BpfStore {
         ignore_missing(self.names.remove(&id))
     }
     fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()> {
-        match &mut self.vips {
-            Some(vips) => vips.insert(vip, value, 0).map_err(map_full),
-            None => Ok(()),
-        }
+        self.vips.insert(vip, value, 0).map_err(map_full)
     }
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
-        match &mut self.vips {
-            Some(vips) => ignore_missing(vips.remove(&vip)),
-            None => Ok(()),
-        }
+        ignore_missing(self.vips.remove(&vip))
     }
     fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
         match &self.source_ranges {

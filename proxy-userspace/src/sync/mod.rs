@@ -239,13 +239,13 @@ impl<S: Store> Syncer<S> {
 
         self.update_backend_flags(&flags, BACKEND_FLAG_ACTIVE, &mut report);
 
-        // Only cluster IPs refuse unknown ports: node addresses, external
+        // Every frontend's address, written before its first frontend: the datapath looks up
+        // frontends only on these. Only cluster IPs refuse unknown ports: node addresses, external
         // and LB IPs carry other traffic too.
-        let mut per_vip: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        let mut per_vip: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
         for (fk, frontend) in &wanted {
-            if frontend.kind == FrontendKind::ClusterIp {
-                *per_vip.entry(fk.vip).or_default() += 1;
-            }
+            let entry = per_vip.entry(fk.vip).or_default();
+            *entry = entry.with_frontend(frontend.kind != FrontendKind::ClusterIp);
         }
         // Cluster IPs first: a Service port's other frontends name their rev-NAT id (session affinity).
         let cluster_ips = cluster_ip_frontends(wanted.values().copied());
@@ -260,8 +260,8 @@ impl<S: Store> Syncer<S> {
             name.clear();
             let _ = write!(name, "{}:{}", frontend.service, frontend.port_name);
             let vip = match per_vip.get(&fk.vip) {
-                Some(count) if frontend.kind == FrontendKind::ClusterIp => self.ensure_vip(fk.vip, *count),
-                _ => Ok(()),
+                Some(entry) => self.ensure_vip(fk.vip, entry.frontends),
+                None => Ok(()),
             };
             let affinity =
                 affinity_id(frontend, &cluster_ips, |ck| self.frontends.get(ck).map(|p| p.rev_nat_id));

@@ -169,6 +169,38 @@ fn vips_count_frontends_and_go_after_the_last_one() {
 }
 
 #[test]
+fn every_frontend_address_has_a_vip_entry_and_north_south_ones_are_told_apart() {
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let cluster_ip = web(80, Protocol::Tcp, &[1], &[]);
+    let mut node_port = web(80, Protocol::Tcp, &[1], &[]);
+    node_port.kind = FrontendKind::NodePort;
+    node_port.vip = Ipv4Addr::new(192, 168, 1, 5).into();
+    node_port.port = 30080;
+    let mut external_ip = web(80, Protocol::Tcp, &[1], &[]);
+    external_ip.kind = FrontendKind::ExternalIp;
+    external_ip.vip = Ipv4Addr::new(203, 0, 113, 7).into();
+    syncer.apply(&Desired::new(vec![cluster_ip.clone(), node_port.clone(), external_ip]));
+    let store = syncer.store();
+    assert_eq!(store.vips[&VIP], VipV4::new(1, false));
+    assert_eq!(store.vips[&[192, 168, 1, 5]], VipV4::new(0, true), "a node address: looked up, not refused");
+    assert_eq!(store.vips[&[203, 0, 113, 7]], VipV4::new(0, true));
+    // The datapath looks up frontends only on addresses it has an entry for: the entry first.
+    assert!(
+        position(&store.log, &format!("put vip 192.168.1.5 {}", VipV4::NORTH_SOUTH))
+            < position(&store.log, "put slot 192.168.1.5:30080#0")
+    );
+
+    syncer.store.log.clear();
+    syncer.apply(&Desired::new(vec![cluster_ip]));
+    let store = syncer.store();
+    assert!(!store.vips.contains_key(&[192, 168, 1, 5]) && !store.vips.contains_key(&[203, 0, 113, 7]));
+    assert!(
+        position(&store.log, "del slot 192.168.1.5:30080#0") < position(&store.log, "del vip 192.168.1.5")
+    );
+    assert_eq!(store.vips[&VIP], VipV4::new(1, false));
+}
+
+#[test]
 fn a_frontend_that_cannot_be_written_leaves_no_vip_behind() {
     let store = FakeStore { backend_capacity: Some(0), ..Default::default() };
     let mut syncer = Syncer::with_store(store).unwrap();

@@ -60,12 +60,12 @@ impl<S: Store> Syncer<S> {
     /// Makes VIPS_V4 count the frontends programmed now; deletes VIPs left
     /// without any (after their frontends' slot 0 are gone).
     pub(super) fn reconcile_vips(&mut self, report: &mut SyncReport) {
-        let mut counts: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        let mut entries: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
         for (fk, programmed) in &self.frontends {
-            if programmed.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
-                *counts.entry(fk.vip).or_default() += 1;
-            }
+            let entry = entries.entry(fk.vip).or_default();
+            *entry = entry.with_frontend(programmed.flags & SVC_FLAG_EXTERNAL_ADDR != 0);
         }
+        let counts: BTreeMap<IpAddr, u32> = entries.into_iter().map(|(vip, e)| (vip, e.frontends)).collect();
         for (vip, count) in &counts {
             if self.vips.get(vip) == Some(count) {
                 continue;

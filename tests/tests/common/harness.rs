@@ -77,8 +77,7 @@ impl Harness {
         let mut ebpf =
             bpf::load_unpinned().expect("loading the datapath needs root and a BPF-capable kernel");
         let maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
-        let store =
-            bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names).with_vips(maps.vips);
+        let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips);
         let syncer = Syncer::with_store(store).unwrap();
         let mut harness = Self {
             ebpf,

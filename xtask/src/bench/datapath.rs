@@ -26,6 +26,8 @@ use proxy_common::{
     maps_v6::{CtEntryV6, CtKeyV6},
 };
 
+use sandbox::constant_program;
+
 use super::{
     imp::Ctx,
     rules,
@@ -88,16 +90,29 @@ fn capacities() -> Capacities {
     }
 }
 
-pub const CASES: [&str; 6] = [
+pub const CASES: [&str; 8] = [
     "non-service packet (in-kernel loop)",
     "non-service packet",
     "new flow (DNAT + conntrack create)",
     "established flow (ingress)",
     "reply (egress un-NAT)",
     "non-service ACK (in-kernel loop)",
+    "tc floor: a pass-all program (in-kernel loop)",
+    "tc floor: a pass-all program",
 ];
 pub const NEW_FLOW: usize = 2;
 pub const ESTABLISHED: usize = 3;
+pub const REPLY: usize = 4;
+pub const NON_SERVICE_ACK: usize = 5;
+/// The floor of any tc datapath, measured the same two ways: what `BPF_PROG_TEST_RUN` itself
+/// costs (its loop, the skb, the timer), which every figure of kproxy's includes.
+pub const FLOOR_LOOP: usize = 6;
+pub const FLOOR_CALL: usize = 7;
+
+/// The floor row a case is measured against: the in-kernel loop's or the per-call one.
+pub const fn floor_of(case: usize) -> usize {
+    if case == 0 || case == NON_SERVICE_ACK || case == FLOOR_LOOP { FLOOR_LOOP } else { FLOOR_CALL }
+}
 
 pub struct DatapathResult {
     pub sizes: Vec<usize>,
@@ -181,6 +196,8 @@ fn addresses(frame: &[u8]) -> (IpAddr, u16, IpAddr, u16) {
 struct Runner<'a> {
     ingress: &'a SchedClassifier,
     egress: &'a SchedClassifier,
+    /// `return TC_ACT_UNSPEC`: the floor (`sandbox::constant_program`).
+    floor: std::os::fd::OwnedFd,
     out: Vec<u8>,
 }
 
@@ -199,6 +216,15 @@ impl Runner<'_> {
             .map_err(|e| anyhow!("BPF_PROG_TEST_RUN: {e:?}"))?;
         let len = (result.data_size_out as usize).min(self.out.len());
         Ok((result.return_value, result.duration.as_nanos() as f64, &self.out[..len]))
+    }
+
+    /// The floor program on `frame`, `repeat` times in one call: kernel-reported ns per repetition.
+    fn run_floor(&self, frame: &[u8], repeat: u32) -> Result<f64> {
+        let (ret, ns) = constant_program::test_run(&self.floor, frame, repeat)?;
+        if ret != PASS {
+            bail!("the floor program returned {ret}");
+        }
+        Ok(f64::from(ns))
     }
 
     /// Mean kernel ns over `frames` (one run each), checking every result with `check`.
@@ -271,7 +297,9 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
     let mut syncer = Syncer::with_store(BpfStore::from_maps(maps, false))?;
     let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
     let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
-    let mut runner = Runner { ingress, egress, out: Vec::new() };
+    let floor =
+        constant_program::load(constant_program::BPF_PROG_TYPE_SCHED_CLS, PASS as i32, "bench_floor")?;
+    let mut runner = Runner { ingress, egress, floor, out: Vec::new() };
 
     let web = measured_service();
     let v6 = addrs_v6();
@@ -450,14 +478,16 @@ fn flavour(
     let maps = Maps::from_ebpf(&mut ebpf)?;
     let mut conntrack = maps.conntrack;
     let mut syncer =
-        Syncer::with_store(BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names))?;
+        Syncer::with_store(BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips))?;
     let report = syncer.apply(&Desired::new(vec![frontend(&measured_service())]));
     if !report.errors.is_empty() {
         bail!("programming the Service failed");
     }
     let ingress: &SchedClassifier = ebpf.program(PROG_INGRESS).context("ingress program")?.try_into()?;
     let egress: &SchedClassifier = ebpf.program(PROG_EGRESS).context("egress program")?.try_into()?;
-    let mut runner = Runner { ingress, egress, out: Vec::new() };
+    let floor =
+        constant_program::load(constant_program::BPF_PROG_TYPE_SCHED_CLS, PASS as i32, "bench_floor")?;
+    let mut runner = Runner { ingress, egress, floor, out: Vec::new() };
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
     for _ in 0..runs {
         ctx.check()?;
@@ -561,6 +591,14 @@ fn one_run(
     out.push(runner.run(false, &ack, repeat).and_then(|(ret, ns, out)| {
         if ret == PASS && out == ack.as_slice() { Ok(ns) } else { bail!("return {ret}") }
     }));
+    out.push(runner.run_floor(&ack, repeat));
+    out.push((|| {
+        let mut total = 0.0;
+        for _ in 0..k {
+            total += runner.run_floor(&ack, 1)?;
+        }
+        Ok(total / k as f64)
+    })());
     out
 }
 

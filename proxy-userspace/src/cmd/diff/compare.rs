@@ -8,7 +8,7 @@ use std::{
     net::IpAddr,
 };
 
-use proxy_common::maps::{RevNatId, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_MAGLEV, ServiceValueV4};
+use proxy_common::maps::{RevNatId, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_MAGLEV, ServiceValueV4, VipV4};
 
 use super::render::{
     Key, backend_addr, backend_label, backend_state, frontend_label, list, proto_name, rev_nat_label,
@@ -32,7 +32,7 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     let frontends = &desired.frontends;
     let mut grouped = group_by_frontend(state);
     // Before anything is taken out.
-    let per_vip = cluster_ip_frontends_per_vip(&grouped);
+    let per_vip = vip_entries(&grouped);
     let slot0s: BTreeMap<Key, ServiceValueV4> =
         grouped.iter().filter_map(|(key, slots)| Some((*key, *slots.get(&0)?))).collect();
     let mut comparison = Comparison {
@@ -75,15 +75,17 @@ fn group_by_frontend(state: &MapState) -> BTreeMap<Key, Slots> {
     grouped
 }
 
-/// Frontends with slot 0 per VIP, but north–south addresses: what VIPS_V4 should count.
-fn cluster_ip_frontends_per_vip(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<IpAddr, u32> {
-    let mut per_vip: BTreeMap<IpAddr, u32> = BTreeMap::new();
+/// What VIPS_V4 (VIPS_V6) should hold for each address with a frontend (slot 0): its cluster-IP
+/// frontends, and whether it has north–south ones ([`VipV4`]'s encoding).
+fn vip_entries(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<IpAddr, u32> {
+    let mut per_vip: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
     for (key, slots) in grouped {
-        if slots.get(&0).is_some_and(|master| master.flags & SVC_FLAG_EXTERNAL_ADDR == 0) {
-            *per_vip.entry(key.0).or_default() += 1;
+        if let Some(master) = slots.get(&0) {
+            let entry = per_vip.entry(key.0).or_default();
+            *entry = entry.with_frontend(master.flags & SVC_FLAG_EXTERNAL_ADDR != 0);
         }
     }
-    per_vip
+    per_vip.into_iter().map(|(vip, entry)| (vip, entry.frontends)).collect()
 }
 
 /// `missing …` for what `want` holds and `have` does not, `extra …` for the reverse; each left out when empty.
@@ -441,24 +443,34 @@ impl Comparison<'_> {
         }
     }
 
-    /// VIPS_V4 against the services map: what the datapath refuses must match what it translates.
+    /// VIPS_V4 against the services map: what the datapath looks up and refuses must match what it translates.
     fn vip_counts(&mut self, per_vip: &BTreeMap<IpAddr, u32>) {
         let state = self.state;
         for vip in per_vip.keys().chain(state.vips.keys()).collect::<BTreeSet<_>>() {
             let have = state.vips.get(vip).copied();
             let map = if vip.is_ipv4() { "VIPS_V4" } else { "VIPS_V6" };
-            let frontends = per_vip.get(vip).copied().unwrap_or(0);
-            let detail = match have {
-                Some(n) if n == frontends => continue,
-                None => format!(
-                    "{map} has no entry for {vip}, which has {frontends} frontends (its other ports pass untranslated instead of being refused)"
+            let want = per_vip.get(vip).copied();
+            if have == want {
+                continue;
+            }
+            let told = |entry: u32| {
+                let entry = VipV4 { frontends: entry };
+                let north_south = if entry.has_north_south() { " and north–south ones" } else { "" };
+                format!("{} cluster-IP frontend(s){north_south}", entry.cluster_ip_frontends())
+            };
+            let detail = match (have, want) {
+                (None, Some(want)) => format!(
+                    "{map} has no entry for {vip}, which has {} (its packets are never looked up in the services map: they pass untranslated)",
+                    told(want)
                 ),
-                Some(n) if frontends == 0 => {
-                    format!(
-                        "{map} counts {n} frontends on {vip}, which has none (every port on it is refused)"
-                    )
+                (Some(have), None) => format!(
+                    "{map} has an entry for {vip} ({}), which has no frontend (its ports are refused or looked up for nothing)",
+                    told(have)
+                ),
+                (Some(have), Some(want)) => {
+                    format!("{map} holds {} on {vip}, the services map has {}", told(have), told(want))
                 }
-                Some(n) => format!("{map} counts {n} frontends on {vip}, the services map has {frontends}"),
+                (None, None) => continue,
             };
             self.push("vip", vip.to_string(), String::new(), detail);
         }
@@ -606,7 +618,7 @@ mod tests {
         assert!(kinds.contains(&("slots", "[fd00:10:96::100]:80/TCP")), "{diff:#?}");
         let vip = diff.iter().find(|d| d.kind == "vip").unwrap_or_else(|| panic!("{diff:#?}"));
         assert_eq!(vip.frontend, "fd00:10:96::100");
-        assert!(vip.detail.starts_with("VIPS_V6 counts 2 frontends"), "{}", vip.detail);
+        assert!(vip.detail.starts_with("VIPS_V6 holds 2 cluster-IP frontend(s)"), "{}", vip.detail);
         // The IPv4 frontend of the same Service is untouched.
         assert!(!diff.iter().any(|d| d.frontend.starts_with("10.96.0.100")), "{diff:#?}");
     }
@@ -769,7 +781,11 @@ mod tests {
         assert!(diff[2].detail.contains("affinity timeout 60 s, want 0 s"), "{}", diff[2].detail);
         assert!(diff[3].detail.contains("default/other:http"), "{}", diff[3].detail);
         assert!(diff[4].detail.contains("10.244.0.99:80/TCP"), "{}", diff[4].detail);
-        assert!(diff[6].detail.contains("counts 2 frontends on 10.96.0.10, the services map has 1"));
+        assert!(
+            diff[6].detail.contains("holds 2 cluster-IP frontend(s) on 10.96.0.10, the services map has 1"),
+            "{}",
+            diff[6].detail
+        );
     }
 
     #[test]
