@@ -5,8 +5,9 @@
 //! agent` per node programmed from manifests of dual-stack NodePort Services, and `curl -6` run in
 //! the external client. What is asserted is what the client and the backends observe: who
 //! answered, the source address the backend saw (the client's own for a local backend, the node's
-//! IPv6 address for one on the other node: source NAT), and that `externalTrafficPolicy: Local`
-//! leaves a node without a local endpoint silent.
+//! IPv6 address for one on the other node: source NAT), that `externalTrafficPolicy: Local`
+//! leaves a node without a local endpoint silent, and that its health check node port answers
+//! IPv6 probes as it answers IPv4 ones.
 //!
 //! The IPv6 addresses are added by this test to the namespaces the sandbox made (nothing outside
 //! them), before the agents start; XDP stays on (its default), which passes IPv6 to tc.
@@ -28,6 +29,8 @@ const WEB_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
 const WEB_A6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0x11);
 const WEB_B6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x11);
 const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x200);
+/// `web6-local`'s `healthCheckNodePort`.
+const HEALTH_PORT: u16 = 32091;
 /// `web6`'s external IP; the client routes fd00:192:168:200::/64 via node 0.
 const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x192, 0x168, 0x200, 0, 0, 0, 0x20);
 
@@ -37,7 +40,8 @@ fn node_ip6(i: usize) -> Ipv6Addr {
 }
 
 /// `web6`: dual-stack, NodePort 30080 and an IPv6 external IP, policy Cluster, web-a (node 0) and
-/// web-b (node 1) behind it; `web6-local`: dual-stack, NodePort 30081, policy Local, web-b alone;
+/// web-b (node 1) behind it; `web6-local`: dual-stack, NodePort 30081, policy Local with
+/// `healthCheckNodePort` [`HEALTH_PORT`], web-b alone;
 /// `web6-b`: dual-stack, NodePort 30082, policy Cluster, web-b alone.
 fn web6_manifests() -> String {
     let service = |name: &str, v4: &str, v6: &str, node_port: u16, policy: &str| {
@@ -47,8 +51,10 @@ fn web6_manifests() -> String {
             String::new()
         };
         let policy = policy.trim_end_matches("-b");
+        let health =
+            if policy == "Local" { format!("  healthCheckNodePort: {HEALTH_PORT}\n") } else { String::new() };
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: NodePort\n{external_ips}  externalTrafficPolicy: {policy}\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 80, nodePort: {node_port}}}]\n"
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: NodePort\n{external_ips}  externalTrafficPolicy: {policy}\n{health}  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 80, nodePort: {node_port}}}]\n"
         )
     };
     let slice = |name: &str, service: &str, family: &str, endpoints: &[(String, usize)]| {
@@ -288,6 +294,45 @@ impl NorthSouth6 {
         Ok((parse(parts.next())?, parse(parts.next())?))
     }
 
+    /// The health check node port of `node` from the external client, over IPv4 to the node's
+    /// IPv4 address or with `curl -6` to its IPv6 one: (HTTP status, JSON body). Waits (with a
+    /// deadline) for the agent to start serving it: its listeners follow its first sync.
+    fn health_check(&self, node: usize, port: u16, v6: bool) -> (String, serde_json::Value) {
+        let (family, url) = if v6 {
+            ("-6", format!("http://[{}]:{port}/", node_ip6(node)))
+        } else {
+            ("-4", format!("http://{}:{port}/", self.multi.node_ip(node)))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let out = loop {
+            let out = self
+                .multi
+                .external_exec_output([
+                    "curl",
+                    family,
+                    "-sS",
+                    "--max-time",
+                    "2",
+                    "-w",
+                    "\n%{http_code}",
+                    &url,
+                ])
+                .unwrap();
+            if out.status.success() {
+                break String::from_utf8_lossy(&out.stdout).into_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "health check {url} of node {node}: {}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                self.agent_logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let (body, status) = out.trim_end().rsplit_once('\n').unwrap();
+        (status.to_owned(), serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}")))
+    }
+
     fn stat(&self, node: usize, reason: &str) -> u64 {
         let out = self.kproxy(node, &["dump", "stats", "--json"]);
         let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -349,6 +394,18 @@ fn external_traffic_policy_local_over_v6_answers_only_where_the_endpoint_is_and_
     assert!(error.contains("timed out") || error.contains("Timeout"), "{error}");
     assert!(cluster.stat(0, "drop_no_local_endpoint") > before, "dropped by the datapath, counted");
     cluster.whoami6(0, 30080).unwrap_or_else(|e| panic!("{e}\n{}", cluster.agent_logs()));
+
+    // The load balancer's view, on both families of each node: node 1 is healthy with its one
+    // local endpoint, node 0 answers 503 so that it gets no traffic; IPv6 probes get exactly
+    // what IPv4 ones do.
+    for (node, status, local) in [(1, "200", 1), (0, "503", 0)] {
+        let v4 = cluster.health_check(node, HEALTH_PORT, false);
+        let v6 = cluster.health_check(node, HEALTH_PORT, true);
+        assert_eq!(v4.0, status, "node {node} over IPv4: {}", v4.1);
+        assert_eq!(v4.1["service"], serde_json::json!({"namespace": "default", "name": "web6-local"}));
+        assert_eq!(v4.1["localEndpoints"], local, "node {node}: {}", v4.1);
+        assert_eq!(v6, v4, "node {node}: the IPv6 probe differs from the IPv4 one");
+    }
 }
 
 #[test]

@@ -15,16 +15,16 @@
 //! recent kube-proxy also answers 503 while its own `/healthz` is failing.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
 use serde::Serialize;
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::agent::http::health::{self, Body, Respond};
+use crate::agent::http::listen::bind_like_kube_proxy;
 use crate::model::{HealthCheck, ServiceName};
 
 /// The listeners for every wanted health check node port, one per port.
@@ -34,7 +34,7 @@ use crate::model::{HealthCheck, ServiceName};
 /// run on a tokio runtime (listeners are spawned on the current one).
 /// Dropping the value stops every listener gracefully.
 pub struct ServiceHealthServers {
-    bind_address: Ipv4Addr,
+    bind_address: IpAddr,
     served: BTreeMap<u16, Server>,
     /// Ports that could not be bound at the last update, with the Service that
     /// wanted them: warned about once, not on every sync while the port stays
@@ -59,11 +59,13 @@ struct Answer {
 }
 
 impl ServiceHealthServers {
-    /// Listen on `bind_address` (kube-proxy: all addresses, `0.0.0.0`).
-    pub fn new(bind_address: Ipv4Addr) -> Self {
+    /// Listen on `bind_address`. kube-proxy listens on `0.0.0.0`, which its Go listener turns
+    /// into every address of both families; an unspecified address of either family does so here
+    /// too, so a dual-stack node answers probes on its IPv6 addresses as well.
+    pub fn new(bind_address: impl Into<IpAddr>) -> Self {
         let (stop, stop_rx) = watch::channel(false);
         ServiceHealthServers {
-            bind_address,
+            bind_address: bind_address.into(),
             served: BTreeMap::new(),
             failing: BTreeMap::new(),
             _stop: stop,
@@ -117,7 +119,7 @@ impl ServiceHealthServers {
 
     async fn start(&mut self, port: u16, check: &HealthCheck) {
         let address = SocketAddr::from((self.bind_address, port));
-        let listener = match TcpListener::bind(address).await {
+        let listener = match bind_like_kube_proxy(address).await {
             Ok(listener) => listener,
             Err(e) => {
                 if self.failing.get(&port) == Some(&check.service) {
@@ -135,6 +137,8 @@ impl ServiceHealthServers {
                 return;
             }
         };
+        // `[::]:port` when the unspecified IPv4 address was asked for: what the node answers on.
+        let address = listener.local_addr().unwrap_or(address);
         let (answer, answers) =
             watch::channel(Answer { service: check.service.clone(), local_ready: check.local_ready });
         let task = tokio::spawn(health::accept_loop(listener, Responder(answers), self.stop_rx.clone()));
@@ -211,6 +215,7 @@ impl Respond for Responder {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
+    use std::net::{Ipv4Addr, Ipv6Addr};
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
@@ -272,6 +277,16 @@ mod tests {
             let response = get(addr(port), path).await;
             assert_answer(&response, 200, "web", 2);
         }
+    }
+
+    #[tokio::test]
+    async fn an_ipv6_address_gets_the_same_answers() {
+        let [ready, none] = free_ports();
+        let mut servers = ServiceHealthServers::new(Ipv6Addr::LOCALHOST);
+        servers.update(&[check("web", ready, 2, 0), check("elsewhere", none, 0, 0)]).await;
+        let v6 = |port| SocketAddr::from((Ipv6Addr::LOCALHOST, port));
+        assert_answer(&get(v6(ready), "/").await, 200, "web", 2);
+        assert_answer(&get(v6(none), "/").await, 503, "elsewhere", 0);
     }
 
     #[tokio::test]
