@@ -29,18 +29,24 @@ pub const KEPT_ANNOTATIONS: [&str; 1] = [ANNOTATION_LAST_CHANGE_TRIGGER_TIME];
 /// A Service or EndpointSlice as kept between syncs, with the identity the sync loop groups and
 /// matches objects by (namespace, name, the Service a slice names) read without decoding.
 pub struct Kept<T> {
-    namespace: Option<Box<str>>,
-    name: Option<Box<str>>,
-    /// The `kubernetes.io/service-name` label.
-    service_name: Option<Box<str>>,
     form: Form<T>,
 }
 
 enum Form<T> {
-    /// Shared with the source that read it (manifests).
+    /// Shared with the source that read it (manifests): its identity is read from the object.
     Whole(Arc<Sourced<T>>),
     /// The object's JSON, as written from its decoded form by [`Kept::compact`].
-    Encoded { origin: Box<str>, json: Box<[u8]>, kind: PhantomData<fn() -> T> },
+    Encoded(Box<Encoded<T>>),
+}
+
+struct Encoded<T> {
+    namespace: Option<Box<str>>,
+    name: Option<Box<str>>,
+    /// The `kubernetes.io/service-name` label.
+    service_name: Option<Box<str>>,
+    origin: Box<str>,
+    json: Box<[u8]>,
+    kind: PhantomData<fn() -> T>,
 }
 
 /// What the model never reads of an object: removed before it is kept.
@@ -103,43 +109,80 @@ impl<T: Slim + Serialize + DeserializeOwned> Kept<T> {
     /// `object` without what the model never reads, encoded; kept whole should it not encode.
     pub fn compact(origin: String, mut object: T) -> Self {
         object.slim();
-        let meta = object.metadata();
-        let (namespace, name) = (boxed(&meta.namespace), boxed(&meta.name));
-        let service_name =
-            meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)).map(|s| s.as_str().into());
         let form = match serde_json::to_vec(&object) {
-            Ok(json) => Form::Encoded { origin: origin.into(), json: json.into(), kind: PhantomData },
+            Ok(json) => {
+                let meta = object.metadata();
+                Form::Encoded(Box::new(Encoded {
+                    namespace: boxed(&meta.namespace),
+                    name: boxed(&meta.name),
+                    service_name: label(meta, LABEL_SERVICE_NAME).map(Box::from),
+                    origin: origin.into(),
+                    json: json.into(),
+                    kind: PhantomData,
+                }))
+            }
             Err(_) => Form::Whole(Arc::new(Sourced { origin, object })),
         };
-        Self { namespace, name, service_name, form }
+        Self { form }
     }
 
     /// The object as the model reads it (decoded afresh when kept encoded).
     pub fn sourced(&self) -> Arc<Sourced<T>> {
         match &self.form {
             Form::Whole(object) => Arc::clone(object),
-            Form::Encoded { origin, json, .. } => {
-                let object = serde_json::from_slice(json)
+            Form::Encoded(encoded) => {
+                let object = serde_json::from_slice(&encoded.json)
                     .expect("the JSON of a decoded object decodes again (it was written from one)");
-                Arc::new(Sourced { origin: origin.to_string(), object })
+                Arc::new(Sourced { origin: encoded.origin.to_string(), object })
             }
         }
     }
 }
 
-impl<T> Kept<T> {
+fn label<'a>(meta: &'a ObjectMeta, key: &str) -> Option<&'a str> {
+    meta.labels.as_ref().and_then(|labels| labels.get(key)).map(String::as_str)
+}
+
+impl<T: Slim> Kept<T> {
     /// An object kept whole, shared with its source.
-    pub fn whole(object: Arc<Sourced<T>>) -> Self
-    where
-        T: Slim,
-    {
-        let meta = object.object.metadata();
-        let (namespace, name) = (boxed(&meta.namespace), boxed(&meta.name));
-        let service_name =
-            meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)).map(|s| s.as_str().into());
-        Self { namespace, name, service_name, form: Form::Whole(object) }
+    pub fn whole(object: Arc<Sourced<T>>) -> Self {
+        Self { form: Form::Whole(object) }
     }
 
+    /// `metadata.namespace`.
+    pub fn namespace(&self) -> Option<&str> {
+        match &self.form {
+            Form::Whole(object) => object.object.metadata().namespace.as_deref(),
+            Form::Encoded(encoded) => encoded.namespace.as_deref(),
+        }
+    }
+
+    /// `metadata.name`.
+    pub fn name(&self) -> Option<&str> {
+        match &self.form {
+            Form::Whole(object) => object.object.metadata().name.as_deref(),
+            Form::Encoded(encoded) => encoded.name.as_deref(),
+        }
+    }
+
+    /// The `kubernetes.io/service-name` label (an EndpointSlice's Service).
+    pub fn service_name(&self) -> Option<&str> {
+        match &self.form {
+            Form::Whole(object) => label(object.object.metadata(), LABEL_SERVICE_NAME),
+            Form::Encoded(encoded) => encoded.service_name.as_deref(),
+        }
+    }
+
+    /// Where the object was read, as error messages name it.
+    pub fn origin(&self) -> &str {
+        match &self.form {
+            Form::Whole(object) => &object.origin,
+            Form::Encoded(encoded) => &encoded.origin,
+        }
+    }
+}
+
+impl<T> Kept<T> {
     /// Whether `a` and `b` are the same version of an object: the same handle, or kept whole from
     /// the same one (the manifests source shares an unchanged object from one snapshot to the next,
     /// each in a wrapper of its own).
@@ -147,29 +190,6 @@ impl<T> Kept<T> {
         match (&a.form, &b.form) {
             (Form::Whole(a), Form::Whole(b)) => Arc::ptr_eq(a, b),
             _ => Arc::ptr_eq(a, b),
-        }
-    }
-
-    /// `metadata.namespace`.
-    pub fn namespace(&self) -> Option<&str> {
-        self.namespace.as_deref()
-    }
-
-    /// `metadata.name`.
-    pub fn name(&self) -> Option<&str> {
-        self.name.as_deref()
-    }
-
-    /// The `kubernetes.io/service-name` label (an EndpointSlice's Service).
-    pub fn service_name(&self) -> Option<&str> {
-        self.service_name.as_deref()
-    }
-
-    /// Where the object was read, as error messages name it.
-    pub fn origin(&self) -> &str {
-        match &self.form {
-            Form::Whole(object) => &object.origin,
-            Form::Encoded { origin, .. } => origin,
         }
     }
 }

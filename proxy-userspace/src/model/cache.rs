@@ -23,7 +23,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use super::claims::{Merge, Parts, entry_stats};
 use crate::{
-    k8s::kept::{Kept, decoded},
+    k8s::kept::{Kept, Slim, decoded},
     k8s::manifest::ManifestError,
     model::{self, Desired, Frontend, ModelOptions, Scope},
 };
@@ -49,7 +49,7 @@ fn service_of(slice: &Kept<EndpointSlice>) -> Option<(&str, &str)> {
 }
 
 /// A Service's namespace and name as its slices' label names it (`default` for no namespace).
-fn service_key<T>(object: &Kept<T>) -> (&str, &str) {
+fn service_key<T: Slim>(object: &Kept<T>) -> (&str, &str) {
     (object.namespace().unwrap_or("default"), object.name().unwrap_or_default())
 }
 

@@ -15,7 +15,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use crate::{
     k8s::api_watch::{Objects, Replaced},
-    k8s::kept::Kept,
+    k8s::kept::{Kept, Slim},
     k8s::manifest::{ManifestError, Sourced},
     model::{self, ModelOptions},
 };
@@ -40,7 +40,7 @@ pub struct LastGood {
     options: Option<ModelOptions>,
 }
 
-fn key<T>(object: &Kept<T>) -> (String, String) {
+fn key<T: Slim>(object: &Kept<T>) -> (String, String) {
     (object.namespace().unwrap_or_default().to_owned(), object.name().unwrap_or_default().to_owned())
 }
 
@@ -82,7 +82,7 @@ impl<T> Admitted<T> {
 }
 
 /// The decision for `object`, given the one kept for its name (if any).
-fn decide<T>(
+fn decide<T: Slim>(
     object: &Arc<Kept<T>>,
     last: Option<Decision<T>>,
     problems: &impl Fn(&Kept<T>) -> Vec<ManifestError>,
@@ -116,7 +116,7 @@ fn decide<T>(
     }
 }
 
-impl<T> KindState<T> {
+impl<T: Slim> KindState<T> {
     /// Decides for each object of one kind; `problems` validates one version.
     fn admit(
         &mut self,

@@ -33,11 +33,11 @@ pub(super) struct Selectors {
 }
 
 /// What a list or watch brings.
-pub(super) enum Update<K> {
-    /// Every object, from a complete list: replaces what was there. Boxed as each page arrives, so a
-    /// list is a vector of pointers rather than one buffer holding every object (13 MiB for 10k
-    /// Services, beside the objects themselves, at the agent's peak).
-    Listed(Vec<Box<K>>),
+pub(super) enum Update<K, L = Box<K>> {
+    /// Every object, from a complete list: replaces what was there. Each page's objects are made into
+    /// what the caller keeps (`L`: boxed, or kept compactly) as the page arrives, so a list of 10k
+    /// decoded objects never exists at once (40 MiB of Services and EndpointSlices, the agent's peak).
+    Listed(Vec<L>),
     Applied(K),
     Deleted(K),
 }
@@ -58,12 +58,13 @@ impl WatchEnd {
 
 /// Lists then watches `api` for ever, handing each change to `apply` (see
 /// [`watch_cluster`]) and telling `health` how it goes.
-pub(super) async fn reflect<K>(
+pub(super) async fn reflect<K, L>(
     client: Client,
     selectors: Selectors,
     options: WatchOptions,
     health: Option<Arc<dyn WatchProgress>>,
-    mut apply: impl FnMut(Update<K>),
+    listed: fn(K) -> L,
+    mut apply: impl FnMut(Update<K, L>),
 ) where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
@@ -75,7 +76,7 @@ pub(super) async fn reflect<K>(
     let mut last_listed: Option<tokio::time::Instant> = None;
     loop {
         let error = match resume.take() {
-            None => match list_and_apply(&api, &list_params, health.as_ref(), &mut apply).await {
+            None => match list_and_apply(&api, &list_params, health.as_ref(), listed, &mut apply).await {
                 Ok(version) => {
                     backoff.reset();
                     resume = Some(version);
@@ -139,11 +140,12 @@ fn request_params(selectors: Selectors, options: WatchOptions) -> (ListParams, W
 }
 
 /// One complete list handed to `apply`: the version to watch from, or the error to back off on.
-async fn list_and_apply<K>(
+async fn list_and_apply<K, L>(
     api: &Api<K>,
     params: &ListParams,
     health: Option<&Arc<dyn WatchProgress>>,
-    apply: &mut impl FnMut(Update<K>),
+    listed: fn(K) -> L,
+    apply: &mut impl FnMut(Update<K, L>),
 ) -> Result<String, String>
 where
     K: kube::Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
@@ -152,7 +154,7 @@ where
     if let Some(health) = health {
         health.listing(SystemTime::now());
     }
-    match list_all(api, params).await {
+    match list_all(api, params, listed).await {
         Ok((objects, version)) => {
             tracing::info!(objects = objects.len(), resource_version = %version, "listed the {kind}s");
             if let Some(health) = health {
@@ -171,7 +173,11 @@ where
 }
 
 /// Every page of a list: the objects and the list's resourceVersion.
-async fn list_all<K>(api: &Api<K>, params: &ListParams) -> Result<(Vec<Box<K>>, String), String>
+async fn list_all<K, L>(
+    api: &Api<K>,
+    params: &ListParams,
+    listed: fn(K) -> L,
+) -> Result<(Vec<L>, String), String>
 where
     K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
 {
@@ -182,7 +188,7 @@ where
             .await
             .map_err(|_| format!("no answer within {}s", LIST_TIMEOUT.as_secs()))?
             .map_err(|error| describe(&error))?;
-        objects.extend(page.items.into_iter().map(Box::new));
+        objects.extend(page.items.into_iter().map(listed));
         match page.metadata.continue_.filter(|token| !token.is_empty()) {
             Some(token) => params.continue_token = Some(token),
             None => {
@@ -207,10 +213,10 @@ struct WatchRequest<'a> {
 /// One watch request from `version`, until it ends. The stream is read line
 /// by line here rather than through `Api::watch`, which silently skips a
 /// line that is cut short JSON (its change would be lost unnoticed).
-async fn watch_once<K>(
+async fn watch_once<K, L>(
     watch: &WatchRequest<'_>,
     mut version: String,
-    apply: &mut impl FnMut(Update<K>),
+    apply: &mut impl FnMut(Update<K, L>),
     backoff: &mut DefaultBackoff,
 ) -> WatchEnd
 where
@@ -342,10 +348,10 @@ fn parse_event<K: DeserializeOwned>(text: &str) -> Result<WatchEvent<K>, WatchEn
 }
 
 /// What an event changes and the version to resume from after it, or how the watch ends.
-fn event_update<K: kube::Resource>(
+fn event_update<K: kube::Resource, L>(
     event: WatchEvent<K>,
     version: &str,
-) -> Result<(Option<Update<K>>, String), WatchEnd> {
+) -> Result<(Option<Update<K, L>>, String), WatchEnd> {
     let (update, next_version) = match event {
         WatchEvent::Added(object) | WatchEvent::Modified(object) => {
             let next = object.resource_version();

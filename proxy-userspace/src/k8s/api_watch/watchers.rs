@@ -78,54 +78,53 @@ async fn watch_kind<K>(
 {
     let is_service = K::kind(&()) == "Service";
     let selectors = Selectors { labels: Some(selector), fields: None };
-    reflect(client, selectors, options, health, |update: Update<K>| match update {
-        Update::Listed(objects) => {
-            let count = objects.len() as u64;
-            {
-                // Kept compactly page by page as they come, before the snapshot is locked.
-                let kept: Vec<(ObjectKey, KeptKind)> = objects
-                    .into_iter()
-                    .map(|object| (key(object.namespace(), object.name_any()), object.into().kept()))
-                    .collect();
-                let mut snapshot = changes.snapshot.lock().expect("poisoned");
-                if is_service {
-                    snapshot.services.clear();
-                } else {
-                    snapshot.slices.clear();
+    // Kept compactly page by page as a list comes, before the snapshot is locked.
+    let listed = |object: K| (key(object.namespace(), object.name_any()), Box::new(object).into().kept());
+    reflect(client, selectors, options, health, listed, |update: Update<K, (ObjectKey, KeptKind)>| {
+        match update {
+            Update::Listed(kept) => {
+                let count = kept.len() as u64;
+                {
+                    let mut snapshot = changes.snapshot.lock().expect("poisoned");
+                    if is_service {
+                        snapshot.services.clear();
+                    } else {
+                        snapshot.slices.clear();
+                    }
+                    for (k, object) in kept {
+                        object.store(&mut snapshot, k);
+                    }
                 }
-                for (k, object) in kept {
-                    object.store(&mut snapshot, k);
+                {
+                    let mut ready = changes.ready.lock().expect("poisoned");
+                    if is_service {
+                        ready.0 = true;
+                    } else {
+                        ready.1 = true;
+                    }
                 }
+                if is_service { changes.queue(count, 0, None) } else { changes.queue(0, count, None) }
             }
-            {
-                let mut ready = changes.ready.lock().expect("poisoned");
-                if is_service {
-                    ready.0 = true;
-                } else {
-                    ready.1 = true;
-                }
+            Update::Applied(object) => {
+                let k = key(object.namespace(), object.name_any());
+                let kinded: Kinded = Box::new(object).into();
+                let trigger = kinded.trigger_time();
+                let kept = kinded.kept();
+                kept.store(&mut changes.snapshot.lock().expect("poisoned"), k);
+                if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
             }
-            if is_service { changes.queue(count, 0, None) } else { changes.queue(0, count, None) }
-        }
-        Update::Applied(object) => {
-            let k = key(object.namespace(), object.name_any());
-            let kinded: Kinded = Box::new(object).into();
-            let trigger = kinded.trigger_time();
-            let kept = kinded.kept();
-            kept.store(&mut changes.snapshot.lock().expect("poisoned"), k);
-            if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, trigger) }
-        }
-        Update::Deleted(object) => {
-            let k = key(object.namespace(), object.name_any());
-            {
-                let mut snapshot = changes.snapshot.lock().expect("poisoned");
-                if is_service {
-                    snapshot.services.remove(&k);
-                } else {
-                    snapshot.slices.remove(&k);
+            Update::Deleted(object) => {
+                let k = key(object.namespace(), object.name_any());
+                {
+                    let mut snapshot = changes.snapshot.lock().expect("poisoned");
+                    if is_service {
+                        snapshot.services.remove(&k);
+                    } else {
+                        snapshot.slices.remove(&k);
+                    }
                 }
+                if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, None) }
             }
-            if is_service { changes.queue(1, 0, None) } else { changes.queue(0, 1, None) }
         }
     })
     .await
@@ -140,7 +139,7 @@ async fn watch_node(client: Client, node_name: Option<String>, changes: Arc<Chan
     };
     let selectors = Selectors { labels: None, fields: Some(format!("metadata.name={name}")) };
     let mut seen = false;
-    reflect(client, selectors, options, None, |update: Update<k8s_openapi::api::core::v1::Node>| {
+    reflect(client, selectors, options, None, Box::new, |update: Update<k8s_openapi::api::core::v1::Node>| {
         let node = match update {
             Update::Listed(nodes) => nodes.into_iter().next().map(|node| *node),
             Update::Applied(node) => Some(node),
@@ -179,7 +178,7 @@ async fn watch_service_cidrs(client: Client, changes: Arc<Changes>, options: Wat
         return;
     }
     let selectors = Selectors { labels: None, fields: None };
-    reflect(client, selectors, options, None, |update: Update<ServiceCIDR>| {
+    reflect(client, selectors, options, None, Box::new, |update: Update<ServiceCIDR>| {
         {
             let mut snapshot = changes.snapshot.lock().expect("poisoned");
             let store = |object: ServiceCIDR, snapshot: &mut Snapshot| {
