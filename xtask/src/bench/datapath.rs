@@ -84,7 +84,9 @@ fn capacities() -> Capacities {
     Capacities {
         services: 500_000,
         backends: 400_000,
-        rev_nat: 120_000,
+        // One rev-NAT id per frontend of either family, and FRONTEND_NAMES_V4 names them all: 100k
+        // IPv4 and 100k IPv6 Services.
+        rev_nat: 250_000,
         conntrack: 262_144,
         ..Default::default()
     }
@@ -333,9 +335,12 @@ pub fn run(ctx: &Ctx) -> Result<DatapathResult> {
         let started = std::time::Instant::now();
         let report = syncer.apply(&Desired::new(wanted));
         if !report.errors.is_empty() {
+            // The first few name the cause; a full map fails every frontend after it.
+            let first: Vec<String> = report.errors.iter().take(3).map(ToString::to_string).collect();
             bail!(
-                "programming {size} Services failed: {}",
-                report.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+                "programming {size} Services failed ({} errors): {}",
+                report.errors.len(),
+                first.join("; ")
             );
         }
         if report.frontends_added > 1 {

@@ -142,7 +142,7 @@ fn datapath_section(doc: &mut Doc, dir: &Path, part: &Part<DatapathResult>) {
     };
     let _ = writeln!(
         doc.md,
-        "The real object (`kproxy::bpf::load_unpinned_with`, services 500k / backends 400k / rev-NAT 120k / \
+        "The real object (`kproxy::bpf::load_unpinned_with`, services 500k / backends 400k / rev-NAT 250k / \
          conntrack 262,144 entries), maps programmed by the agent's `Syncer` from a `model::Desired`. The measured \
          Service has 3 backends and sits among N − 1 others with 3 backends each. Each cell: median of {} runs \
          (min–max), ns per packet. Each run is {} separate `BPF_PROG_TEST_RUN` calls with `repeat = 1` and a fresh \
