@@ -83,6 +83,31 @@ pub unsafe fn expired(
     }
 }
 
+/// The entry of the live flow of forward `key` that keeps its backend, with the packet's time read
+/// into `now` for it (a packet of no known flow reads no clock). An expired entry, or a UDP flow
+/// whose backend is gone, is removed: the packet is then looked up as a new flow. As netfilter's
+/// conntrack, a known flow goes on after its Service (or the port) is deleted. Both IPv6 chains'
+/// first step (`ingress6`, `external6`), as `ingress::known_flow` is IPv4's.
+#[inline(always)]
+pub fn known_flow(key: &CtKeyV6, proto: u8, now: &mut u64) -> Option<*mut CtEntryV6> {
+    let entry = lookup(key)?;
+    *now = conntrack::now();
+    // SAFETY: map values stay valid for the program's run; concurrent writers only race on
+    // counters and timestamps.
+    if unsafe { expired(key, entry, &config::get().timeouts, *now) } {
+        // SAFETY: as above.
+        unsafe { remove_pair(key, entry) };
+        stats::count(Stat::ConntrackExpired);
+    } else if crate::lb6::keeps_backend(unsafe { &*entry }, proto) {
+        return Some(entry);
+    } else {
+        // SAFETY: as above.
+        unsafe { remove_pair(key, entry) };
+        stats::count(Stat::Rebalanced);
+    }
+    None
+}
+
 /// Deletes a flow's two entries, so that a new flow can take the tuple.
 ///
 /// # Safety

@@ -189,25 +189,10 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         return Step::SnatReply;
     }
     let key = flow.ct_key(CT_DIR_FORWARD);
-    // A known flow before its frontend: as with netfilter's conntrack, it continues after its
-    // Service (or the port) is deleted.
-    if let Some(entry) = conntrack6::lookup(&key) {
-        let now = conntrack::now();
-        found.now = now;
-        // SAFETY: map values stay valid for the program's run; concurrent writers only race on
-        // counters and timestamps.
-        if unsafe { conntrack6::expired(&key, entry, &config::get().timeouts, now) } {
-            // SAFETY: as above.
-            unsafe { conntrack6::remove_pair(&key, entry) };
-            stats::count(Stat::ConntrackExpired);
-        } else if lb6::keeps_backend(unsafe { &*entry }, flow.proto) {
-            found.entry = entry;
-            return Step::Established;
-        } else {
-            // SAFETY: as above.
-            unsafe { conntrack6::remove_pair(&key, entry) };
-            stats::count(Stat::Rebalanced);
-        }
+    // A known flow before its frontend: it continues after its Service (or the port) is deleted.
+    if let Some(entry) = conntrack6::known_flow(&key, flow.proto, &mut found.now) {
+        found.entry = entry;
+        return Step::Established;
     }
     let (frontend, scope) = match lb6::lookup_scope(flow, SCOPE_EXTERNAL) {
         Some(frontend) => (frontend, SCOPE_EXTERNAL),

@@ -16,7 +16,7 @@ use proxy_common::{
 };
 
 use crate::{
-    config, conntrack,
+    conntrack,
     conntrack6::{self, ReplyTo6},
     fib, lb6,
     maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
@@ -119,25 +119,10 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         return Step::HairpinReply;
     }
     let key = flow.ct_key(CT_DIR_FORWARD);
-    // A known flow before its frontend: as with netfilter's conntrack, it continues after its
-    // Service (or the port) is deleted.
-    if let Some(entry) = conntrack6::lookup(&key) {
-        let now = conntrack::now();
-        found.now = now;
-        // SAFETY: map values stay valid for the program's run; concurrent writers only race on
-        // counters and timestamps.
-        if unsafe { conntrack6::expired(&key, entry, &config::get().timeouts, now) } {
-            // SAFETY: as above.
-            unsafe { conntrack6::remove_pair(&key, entry) };
-            stats::count(Stat::ConntrackExpired);
-        } else if lb6::keeps_backend(unsafe { &*entry }, flow.proto) {
-            found.entry = entry;
-            return Step::Established;
-        } else {
-            // SAFETY: as above.
-            unsafe { conntrack6::remove_pair(&key, entry) };
-            stats::count(Stat::Rebalanced);
-        }
+    // A known flow before its frontend: it continues after its Service (or the port) is deleted.
+    if let Some(entry) = conntrack6::known_flow(&key, flow.proto, &mut found.now) {
+        found.entry = entry;
+        return Step::Established;
     }
 
     let Some(frontend) = lb6::lookup_frontend(flow) else {
