@@ -192,6 +192,17 @@ impl Syncer<BpfStore> {
     }
 }
 
+/// The VIPS_V4/V6 entry of every frontend address, from its frontends as `(address, north–south)`:
+/// what the Syncer writes and `kproxy dump diff` expects.
+pub fn vip_entries(frontends: impl IntoIterator<Item = (IpAddr, bool)>) -> BTreeMap<IpAddr, VipV4> {
+    let mut entries: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
+    for (addr, north_south) in frontends {
+        let entry = entries.entry(addr).or_default();
+        *entry = entry.with_frontend(north_south);
+    }
+    entries
+}
+
 impl<S: Store> Syncer<S> {
     /// Uses Maglev tables for external frontends (`--lb-algorithm=maglev`); the store must keep them
     /// ([`BpfStore::with_maglev`]).
@@ -242,11 +253,7 @@ impl<S: Store> Syncer<S> {
         // Every frontend's address, written before its first frontend: the datapath looks up
         // frontends only on these. Only cluster IPs refuse unknown ports: node addresses, external
         // and LB IPs carry other traffic too.
-        let mut per_vip: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
-        for (fk, frontend) in &wanted {
-            let entry = per_vip.entry(fk.vip).or_default();
-            *entry = entry.with_frontend(frontend.kind != FrontendKind::ClusterIp);
-        }
+        let per_vip = vip_entries(wanted.iter().map(|(fk, f)| (fk.vip, f.kind != FrontendKind::ClusterIp)));
         // Cluster IPs first: a Service port's other frontends name their rev-NAT id (session affinity).
         let cluster_ips = cluster_ip_frontends(wanted.values().copied());
         let cluster_ips_first = wanted

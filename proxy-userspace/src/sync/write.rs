@@ -60,11 +60,9 @@ impl<S: Store> Syncer<S> {
     /// Makes VIPS_V4 count the frontends programmed now; deletes VIPs left
     /// without any (after their frontends' slot 0 are gone).
     pub(super) fn reconcile_vips(&mut self, report: &mut SyncReport) {
-        let mut entries: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
-        for (fk, programmed) in &self.frontends {
-            let entry = entries.entry(fk.vip).or_default();
-            *entry = entry.with_frontend(programmed.flags & SVC_FLAG_EXTERNAL_ADDR != 0);
-        }
+        let entries = super::vip_entries(
+            self.frontends.iter().map(|(fk, p)| (fk.vip, p.flags & SVC_FLAG_EXTERNAL_ADDR != 0)),
+        );
         let counts: BTreeMap<IpAddr, u32> = entries.into_iter().map(|(vip, e)| (vip, e.frontends)).collect();
         for (vip, count) in &counts {
             if self.vips.get(vip) == Some(count) {

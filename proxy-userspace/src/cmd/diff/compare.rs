@@ -20,7 +20,7 @@ use crate::{
     net::{Cidr4, Protocol},
     sync::{
         FrontendKey, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
-        desired_backend_flags, frontend_flags,
+        desired_backend_flags, frontend_flags, vip_entries,
     },
 };
 
@@ -32,7 +32,7 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     let frontends = &desired.frontends;
     let mut grouped = group_by_frontend(state);
     // Before anything is taken out.
-    let per_vip = vip_entries(&grouped);
+    let per_vip = wanted_vip_entries(&grouped);
     let slot0s: BTreeMap<Key, ServiceValueV4> =
         grouped.iter().filter_map(|(key, slots)| Some((*key, *slots.get(&0)?))).collect();
     let mut comparison = Comparison {
@@ -77,15 +77,11 @@ fn group_by_frontend(state: &MapState) -> BTreeMap<Key, Slots> {
 
 /// What VIPS_V4 (VIPS_V6) should hold for each address with a frontend (slot 0): its cluster-IP
 /// frontends, and whether it has north–south ones ([`VipV4`]'s encoding).
-fn vip_entries(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<IpAddr, u32> {
-    let mut per_vip: BTreeMap<IpAddr, VipV4> = BTreeMap::new();
-    for (key, slots) in grouped {
-        if let Some(master) = slots.get(&0) {
-            let entry = per_vip.entry(key.0).or_default();
-            *entry = entry.with_frontend(master.flags & SVC_FLAG_EXTERNAL_ADDR != 0);
-        }
-    }
-    per_vip.into_iter().map(|(vip, entry)| (vip, entry.frontends)).collect()
+fn wanted_vip_entries(grouped: &BTreeMap<Key, Slots>) -> BTreeMap<IpAddr, u32> {
+    let masters = grouped.iter().filter_map(|(key, slots)| {
+        slots.get(&0).map(|master| (key.0, master.flags & SVC_FLAG_EXTERNAL_ADDR != 0))
+    });
+    vip_entries(masters).into_iter().map(|(vip, entry)| (vip, entry.frontends)).collect()
 }
 
 /// `missing …` for what `want` holds and `have` does not, `extra …` for the reverse; each left out when empty.
