@@ -57,6 +57,58 @@ impl From<&BackendV4> for BackendIdentityV4 {
     }
 }
 
+/// [`BackendIdentityV4`] for an IPv6 backend: an IPv6 frontend's table is built from these (a
+/// frontend's backends are all of its own family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct BackendIdentityV6 {
+    /// Network byte order, as in the maps.
+    pub addr: [u8; 16],
+    /// Network byte order, as in the maps.
+    pub port: [u8; 2],
+    pub proto: u8,
+}
+
+impl BackendIdentityV6 {
+    pub const fn new(addr: [u8; 16], port: [u8; 2], proto: u8) -> Self {
+        Self { addr, port, proto }
+    }
+}
+
+/// A backend identity [`populate`] can build a table from: ordered the same on every node and
+/// hashed from its bytes alone.
+pub trait BackendIdentity: Copy + Ord {
+    /// `state` with the identity folded in, word by word (little-endian words, so that the hash
+    /// does not depend on the host's byte order).
+    fn absorb_into(&self, state: u64) -> u64;
+}
+
+impl BackendIdentity for BackendIdentityV4 {
+    fn absorb_into(&self, state: u64) -> u64 {
+        let [a0, a1, a2, a3] = self.addr;
+        let [p0, p1] = self.port;
+        absorb(state, u64::from_le_bytes([a0, a1, a2, a3, p0, p1, self.proto, 0]))
+    }
+}
+
+impl BackendIdentity for BackendIdentityV6 {
+    fn absorb_into(&self, state: u64) -> u64 {
+        let (high, low) = split_addr6(self.addr);
+        let [p0, p1] = self.port;
+        let rest = u64::from_le_bytes([p0, p1, self.proto, 0, 0, 0, 0, 0]);
+        absorb(absorb(absorb(state, high), low), rest)
+    }
+}
+
+/// An IPv6 address as two little-endian words, its first 8 bytes first.
+#[inline]
+const fn split_addr6(addr: [u8; 16]) -> (u64, u64) {
+    let [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15] = addr;
+    (
+        u64::from_le_bytes([a0, a1, a2, a3, a4, a5, a6, a7]),
+        u64::from_le_bytes([a8, a9, a10, a11, a12, a13, a14, a15]),
+    )
+}
+
 /// Why a table could not be built. The table's contents are unspecified
 /// after an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,7 +185,7 @@ pub use builder::populate;
 // backend, which cannot lower the sort's memcpy calls.
 #[cfg(not(target_arch = "bpf"))]
 mod builder {
-    use super::{BackendIdentityV4, MaglevError, absorb, is_prime, keyed, scratch_len};
+    use super::{BackendIdentity, MaglevError, is_prime, keyed, scratch_len};
 
     /// Fills `table` (exactly `m` entries) with indices into `backends`, so that
     /// `backends[table[flow_hash(..) % m]]` is a flow's backend.
@@ -143,8 +195,8 @@ mod builder {
     /// and may be longer, so one buffer can serve every frontend. The order of
     /// `backends` does not matter: the same identities and seed give the same
     /// identity in every entry. Identities must be distinct.
-    pub fn populate(
-        backends: &[BackendIdentityV4],
+    pub fn populate<I: BackendIdentity>(
+        backends: &[I],
         seed: u32,
         m: u32,
         table: &mut [u32],
@@ -224,21 +276,12 @@ mod builder {
 
     /// A backend's permutation as (offset in `0..m`, skip in `1..m`), from two
     /// independently keyed hashes of its identity as the paper prescribes.
-    fn permutation(backend: &BackendIdentityV4, seed: u32, m: u32) -> (u32, u32) {
-        let word = identity_word(backend);
-        let h1 = absorb(keyed(seed, DOMAIN_OFFSET), word);
-        let h2 = absorb(keyed(seed, DOMAIN_SKIP), word);
+    fn permutation<I: BackendIdentity>(backend: &I, seed: u32, m: u32) -> (u32, u32) {
+        let h1 = backend.absorb_into(keyed(seed, DOMAIN_OFFSET));
+        let h2 = backend.absorb_into(keyed(seed, DOMAIN_SKIP));
         let m = u64::from(m);
         // m == 2 gives skip 1, which still visits both entries.
         ((h1 % m) as u32, (h2 % (m - 1) + 1) as u32)
-    }
-
-    /// The identity as one little-endian word, so that the hash input does not
-    /// depend on the host's byte order.
-    const fn identity_word(backend: &BackendIdentityV4) -> u64 {
-        let [a0, a1, a2, a3] = backend.addr;
-        let [p0, p1] = backend.port;
-        u64::from_le_bytes([a0, a1, a2, a3, p0, p1, backend.proto, 0])
     }
 
     // The two permutation hashes' domains; see `DOMAIN_FLOW`.
@@ -249,6 +292,7 @@ mod builder {
 // Distinct starting states so that offset, skip and flow hashes are unrelated
 // functions of the same input under the same seed (arbitrary distinct constants).
 const DOMAIN_FLOW: u64 = 0x6d61_676c_6576_666c;
+const DOMAIN_FLOW6: u64 = 0x6d61_676c_6576_3666;
 
 /// 2^64 / golden ratio, the increment of SplitMix64.
 const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -305,6 +349,30 @@ pub const fn flow_hash(
     (h ^ (h >> 32)) as u32
 }
 
+/// [`flow_hash`] of an IPv6 flow: the addresses as four words, then ports and protocol.
+#[inline]
+pub const fn flow_hash6(
+    saddr: [u8; 16],
+    daddr: [u8; 16],
+    sport: [u8; 2],
+    dport: [u8; 2],
+    proto: u8,
+    seed: u32,
+) -> u32 {
+    let (s_high, s_low) = split_addr6(saddr);
+    let (d_high, d_low) = split_addr6(daddr);
+    let [sp0, sp1] = sport;
+    let [dp0, dp1] = dport;
+    let rest = u64::from_le_bytes([sp0, sp1, dp0, dp1, proto, 0, 0, 0]);
+    let mut h = keyed(seed, DOMAIN_FLOW6);
+    h = absorb(h, s_high);
+    h = absorb(h, s_low);
+    h = absorb(h, d_high);
+    h = absorb(h, d_low);
+    h = absorb(h, rest);
+    (h ^ (h >> 32)) as u32
+}
+
 /// The table entry for `hash` in a table of `m` entries: `hash % m` without
 /// the panic path of `%` (a zero `m`, which no valid table has, gives 0).
 #[inline]
@@ -355,7 +423,7 @@ mod tests {
         out
     }
 
-    fn build(backends: &[BackendIdentityV4], seed: u32, m: u32) -> Vec<u32> {
+    fn build<I: BackendIdentity>(backends: &[I], seed: u32, m: u32) -> Vec<u32> {
         let mut table = vec![0u32; m as usize];
         let mut scratch = vec![0u32; scratch_len(backends.len())];
         populate(backends, seed, m, &mut table, &mut scratch).unwrap();
@@ -364,7 +432,7 @@ mod tests {
 
     /// The table as identities, comparable across differently ordered or
     /// changed backend lists.
-    fn identities(backends: &[BackendIdentityV4], table: &[u32]) -> Vec<BackendIdentityV4> {
+    fn identities<I: BackendIdentity>(backends: &[I], table: &[u32]) -> Vec<I> {
         table.iter().map(|&i| backends[i as usize]).collect()
     }
 
@@ -389,7 +457,10 @@ mod tests {
         let b = random_backends(&mut Rng(1), 3);
         let mut table = vec![0u32; 13];
         let mut scratch = vec![0u32; 9];
-        assert_eq!(populate(&[], 0, 13, &mut table, &mut scratch), Err(MaglevError::NoBackends));
+        assert_eq!(
+            populate::<BackendIdentityV4>(&[], 0, 13, &mut table, &mut scratch),
+            Err(MaglevError::NoBackends)
+        );
         assert_eq!(populate(&b, 0, 12, &mut table, &mut scratch), Err(MaglevError::SizeNotPrime { m: 12 }));
         assert_eq!(populate(&b, 0, 1, &mut table, &mut scratch), Err(MaglevError::SizeNotPrime { m: 1 }));
         assert_eq!(
@@ -490,6 +561,60 @@ mod tests {
         assert_eq!(
             flow_hash([10, 0, 0, 9], [10, 96, 0, 10], 40000u16.to_be_bytes(), 80u16.to_be_bytes(), 6, 0),
             0xdf8d_83a3
+        );
+    }
+
+    fn v6(last: u8, port: u16) -> BackendIdentityV6 {
+        let mut addr = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        addr[15] = last;
+        BackendIdentityV6::new(addr, port.to_be_bytes(), 6)
+    }
+
+    #[test]
+    fn ipv6_tables_are_balanced_deterministic_and_pinned() {
+        let b: Vec<BackendIdentityV6> = (1..=7).map(|i| v6(i, 80)).collect();
+        let table = build(&b, 7, MAGLEV_TABLE_SIZE);
+        let mut shares = [0u32; 7];
+        for &i in &table {
+            shares[i as usize] += 1;
+        }
+        let (floor, ceil) = (MAGLEV_TABLE_SIZE / 7, MAGLEV_TABLE_SIZE.div_ceil(7));
+        assert!(shares.iter().all(|&s| s == floor || s == ceil), "shares {shares:?}");
+
+        let mut reversed = b.clone();
+        reversed.reverse();
+        let again = build(&reversed, 7, MAGLEV_TABLE_SIZE);
+        assert_eq!(identities(&b, &table), identities(&reversed, &again));
+
+        // Only the address's last byte differs between these: every byte of it counts.
+        let small = [v6(1, 80), v6(2, 80), v6(3, 80)];
+        assert_eq!(build(&small, 0, 13), [2, 0, 2, 1, 0, 0, 1, 2, 0, 1, 1, 0, 2]);
+        let a: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
+        let d: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0a];
+        assert_eq!(flow_hash6(a, d, 40000u16.to_be_bytes(), 80u16.to_be_bytes(), 6, 0), 0x2b21_0fa5);
+    }
+
+    #[test]
+    fn flow_hash6_depends_on_every_byte_and_the_seed() {
+        let base = ([0x20u8; 16], [0xfdu8; 16], [0x9c, 0x40], [0, 80], 6u8, 42u32);
+        let h = |t: ([u8; 16], [u8; 16], [u8; 2], [u8; 2], u8, u32)| flow_hash6(t.0, t.1, t.2, t.3, t.4, t.5);
+        let reference = h(base);
+        for i in 0..16 {
+            let mut s = base;
+            s.0[i] ^= 1;
+            assert_ne!(h(s), reference, "source byte {i}");
+            let mut d = base;
+            d.1[i] ^= 1;
+            assert_ne!(h(d), reference, "destination byte {i}");
+        }
+        assert_ne!(h(([0x20; 16], [0xfd; 16], [0x9c, 0x41], [0, 80], 6, 42)), reference);
+        assert_ne!(h(([0x20; 16], [0xfd; 16], [0x9c, 0x40], [0, 81], 6, 42)), reference);
+        assert_ne!(h(([0x20; 16], [0xfd; 16], [0x9c, 0x40], [0, 80], 17, 42)), reference);
+        assert_ne!(h(([0x20; 16], [0xfd; 16], [0x9c, 0x40], [0, 80], 6, 43)), reference);
+        // Not the IPv4 hash of the same bytes' prefix: the families have their own domains.
+        assert_ne!(
+            flow_hash6([0; 16], [0; 16], [0; 2], [0; 2], 6, 0),
+            flow_hash([0; 4], [0; 4], [0; 2], [0; 2], 6, 0)
         );
     }
 

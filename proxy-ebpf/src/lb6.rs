@@ -3,9 +3,10 @@
 //! AFFINITY_V6.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
+    maglev::{MAGLEV_TABLE_SIZE, flow_hash6, table_index},
     maps::{
         AffinityValueV4, BACKEND_FLAG_TERMINATING, CT_FLAG_DIRECT, IPPROTO_TCP, SCOPE_INTERNAL,
-        SVC_FLAG_AFFINITY, ServiceValueV4,
+        SVC_FLAG_AFFINITY, SVC_FLAG_MAGLEV, ServiceValueV4,
     },
     maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, ServiceKeyV6},
     slots::select_slot,
@@ -13,7 +14,8 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{AFFINITY_V6, BACKENDS_V6, SERVICES_V6, VIPS_V6},
+    config,
+    maps::{AFFINITY_V6, BACKENDS_V6, MAGLEV_V4, SERVICES_V6, VIPS_V6},
     parse6::Flow6,
     stats,
     verdict::Verdict,
@@ -93,7 +95,8 @@ fn slot_of(flow: &Flow6, scope: u8, count: u16, backend_id: u32, hint: u32) -> O
 /// is fresh and its backend still an active one of the frontend's (sessionAffinity: ClientIP, keyed
 /// by the Service port's affinity id as IPv4's), otherwise one of the frontend's `count` active
 /// slots with equal probability (slots past `count` hold terminating backends, which take no new
-/// flow). Maglev is IPv4's only for now: such a frontend gets a random pick. The internal entry's
+/// flow). A Maglev frontend's table (in MAGLEV_V4, whose tables serve both families) picks next, as
+/// `lb::maglev_backend` does for IPv4, from the flow's [`flow_hash6`]. The internal entry's
 /// slots; the work is [`select_backend_in`]'s, not inlined: a stage of its own, called from the
 /// program before `new_flow`, which has no room for it.
 #[inline(always)]
@@ -137,6 +140,12 @@ pub fn select_backend_in(
             }
         }
     }
+    if frontend.flags & SVC_FLAG_MAGLEV != 0
+        && let Some(table) = frontend.maglev_table()
+        && maglev_backend(flow, table, choice)
+    {
+        return Ok(());
+    }
     // SAFETY: a helper without side effects.
     let pick = unsafe { bpf_get_prandom_u32() };
     let slot = select_slot(pick, frontend.count).ok_or(Verdict::pass(Stat::NoBackend))?;
@@ -154,4 +163,28 @@ pub fn select_backend_in(
     choice.backend_id = backend_id;
     choice.backend = backend;
     Ok(())
+}
+
+/// The backend Maglev table `table` gives the flow, into `choice`; false when the entry is missing or
+/// its backend gone or terminating (then the slots decide).
+#[inline(always)]
+fn maglev_backend(flow: &Flow6, table: u32, choice: &mut Choice6) -> bool {
+    let seed = config::nodeport().maglev_seed;
+    let hash = flow_hash6(flow.saddr, flow.daddr, flow.sport, flow.dport, flow.proto, seed);
+    let Some(index) = table
+        .checked_mul(MAGLEV_TABLE_SIZE)
+        .and_then(|base| base.checked_add(table_index(hash, MAGLEV_TABLE_SIZE)))
+    else {
+        return false;
+    };
+    let Some(&backend_id) = MAGLEV_V4.get(index) else { return false };
+    // SAFETY: the value is copied out at once.
+    let Some(backend) = (unsafe { BACKENDS_V6.get(backend_id) }).copied() else { return false };
+    if backend.flags & BACKEND_FLAG_TERMINATING != 0 {
+        return false;
+    }
+    stats::count(Stat::MaglevPick);
+    choice.backend_id = backend_id;
+    choice.backend = backend;
+    true
 }

@@ -40,24 +40,45 @@ pub struct MaglevSettings {
 }
 
 /// The Maglev table of `backends` (ids aligned with their addresses): the
-/// backend id of each of its [`MAGLEV_TABLE_SIZE`] entries. IPv4 only, as the external frontends that
-/// use Maglev are.
+/// backend id of each of its [`proxy_common::maglev::MAGLEV_TABLE_SIZE`] entries. A frontend's backends are of its own
+/// family; the IPv4 and IPv6 identities hash differently, so a mixed list is refused.
 pub fn build_maglev_table(backends: &[(BackendAddr, u32)], proto: Protocol, seed: u32) -> Result<Vec<u32>> {
-    use proxy_common::maglev::{BackendIdentityV4, MAGLEV_TABLE_SIZE, populate, scratch_len};
-    let identities: Vec<BackendIdentityV4> = backends
-        .iter()
-        .map(|(b, _)| match b.addr {
-            IpAddr::V4(addr) => {
-                Ok(BackendIdentityV4::new(addr.octets(), b.port.to_be_bytes(), proto.number()))
-            }
-            IpAddr::V6(_) => Err(anyhow::anyhow!("Maglev table: {b} is not an IPv4 backend")),
-        })
-        .collect::<Result<_>>()?;
+    use proxy_common::maglev::{BackendIdentityV4, BackendIdentityV6};
+    let first = backends.first().map(|(b, _)| b.addr.is_ipv4()).unwrap_or(true);
+    if let Some((b, _)) = backends.iter().find(|(b, _)| b.addr.is_ipv4() != first) {
+        anyhow::bail!("Maglev table: backend {b} is not of the family of {}", backends[0].0);
+    }
+    let port = |b: &BackendAddr| b.port.to_be_bytes();
+    let indices = if first {
+        let identities: Vec<BackendIdentityV4> = backends
+            .iter()
+            .filter_map(|(b, _)| match b.addr {
+                IpAddr::V4(addr) => Some(BackendIdentityV4::new(addr.octets(), port(b), proto.number())),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        maglev_indices(&identities, seed)?
+    } else {
+        let identities: Vec<BackendIdentityV6> = backends
+            .iter()
+            .filter_map(|(b, _)| match b.addr {
+                IpAddr::V6(addr) => Some(BackendIdentityV6::new(addr.octets(), port(b), proto.number())),
+                IpAddr::V4(_) => None,
+            })
+            .collect();
+        maglev_indices(&identities, seed)?
+    };
+    Ok(indices.into_iter().map(|i| backends[i as usize].1).collect())
+}
+
+/// [`proxy_common::maglev::populate`] into a table of [`proxy_common::maglev::MAGLEV_TABLE_SIZE`] indices.
+fn maglev_indices<I: proxy_common::maglev::BackendIdentity>(identities: &[I], seed: u32) -> Result<Vec<u32>> {
+    use proxy_common::maglev::{MAGLEV_TABLE_SIZE, populate, scratch_len};
     let mut table = vec![0u32; MAGLEV_TABLE_SIZE as usize];
     let mut scratch = vec![0u32; scratch_len(identities.len())];
-    populate(&identities, seed, MAGLEV_TABLE_SIZE, &mut table, &mut scratch)
+    populate(identities, seed, MAGLEV_TABLE_SIZE, &mut table, &mut scratch)
         .map_err(|e| anyhow::anyhow!("Maglev table: {e}"))?;
-    Ok(table.into_iter().map(|i| backends[i as usize].1).collect())
+    Ok(table)
 }
 
 /// The flag each backend of `frontends` should carry: active when any

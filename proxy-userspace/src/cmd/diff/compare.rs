@@ -662,6 +662,39 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_node_ports_get_maglev_tables_of_their_own_family() {
+        let b6 = |last: u16| BackendAddr {
+            addr: std::net::Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, last).into(),
+            port: 80,
+        };
+        let mut node_port6 = web(vec![b6(0x11), b6(0x12), b6(0x13)]);
+        (node_port6.vip, node_port6.port, node_port6.kind) =
+            ("2001:db8::10".parse::<IpAddr>().unwrap(), 30080, model::FrontendKind::NodePort);
+        let mut node_port4 = web(vec![b(11, 80), b(12, 80)]);
+        (node_port4.vip, node_port4.port, node_port4.kind) =
+            (Ipv4Addr::new(192, 168, 1, 10).into(), 30080, model::FrontendKind::NodePort);
+        let desired = Desired::new(vec![node_port4, node_port6]);
+        let mut mem = programmed_north_south(&desired);
+        let master6 = mem.services6.iter().find(|(k, _)| k.4 == 0).map(|(_, v)| *v).unwrap();
+        assert_ne!(master6.flags & SVC_FLAG_MAGLEV, 0, "the IPv6 NodePort uses Maglev");
+        let table = master6.maglev_table().expect("a table of its own");
+        let base = table * proxy_common::maglev::MAGLEV_TABLE_SIZE;
+        let entries: BTreeSet<u32> =
+            (0..proxy_common::maglev::MAGLEV_TABLE_SIZE).map(|i| mem.maglev[&(base + i)]).collect();
+        let ids6: BTreeSet<u32> = mem.backends6.keys().copied().collect();
+        assert_eq!(entries, ids6, "every IPv6 backend has entries, and nothing else does");
+        assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
+
+        let entry = base + 5;
+        let other = *ids6.iter().find(|id| **id != mem.maglev[&entry]).unwrap();
+        mem.maglev.insert(entry, other);
+        let diff = compare(&desired, &state_of(&mem));
+        assert_eq!(diff.len(), 1, "{diff:#?}");
+        assert_eq!((diff[0].kind, diff[0].frontend.as_str()), ("maglev", "[2001:db8::10]:30080/TCP"));
+        assert!(diff[0].detail.starts_with("1 of 16381 entries"), "{}", diff[0].detail);
+    }
+
+    #[test]
     fn source_ranges_and_maglev_tables_that_drifted_are_named() {
         let desired = north_south();
         let mut mem = programmed_north_south(&desired);
