@@ -16,6 +16,7 @@ pub const MAP_FRAGMENTS_V6: &str = "FRAGMENTS_V6";
 pub const MAP_AFFINITY_V6: &str = "AFFINITY_V6";
 pub const MAP_SNAT_V6: &str = "SNAT_V6";
 pub const MAP_EXTERNAL_IFACES_V6: &str = "EXTERNAL_IFACES_V6";
+pub const MAP_SOURCE_RANGES_V6: &str = "SOURCE_RANGES_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
@@ -27,6 +28,7 @@ pub const AFFINITY_V6_CAPACITY: u32 = 65_536;
 /// One forward and one reverse entry per remapped flow, as SNAT_V4 beside CONNTRACK_V4.
 pub const SNAT_V6_CAPACITY: u32 = CONNTRACK_V6_CAPACITY;
 pub const EXTERNAL_IFACES_V6_CAPACITY: u32 = crate::maps::EXTERNAL_IFACES_CAPACITY;
+pub const SOURCE_RANGES_V6_CAPACITY: u32 = crate::maps::SOURCE_RANGES_V4_CAPACITY;
 
 /// The source of a pod's packets to itself through its IPv6 Service (hairpin), as
 /// [`crate::maps::DEFAULT_HAIRPIN_ADDR`] for IPv4: `100::42:1`, in RFC 6666's discard-only prefix
@@ -154,6 +156,23 @@ pub struct AffinityKeyV6 {
     pub rev_nat_id: crate::maps::RevNatId,
 }
 
+/// A SOURCE_RANGES_V6 key, as [`crate::maps::SourceRangeV4`]: the frontend's rev-NAT id (big-endian,
+/// [`crate::maps::SOURCE_RANGE_ID_BITS`] of the prefix) then the client address, so that one
+/// longest-prefix lookup of `(rev_nat_id, client)` at `32 + 128` bits finds a range of that frontend
+/// holding the client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SourceRangeV6 {
+    pub rev_nat_id: [u8; 4],
+    pub addr: [u8; 16],
+}
+
+impl SourceRangeV6 {
+    pub const fn new(rev_nat_id: crate::maps::RevNatId, addr: [u8; 16]) -> Self {
+        Self { rev_nat_id: rev_nat_id.to_be_bytes(), addr }
+    }
+}
+
 /// An external interface's IPv6 address, as [`crate::maps::ExternalIfaceV4`]: EXTERNAL_IFACES_V6 maps
 /// the interface's index to the address an IPv6 flow source-NATed out of it takes (its first global
 /// address).
@@ -191,6 +210,7 @@ mod pod {
     unsafe impl aya::Pod for AffinityKeyV6 {}
     unsafe impl aya::Pod for SnatEntryV6 {}
     unsafe impl aya::Pod for ExternalIfaceV6 {}
+    unsafe impl aya::Pod for SourceRangeV6 {}
 }
 
 #[cfg(test)]
@@ -209,6 +229,7 @@ mod tests {
         assert_eq!(size_of::<AffinityKeyV6>(), 16 + 4);
         assert_eq!(size_of::<SnatEntryV6>(), 8 + 16 + 2 + 6);
         assert_eq!(size_of::<ExternalIfaceV6>(), 16);
+        assert_eq!(size_of::<SourceRangeV6>(), 4 + 16);
     }
 
     #[test]

@@ -21,8 +21,8 @@
 //! with IPv4's. The packet (`FLOW6_SCRATCH`), a new flow's backend (`CHOICE6_SCRATCH`) and the
 //! route and node address (`EXTERNAL6_SCRATCH`) live in per-CPU maps. Not built: masquerading of
 //! cluster IPs reached from outside (no IPv6 cluster CIDR yet; they are DNATed, and source-NATed
-//! to a remote backend), source ranges (the agent programs no IPv6 LB IP that has them; one
-//! flagged is dropped), Maglev.
+//! to a remote backend). Source ranges are SOURCE_RANGES_V6's (`lb6::source_allowed`), Maglev tables
+//! MAGLEV_V4's (`lb6::select_backend_in`).
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     conntrack::{Clash, direct_may_clash, starts_tcp_flow},
@@ -208,9 +208,7 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         },
     };
     found.now = conntrack::now();
-    // The agent programs no IPv6 load-balancer IP with source ranges (no IPv6 filter yet); one
-    // flagged all the same is closed rather than opened to every client.
-    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb6::source_allowed(frontend.rev_nat_id, flow.saddr) {
         return Step::Drop(Stat::DropSourceRange);
     }
     if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {

@@ -138,10 +138,9 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         return Step::Pass(Stat::PassNoService);
     };
     found.now = conntrack::now();
-    // No IPv6 source ranges yet: a source-ranged LB IP is left to the load balancer, which
-    // enforces its ranges (what the socket hooks do for the node's own connections).
-    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 {
-        return Step::Pass(Stat::PassNoService);
+    // Pods are filtered too, as IPv4's (kube-proxy checks every source before DNAT).
+    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb6::source_allowed(frontend.rev_nat_id, flow.saddr) {
+        return Step::Drop(Stat::DropSourceRange);
     }
     if flow.proto == IPPROTO_TCP && !starts_tcp_flow(flow.tcp_flags) {
         // No connection is known for this segment: translating it would start a flow

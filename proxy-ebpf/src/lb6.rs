@@ -8,14 +8,15 @@ use proxy_common::{
         AffinityValueV4, BACKEND_FLAG_TERMINATING, CT_FLAG_DIRECT, IPPROTO_TCP, SCOPE_INTERNAL,
         SVC_FLAG_AFFINITY, SVC_FLAG_MAGLEV, ServiceValueV4,
     },
-    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, ServiceKeyV6},
+    maps::{RevNatId, SOURCE_RANGE_ID_BITS},
+    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, ServiceKeyV6, SourceRangeV6},
     slots::select_slot,
     stats::Stat,
 };
 
 use crate::{
     config,
-    maps::{AFFINITY_V6, BACKENDS_V6, MAGLEV_V4, SERVICES_V6, VIPS_V6},
+    maps::{AFFINITY_V6, BACKENDS_V6, MAGLEV_V4, SERVICES_V6, SOURCE_RANGES_V6, VIPS_V6},
     parse6::Flow6,
     stats,
     verdict::Verdict,
@@ -34,6 +35,16 @@ pub fn lookup_scope(flow: &Flow6, scope: u8) -> Option<&'static ServiceValueV4> 
     // SAFETY: entries are replaced whole by userspace, never freed under us for longer than the
     // RCU section this program runs in.
     unsafe { SERVICES_V6.get(key) }
+}
+
+/// Whether `client` is inside one of the frontend's IPv6 loadBalancerSourceRanges.
+#[inline(always)]
+pub fn source_allowed(rev_nat_id: RevNatId, client: [u8; 16]) -> bool {
+    let key = aya_ebpf::maps::lpm_trie::Key::new(
+        SOURCE_RANGE_ID_BITS + 128,
+        SourceRangeV6::new(rev_nat_id, client),
+    );
+    SOURCE_RANGES_V6.get(&key).is_some()
 }
 
 /// Whether `addr` is a Service's IPv6 cluster IP (on any port). North–south addresses have

@@ -65,6 +65,13 @@ pub static SNAT_V4: LruHashMap<CtKeyV4, SnatEntryV4> = LruHashMap::with_max_entr
 pub static SOURCE_RANGES_V4: LpmTrie<SourceRangeV4, u8> =
     LpmTrie::with_max_entries(SOURCE_RANGES_V4_CAPACITY, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
+/// loadBalancerSourceRanges of IPv6 frontends, as SOURCE_RANGES_V4.
+#[map(name = "SOURCE_RANGES_V6")]
+pub static SOURCE_RANGES_V6: LpmTrie<proxy_common::maps_v6::SourceRangeV6, u8> = LpmTrie::with_max_entries(
+    proxy_common::maps_v6::SOURCE_RANGES_V6_CAPACITY,
+    aya_ebpf::bindings::BPF_F_NO_PREALLOC,
+);
+
 /// The node's external interfaces (ifindex) and the address each SNATs to.
 #[map(name = "EXTERNAL_IFACES")]
 pub static EXTERNAL_IFACES: HashMap<u32, ExternalIfaceV4> =

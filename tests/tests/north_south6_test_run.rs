@@ -429,6 +429,46 @@ fn external_traffic_policy_local_drops_v6_clients_without_a_local_endpoint_and_k
 }
 
 #[test]
+fn a_v6_load_balancer_ip_admits_only_clients_in_its_ipv6_source_ranges_from_outside_and_from_pods() {
+    in_private_netns6(|ingress| {
+        const LB_IP: [u8; 16] = addr6(0x0203, 0x0000, 0x10);
+        /// Outside the ranges: another client of the underlay's neighbourhood, and a pod.
+        const OUTSIDER: [u8; 16] = addr6(0x0198, 0x0051, 0x07);
+        const POD: [u8; 16] = addr6(0x0244, 0x0000, 0x09);
+        let mut lb = web(FrontendKind::LoadBalancer, LB_IP, 80, &[LOCAL_BACKEND]);
+        // The client's /64 and one pod's address.
+        lb.source_ranges = vec![
+            format!("{}/64", ip(CLIENT)).parse().unwrap(),
+            format!("{}/128", ip(LOCAL_BACKEND)).parse().unwrap(),
+        ];
+        let node = Node6::new(ingress, vec![lb]);
+
+        let syn = Packet6::tcp(CLIENT, 40100, LB_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TCX_NEXT, "a client in a range is admitted");
+        assert_eq!(out, Packet6 { dst: LOCAL_BACKEND, ..syn }.frame(NODE_MAC, CLIENT_MAC));
+        assert!(l4_checksum_valid(&out));
+
+        let denied = Packet6::tcp(OUTSIDER, 40101, LB_IP, 80, TCP_SYN, b"");
+        let (action, _) = node.external(&denied.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, DROP, "a client outside every range is dropped");
+        assert_eq!(node.stat(Stat::DropSourceRange), 1);
+        assert!(node.ct(&ct_key6(OUTSIDER, 40101, LB_IP, 80, IPPROTO_TCP, CT_DIR_FORWARD)).is_none());
+
+        // Pods are filtered on their veth too (kube-proxy checks every source before DNAT).
+        let from_pod = Packet6::tcp(POD, 40102, LB_IP, 80, TCP_SYN, b"");
+        let (action, _) = node.run("kproxy_ingress", &from_pod.frame(NODE_MAC, LOCAL_POD_MAC));
+        assert_eq!(action, DROP, "a pod outside every range");
+        assert_eq!(node.stat(Stat::DropSourceRange), 2);
+        let from_admitted_pod = Packet6::tcp(LOCAL_BACKEND, 40103, LB_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.run("kproxy_ingress", &from_admitted_pod.frame(NODE_MAC, LOCAL_POD_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "a pod in a range (here the backend itself: hairpin, sent back)");
+        assert_eq!(&out[38..54], &LOCAL_BACKEND[..], "translated to the backend");
+        assert_eq!(node.stat(Stat::DropSourceRange), 2);
+    });
+}
+
+#[test]
 fn packet_too_big_about_a_source_natted_v6_flow_reaches_the_client_about_its_own_packet() {
     in_private_netns6(|ingress| {
         let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);

@@ -213,7 +213,7 @@ fn local_backends_policy_local_and_other_traffic_are_left_to_tc_and_source_range
         etp_local.scope = Scope::External;
         etp_local.external_local = true;
         let mut ranged = web(FrontendKind::LoadBalancer, [192, 168, 200, 11], 80, &[REMOTE_BACKEND]);
-        ranged.source_ranges = vec![Cidr4::new(Ipv4Addr::from(CLIENT), 32).unwrap()];
+        ranged.source_ranges = vec![Cidr4::new(Ipv4Addr::from(CLIENT), 32).unwrap().into()];
         let x = Xdp0::new(ingress, vec![local, etp_local, ranged]);
 
         for port in [30081, 30082, 22] {

@@ -106,6 +106,8 @@ map_table! {
         snat_v6: HashMap<MapData, CtKeyV6, SnatEntryV6> = MAP_SNAT_V6, LruHashMap, (CtKeyV6, SnatEntryV6);
         /// The IPv6 address each external interface source-NATs to, as `external_ifaces`.
         external_ifaces_v6: HashMap<MapData, u32, ExternalIfaceV6> = MAP_EXTERNAL_IFACES_V6, HashMap, (u32, ExternalIfaceV6);
+        /// loadBalancerSourceRanges of IPv6 frontends, as `source_ranges`.
+        source_ranges_v6: LpmTrie<MapData, SourceRangeV6, u8> = MAP_SOURCE_RANGES_V6, LpmTrie, (lpm_trie::Key<SourceRangeV6>, u8);
     }
     pinned {
         MAP_EVENTS;
@@ -162,5 +164,6 @@ mod tests {
         let without_layout: Vec<_> = ALL_MAPS.iter().filter(|m| expected_layout(m).is_none()).collect();
         assert_eq!(without_layout, [&MAP_EVENTS]);
         assert_eq!(expected_layout(MAP_SOURCE_RANGES_V4), Some((4 + size_of::<SourceRangeV4>() as u32, 1)));
+        assert_eq!(expected_layout(MAP_SOURCE_RANGES_V6), Some((4 + size_of::<SourceRangeV6>() as u32, 1)));
     }
 }

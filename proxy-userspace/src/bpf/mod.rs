@@ -35,6 +35,7 @@ pub use log::forward_bpf_logs;
 pub use maps::{ALL_MAPS, InheritedMap, Maps, expected_layout, map_usage, remove_present, second_handle};
 pub use pins::{DEFAULT_PIN_DIR, Hook, PinDir, SOCKET_PROGRAMS};
 pub use service_store::{
-    BpfStore, Store, read_entries, read_source_ranges, rev_nat_capacity, source_range_key,
+    BpfStore, Store, read_entries, read_source_ranges, read_source_ranges6, rev_nat_capacity,
+    source_range_key, source_range_key6,
 };
 pub use stats::read_stats;

@@ -2,15 +2,15 @@
 //! here, at the kernel boundary, so that `sync` programs the maps without naming aya's map types; its
 //! unit tests use an in-memory store (`sync::mem_store`) instead.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, IterableMap as _, LpmTrie, MapData, MapError, lpm_trie};
 use proxy_common::maps::*;
-use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
+use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6, SourceRangeV6};
 
 use super::Maps;
-use crate::net::Cidr4;
+use crate::net::{Cidr, Cidr4, Cidr6};
 
 /// The map operations the syncer needs: [`BpfStore`] on the real maps, and a
 /// recording in-memory store in the unit tests (the apply order is tested
@@ -31,15 +31,15 @@ pub trait Store {
     fn del_name(&mut self, id: RevNatId) -> Result<()>;
     fn put_vip(&mut self, vip: [u8; 4], value: VipV4) -> Result<()>;
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()>;
-    /// Every frontend's loadBalancerSourceRanges. The defaults are for
-    /// stores that do not keep SOURCE_RANGES_V4.
-    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
+    /// Every frontend's loadBalancerSourceRanges, of both families (SOURCE_RANGES_V4 and
+    /// SOURCE_RANGES_V6). The defaults are for stores that do not keep them.
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr)>> {
         Ok(Vec::new())
     }
-    fn put_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr4) -> Result<()> {
+    fn put_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr) -> Result<()> {
         Ok(())
     }
-    fn del_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr4) -> Result<()> {
+    fn del_source_range(&mut self, _rev_nat_id: RevNatId, _range: Cidr) -> Result<()> {
         Ok(())
     }
     /// One entry of MAGLEV_V4 (the default is for stores without it).
@@ -87,12 +87,13 @@ fn no_ipv6_maps() -> anyhow::Error {
     anyhow::anyhow!("this store has no IPv6 maps")
 }
 
-/// SERVICES_V6, BACKENDS_V6, REV_NAT_V6 and VIPS_V6.
+/// SERVICES_V6, BACKENDS_V6, REV_NAT_V6, VIPS_V6 and SOURCE_RANGES_V6.
 pub struct V6Maps {
     services: HashMap<MapData, ServiceKeyV6, ServiceValueV4>,
     backends: HashMap<MapData, u32, BackendV6>,
     rev_nat: HashMap<MapData, RevNatId, RevNatV6>,
     vips: HashMap<MapData, [u8; 16], VipV4>,
+    source_ranges: LpmTrie<MapData, SourceRangeV6, u8>,
 }
 
 /// The pinned (or freshly loaded) service maps. SOURCE_RANGES_V4 and MAGLEV_V4 are kept only when
@@ -129,6 +130,7 @@ impl BpfStore {
             backends: maps.backends_v6,
             rev_nat: maps.rev_nat_v6,
             vips: maps.vips_v6,
+            source_ranges: maps.source_ranges_v6,
         };
         let mut store = Self::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);
@@ -198,22 +200,41 @@ impl Store for BpfStore {
     fn del_vip(&mut self, vip: [u8; 4]) -> Result<()> {
         ignore_missing(self.vips.remove(&vip))
     }
-    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
-        match &self.source_ranges {
-            Some(trie) => read_source_ranges(trie),
-            None => Ok(Vec::new()),
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr)>> {
+        let mut out = Vec::new();
+        if let Some(trie) = &self.source_ranges {
+            out.extend(read_source_ranges(trie)?.into_iter().map(|(id, range)| (id, Cidr::V4(range))));
+        }
+        if let Some(v6) = &self.v6 {
+            out.extend(
+                read_source_ranges6(&v6.source_ranges)?.into_iter().map(|(id, range)| (id, Cidr::V6(range))),
+            );
+        }
+        Ok(out)
+    }
+    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr) -> Result<()> {
+        match range {
+            Cidr::V4(range) => match &mut self.source_ranges {
+                Some(trie) => trie.insert(&source_range_key(rev_nat_id, range), 1, 0).map_err(map_full),
+                None => Ok(()),
+            },
+            Cidr::V6(range) => self
+                .v6_mut()?
+                .source_ranges
+                .insert(&source_range_key6(rev_nat_id, range), 1, 0)
+                .map_err(map_full),
         }
     }
-    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
-        match &mut self.source_ranges {
-            Some(trie) => trie.insert(&source_range_key(rev_nat_id, range), 1, 0).map_err(map_full),
-            None => Ok(()),
-        }
-    }
-    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
-        match &mut self.source_ranges {
-            Some(trie) => ignore_missing(trie.remove(&source_range_key(rev_nat_id, range))),
-            None => Ok(()),
+    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr) -> Result<()> {
+        match range {
+            Cidr::V4(range) => match &mut self.source_ranges {
+                Some(trie) => ignore_missing(trie.remove(&source_range_key(rev_nat_id, range))),
+                None => Ok(()),
+            },
+            Cidr::V6(range) => match &mut self.v6 {
+                Some(v6) => ignore_missing(v6.source_ranges.remove(&source_range_key6(rev_nat_id, range))),
+                None => Ok(()),
+            },
         }
     }
     fn put_maglev(&mut self, index: u32, backend_id: u32) -> Result<()> {
@@ -282,6 +303,28 @@ pub fn read_source_ranges(trie: &LpmTrie<MapData, SourceRangeV4, u8>) -> Result<
         let data = key.data();
         let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
         if let Some(range) = Cidr4::new(Ipv4Addr::from(data.addr), prefix_len) {
+            out.push((RevNatId::from_be_bytes(data.rev_nat_id), range));
+        }
+    }
+    Ok(out)
+}
+
+/// The SOURCE_RANGES_V6 key of one of an IPv6 frontend's loadBalancerSourceRanges.
+pub fn source_range_key6(rev_nat_id: RevNatId, range: Cidr6) -> lpm_trie::Key<SourceRangeV6> {
+    lpm_trie::Key::new(
+        SOURCE_RANGE_ID_BITS + u32::from(range.prefix_len),
+        SourceRangeV6::new(rev_nat_id, range.addr.octets()),
+    )
+}
+
+/// Every `(rev-NAT id, source range)` SOURCE_RANGES_V6 holds.
+pub fn read_source_ranges6(trie: &LpmTrie<MapData, SourceRangeV6, u8>) -> Result<Vec<(RevNatId, Cidr6)>> {
+    let mut out = Vec::new();
+    for key in trie.keys() {
+        let key = key.context("reading the IPv6 source ranges map")?;
+        let data = key.data();
+        let prefix_len = key.prefix_len().saturating_sub(SOURCE_RANGE_ID_BITS) as u8;
+        if let Some(range) = Cidr6::new(Ipv6Addr::from(data.addr), prefix_len) {
             out.push((RevNatId::from_be_bytes(data.rev_nat_id), range));
         }
     }

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::k8s::manifest::{ManifestError, Sourced};
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 use super::endpoints::{
     Selection, SliceUse, count_endpoints, endpoints_for, local_endpoint_counts, select, use_slice,
@@ -344,10 +344,7 @@ pub(super) fn add_claims(
                 (vip, number, FrontendKind::NodePort, ClaimField::NodePort { port: port.index })
             })
         });
-        // No IPv6 source filter in the datapath yet: an IPv6 load-balancer IP whose Service restricts
-        // IPv6 sources is left to the load balancer rather than opened to every client.
-        let load_balancer_ips =
-            plan.load_balancer_ips.iter().filter(|(vip, _)| vip.is_ipv4() || !plan.ipv6_source_ranges);
+        let load_balancer_ips = plan.load_balancer_ips.iter();
         let external_ips = plan
             .external_ips
             .iter()
@@ -388,7 +385,7 @@ struct Entries<'a> {
     plan: &'a ServicePlan<'a>,
     port: &'a super::service::PortPlan,
     /// The LoadBalancer IPs' admitted sources.
-    source_ranges: &'a [Cidr4],
+    source_ranges: &'a [Cidr],
 }
 
 impl Entries<'_> {
@@ -415,9 +412,10 @@ impl Entries<'_> {
             kind,
             scope,
             external_local: kind != FrontendKind::ClusterIp && plan.external_local,
-            // IPv4 ranges filter IPv4 clients only (kube-proxy's per-family ranges).
-            source_ranges: if kind == FrontendKind::LoadBalancer && vip.is_ipv4() {
-                self.source_ranges.to_vec()
+            // Each family's ranges filter its own clients only (kube-proxy's per-family proxiers): an
+            // IPv6 LB IP of a Service with IPv4 ranges alone is open to every IPv6 client.
+            source_ranges: if kind == FrontendKind::LoadBalancer {
+                self.source_ranges.iter().filter(|range| range.is_ipv4() == vip.is_ipv4()).copied().collect()
             } else {
                 Vec::new()
             },
@@ -431,20 +429,23 @@ impl Entries<'_> {
 /// `allowFromNode`: when a range holds one of this node's addresses, the load-balancer IPs themselves
 /// are admitted too — a VIP-style load balancer whose IP is local to the node loops the node's own
 /// requests back with that IP as their source.
-pub(super) fn load_balancer_sources(plan: &ServicePlan, node_addresses: &[IpAddr]) -> Vec<Cidr4> {
+pub(super) fn load_balancer_sources(plan: &ServicePlan, node_addresses: &[IpAddr]) -> Vec<Cidr> {
     let mut ranges = plan.source_ranges.clone();
-    let allow_from_node = ranges.iter().any(|range| {
-        node_addresses.iter().any(|addr| matches!(addr, IpAddr::V4(addr) if range.contains(*addr)))
-    });
-    if allow_from_node {
-        for &(ip, _) in &plan.load_balancer_ips {
-            let IpAddr::V4(ip) = ip else { continue };
-            let own = Cidr4 { addr: ip, prefix_len: 32 };
+    // Per family: a node address in an IPv4 range admits the IPv4 load-balancer IPs only.
+    for ipv4 in [true, false] {
+        let allow_from_node =
+            plan.source_ranges.iter().filter(|range| range.is_ipv4() == ipv4).any(|range| {
+                node_addresses.iter().any(|addr| addr.is_ipv4() == ipv4 && range.contains(*addr))
+            });
+        if !allow_from_node {
+            continue;
+        }
+        for &(ip, _) in plan.load_balancer_ips.iter().filter(|(ip, _)| ip.is_ipv4() == ipv4) {
             if !ranges.iter().any(|range| range.contains(ip)) {
-                ranges.push(own);
+                ranges.push(Cidr::host(ip));
             }
         }
-        ranges.sort();
     }
+    ranges.sort();
     ranges
 }

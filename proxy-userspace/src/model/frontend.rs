@@ -4,7 +4,7 @@
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 /// A Service's namespace and name; displayed as `namespace/name`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -119,7 +119,7 @@ pub struct Frontend {
     /// `externalTrafficPolicy: Local` (NodePort, ExternalIp and LoadBalancer kinds).
     pub external_local: bool,
     /// `spec.loadBalancerSourceRanges` (LoadBalancer kind only); empty means every source.
-    pub source_ranges: Vec<Cidr4>,
+    pub source_ranges: Vec<Cidr>,
     /// A `local_only` entry without backends whose Service has usable endpoints on other nodes: new
     /// connections are dropped rather than refused (kube-proxy's "has no local endpoints" rule).
     pub no_local_endpoints: bool,

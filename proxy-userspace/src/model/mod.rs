@@ -39,9 +39,9 @@
 //! - each family is a proxy of its own, as kube-proxy's dual-stack proxiers are: a Service gets
 //!   north–south entries only on the addresses of a family it has a cluster IP of, each taking its
 //!   backends from the EndpointSlices of that family; the health check counts the Service's IPv4
-//!   endpoints (its IPv6 ones when it is IPv6-only), so a dual-stack pod counts once. IPv4 source
-//!   ranges filter IPv4 clients only, and an IPv6 load-balancer IP of a Service with an IPv6 source
-//!   range is not programmed (the datapath has no IPv6 source filter yet).
+//!   endpoints (its IPv6 ones when it is IPv6-only), so a dual-stack pod counts once. Each family's
+//!   source ranges filter its own clients only (an IPv6 LB IP of a Service with IPv4 ranges alone
+//!   admits every IPv6 client, as kube-proxy's IPv6 proxier does).
 
 use std::borrow::{Borrow, Cow};
 use std::collections::{HashMap, HashSet};

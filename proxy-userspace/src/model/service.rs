@@ -10,7 +10,7 @@ use tracing::debug;
 
 use crate::k8s::manifest::{ManifestError, Sourced};
 use crate::k8s::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 use super::frontend::ServiceName;
 use super::{DEFAULT_AFFINITY_TIMEOUT_SECONDS, MAX_AFFINITY_TIMEOUT_SECONDS, ModelStats};
@@ -52,11 +52,8 @@ pub(super) struct ServicePlan<'a> {
     /// Usable `status.loadBalancer.ingress[].ip` of a LoadBalancer Service, of either family, each
     /// with its index.
     pub(super) load_balancer_ips: Vec<(IpAddr, usize)>,
-    /// The valid IPv4 `spec.loadBalancerSourceRanges` of a LoadBalancer Service.
-    pub(super) source_ranges: Vec<Cidr4>,
-    /// Whether `spec.loadBalancerSourceRanges` has a valid IPv6 range: the datapath has no IPv6
-    /// source filter yet, so such a Service's IPv6 load-balancer IPs are left to the load balancer.
-    pub(super) ipv6_source_ranges: bool,
+    /// The valid `spec.loadBalancerSourceRanges` of a LoadBalancer Service, of both families.
+    pub(super) source_ranges: Vec<Cidr>,
     pub(super) affinity_timeout: Option<u32>,
     /// `internalTrafficPolicy: Local`.
     pub(super) local_only: bool,
@@ -193,15 +190,14 @@ pub(super) fn plan_service<'a>(
         errors,
     );
     let external_ips = external_ips(spec, origin, &name, errors);
-    let (load_balancer_ips, (source_ranges, ipv6_source_ranges)) =
-        if spec.type_.as_deref() == Some("LoadBalancer") {
-            (
-                load_balancer_ips(svc, origin, &name, errors),
-                load_balancer_source_ranges(spec, origin, &name, errors),
-            )
-        } else {
-            (Vec::new(), (Vec::new(), false))
-        };
+    let (load_balancer_ips, source_ranges) = if spec.type_.as_deref() == Some("LoadBalancer") {
+        (
+            load_balancer_ips(svc, origin, &name, errors),
+            load_balancer_source_ranges(spec, origin, &name, errors),
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let health_check_port = health_check_port(spec, external_local, origin, &name, errors);
     Some(ServicePlan {
         origin,
@@ -211,7 +207,6 @@ pub(super) fn plan_service<'a>(
         external_ips,
         load_balancer_ips,
         source_ranges,
-        ipv6_source_ranges,
         affinity_timeout,
         local_only,
         external_local,
@@ -463,25 +458,20 @@ fn load_balancer_ips(
     load_balancer_ips
 }
 
-/// `spec.loadBalancerSourceRanges` (IPv4, each once, sorted), and whether there is a valid IPv6 one.
+/// `spec.loadBalancerSourceRanges` of both families, each once, sorted.
 fn load_balancer_source_ranges(
     spec: &ServiceSpec,
     origin: &str,
     name: &ServiceName,
     errors: &mut Vec<ManifestError>,
-) -> (Vec<Cidr4>, bool) {
+) -> Vec<Cidr> {
     let mut source_ranges = Vec::new();
-    let mut ipv6 = false;
     for (index, text) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
         match source_range(text) {
-            Ok(Some(range)) => {
+            Ok(range) => {
                 if !source_ranges.contains(&range) {
                     source_ranges.push(range);
                 }
-            }
-            Ok(None) => {
-                debug!(service = %name, range = text, "IPv6 source ranges do not apply to IPv4");
-                ipv6 = true;
             }
             Err(message) => {
                 let field = format!("spec.loadBalancerSourceRanges[{index}]");
@@ -490,7 +480,7 @@ fn load_balancer_source_ranges(
         }
     }
     source_ranges.sort();
-    (source_ranges, ipv6)
+    source_ranges
 }
 
 /// `spec.healthCheckNodePort`, served only with `externalTrafficPolicy: Local`.
@@ -524,16 +514,11 @@ pub(super) fn north_south_address(text: &str, what: &str) -> Result<IpAddr, Stri
     }
 }
 
-/// One `loadBalancerSourceRanges` entry: `Ok(None)` for an IPv6 range, which does not restrict IPv4
-/// clients (as in kube-proxy). The API server has accepted entries with spaces around them, so those
-/// are trimmed.
-pub(super) fn source_range(text: &str) -> Result<Option<Cidr4>, String> {
-    let text = text.trim();
-    let addr = text.split_once('/').map_or(text, |(addr, _)| addr);
-    if addr.parse::<Ipv6Addr>().is_ok() {
-        return Ok(None);
-    }
-    text.parse::<Cidr4>().map(Some).map_err(|problem| format!("{problem}; the range is skipped"))
+/// One `loadBalancerSourceRanges` entry, of either family (each family's frontends take the ranges of
+/// their own, as kube-proxy's per-family proxiers do). The API server has accepted entries with spaces
+/// around them, so those are trimmed.
+pub(super) fn source_range(text: &str) -> Result<Cidr, String> {
+    text.trim().parse::<Cidr>().map_err(|problem| format!("{problem}; the range is skipped"))
 }
 
 /// The ClientIP affinity timeout, if the Service asks for affinity. Invalid values are reported (through

@@ -1921,7 +1921,7 @@ fn source_ranges_apply_to_load_balancer_ips_only_and_bad_ones_are_reported() {
             ),
             (
                 "spec.loadBalancerSourceRanges[3]".to_string(),
-                "\"nonsense\" is not an IPv4 CIDR; the range is skipped".to_string()
+                "\"nonsense\" is not a CIDR; the range is skipped".to_string()
             ),
         ]
     );
@@ -2147,31 +2147,34 @@ fn north_south_addresses_of_a_family_the_service_lacks_are_not_programmed() {
 }
 
 #[test]
-fn ipv6_load_balancer_ips_with_ipv6_source_ranges_are_left_to_the_load_balancer() {
-    // IPv4 ranges filter IPv4 clients only: the IPv6 LB IP is programmed without them.
+fn each_familys_load_balancer_ips_are_filtered_by_the_source_ranges_of_their_family() {
+    let ranges = |desired: &Desired, vip: &str| -> Vec<String> {
+        entry_at(desired, vip, 80, Protocol::Tcp, Scope::Internal)
+            .source_ranges
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
+    // IPv4 ranges alone: the IPv6 LB IP admits every IPv6 client, as kube-proxy's IPv6 proxier does.
     let docs = dual_stack_load_balancer("  loadBalancerSourceRanges: [10.0.0.0/8]\n");
     let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
     let desired = build_opts(&docs, &on_worker(&["192.168.1.10"]));
-    assert_eq!(
-        entry_at(&desired, "198.51.100.10", 80, Protocol::Tcp, Scope::Internal).source_ranges.len(),
-        1
+    assert_eq!(ranges(&desired, "198.51.100.10"), ["10.0.0.0/8"]);
+    assert!(ranges(&desired, "2001:db8:10::10").is_empty());
+    // Both families: each LB IP gets its own family's ranges; a node address in a range admits that
+    // family's LB IPs (allowFromNode), here the IPv6 one only.
+    let docs = dual_stack_load_balancer(
+        "  loadBalancerSourceRanges: [10.0.0.0/8, \"2001:db8:99::/48\", \"fd00:192:168::/48\"]\n",
     );
-    assert!(
-        entry_at(&desired, "2001:db8:10::10", 80, Protocol::Tcp, Scope::Internal).source_ranges.is_empty()
-    );
-    // An IPv6 range: no IPv6 filter in the datapath yet, so that IP is not answered on the node.
-    let docs = dual_stack_load_balancer("  loadBalancerSourceRanges: [10.0.0.0/8, \"2001:db8:99::/48\"]\n");
     let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
-    let desired = build_opts(&docs, &on_worker(&["192.168.1.10"]));
-    assert!(
-        desired.frontends.iter().all(|f| f.vip != "2001:db8:10::10".parse::<std::net::IpAddr>().unwrap()),
-        "{:?}",
-        entries(&desired)
-    );
+    let desired = build_opts(&docs, &on_worker(&["192.168.1.10", "fd00:192:168:1::10"]));
+    assert_eq!(ranges(&desired, "198.51.100.10"), ["10.0.0.0/8"]);
     assert_eq!(
-        entry_at(&desired, "198.51.100.10", 80, Protocol::Tcp, Scope::Internal).source_ranges.len(),
-        1
+        ranges(&desired, "2001:db8:10::10"),
+        ["2001:db8:10::10/128", "2001:db8:99::/48", "fd00:192:168::/48"]
     );
-    // The external IP has no source ranges and stays.
-    entry_at(&desired, "2001:db8:7::7", 80, Protocol::Tcp, Scope::Internal);
+    // External IPs and NodePorts have no source ranges, in either family.
+    assert!(ranges(&desired, "2001:db8:7::7").is_empty());
+    let node_port = entry_at(&desired, "fd00:192:168:1::10", 30080, Protocol::Tcp, Scope::Internal);
+    assert!(node_port.source_ranges.is_empty(), "{node_port:?}");
 }

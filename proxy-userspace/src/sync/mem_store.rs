@@ -10,7 +10,7 @@ use anyhow::Result;
 use proxy_common::maps::{BackendV4, RevNatId, RevNatV4, ServiceKeyV4, ServiceValueV4, VipV4};
 use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
-use crate::{bpf::Store, net::Cidr4};
+use crate::{bpf::Store, net::Cidr};
 
 /// ServiceKeyV4 has no Ord: (vip, port, proto, scope, slot).
 pub type ServiceKeyOrd = ([u8; 4], u16, u8, u8, u16);
@@ -26,7 +26,7 @@ pub struct MemStore {
     pub rev_nat: BTreeMap<RevNatId, RevNatV4>,
     pub names: BTreeMap<RevNatId, String>,
     pub vips: BTreeMap<[u8; 4], VipV4>,
-    pub source_ranges: BTreeSet<(RevNatId, Cidr4)>,
+    pub source_ranges: BTreeSet<(RevNatId, Cidr)>,
     /// MAGLEV_V4 entries written (index → backend id).
     pub maglev: BTreeMap<u32, u32>,
     /// The IPv6 maps: SERVICES_V6 by (vip, port, proto, scope, slot), BACKENDS_V6, REV_NAT_V6, VIPS_V6.
@@ -118,14 +118,14 @@ impl Store for MemStore {
         self.vips.remove(&vip);
         Ok(())
     }
-    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr4)>> {
+    fn read_source_ranges(&self) -> Result<Vec<(RevNatId, Cidr)>> {
         Ok(self.source_ranges.iter().copied().collect())
     }
-    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
+    fn put_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr) -> Result<()> {
         self.source_ranges.insert((rev_nat_id, range));
         Ok(())
     }
-    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr4) -> Result<()> {
+    fn del_source_range(&mut self, rev_nat_id: RevNatId, range: Cidr) -> Result<()> {
         self.source_ranges.remove(&(rev_nat_id, range));
         Ok(())
     }

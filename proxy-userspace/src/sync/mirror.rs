@@ -11,7 +11,7 @@ use proxy_common::maps::{RevNatId, SVC_FLAG_MAGLEV, ServiceValueV4};
 
 use super::{BackendEntry, FrontendKey, Programmed, Store, Syncer};
 use crate::model::BackendAddr;
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 /// A frontend's services map entries, by slot.
 type Slots = BTreeMap<u16, ServiceValueV4>;
@@ -74,7 +74,7 @@ impl<S: Store> Syncer<S> {
             let fk = FrontendKey { vip, port: u16::from_be_bytes(port), proto, scope };
             slots.entry(fk).or_default().insert(slot, value);
         }
-        let mut ranges: BTreeMap<RevNatId, Vec<Cidr4>> = BTreeMap::new();
+        let mut ranges: BTreeMap<RevNatId, Vec<Cidr>> = BTreeMap::new();
         for (id, range) in self.store.read_source_ranges()? {
             ranges.entry(id).or_default().push(range);
         }
@@ -126,7 +126,7 @@ impl<S: Store> Syncer<S> {
 }
 
 /// A frontend as its slots describe it. The Maglev entries are not read back: the table is rewritten in full.
-fn programmed(slots: &Slots, master: &ServiceValueV4, name: String, source_ranges: Vec<Cidr4>) -> Programmed {
+fn programmed(slots: &Slots, master: &ServiceValueV4, name: String, source_ranges: Vec<Cidr>) -> Programmed {
     let ids = |range: std::ops::RangeInclusive<u32>| -> Vec<u32> {
         range
             .filter_map(|s| u16::try_from(s).ok())

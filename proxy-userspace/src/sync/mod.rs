@@ -21,7 +21,7 @@ use proxy_common::maps::*;
 
 use crate::bpf::{BpfStore, Store};
 use crate::model::{BackendAddr, Desired, Frontend, FrontendKind, ServiceName};
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 mod family;
 pub mod image;
@@ -52,7 +52,7 @@ struct Programmed {
     /// The rev-NAT id its clients' affinity is kept under when not its own ([`image::affinity_id`]).
     affinity_id: RevNatId,
     /// Sorted.
-    source_ranges: Vec<Cidr4>,
+    source_ranges: Vec<Cidr>,
     /// The Maglev table this frontend uses, and the backend ids written to it
     /// (empty when not known, e.g. after a restart: rewritten in full).
     maglev_table: Option<u32>,

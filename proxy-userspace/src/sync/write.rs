@@ -15,7 +15,7 @@ use super::{
     build_maglev_table, frontend_flags, slot_layout,
 };
 use crate::model::{BackendAddr, Frontend, FrontendKind};
-use crate::net::{Cidr4, Protocol};
+use crate::net::{Cidr, Protocol};
 
 impl<S: Store> Syncer<S> {
     /// Rewrites in place the backends that should now carry `target`.
@@ -254,7 +254,7 @@ impl<S: Store> Syncer<S> {
         name: &str,
         previous: Option<&Programmed>,
         slots: &[(u16, ServiceValueV4)],
-        source_ranges: &[Cidr4],
+        source_ranges: &[Cidr],
     ) -> Result<()> {
         if previous.is_none() {
             self.put_rev_nat_entry(&fk, rev_nat_id).context("rev_nat map")?;
@@ -264,7 +264,7 @@ impl<S: Store> Syncer<S> {
         }
         // New ranges go in before slot 0 may carry the flag that makes the
         // datapath check them; stale ones leave after it.
-        let old_ranges: Vec<Cidr4> = previous.map(|p| p.source_ranges.clone()).unwrap_or_default();
+        let old_ranges: Vec<Cidr> = previous.map(|p| p.source_ranges.clone()).unwrap_or_default();
         for range in source_ranges.iter().filter(|r| !old_ranges.contains(r)) {
             self.store.put_source_range(rev_nat_id, *range).context("source ranges map")?;
         }

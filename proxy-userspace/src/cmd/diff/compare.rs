@@ -17,7 +17,7 @@ use super::render::{
 use super::{Difference, MapState};
 use crate::{
     model::{BackendAddr, Desired, Frontend},
-    net::{Cidr4, Protocol},
+    net::{Cidr, Cidr4, Protocol},
     sync::{
         FrontendKey, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
         desired_backend_flags, frontend_flags, vip_entries,
@@ -312,7 +312,7 @@ impl Comparison<'_> {
     }
 
     fn source_ranges(&mut self, named: &Named, master: &ServiceValueV4) {
-        let want: BTreeSet<Cidr4> = named.frontend.source_ranges.iter().copied().collect();
+        let want: BTreeSet<Cidr> = named.frontend.source_ranges.iter().copied().collect();
         let have = self.state.source_ranges.get(&master.rev_nat_id).cloned().unwrap_or_default();
         if want != have {
             self.push_for(named, "source-ranges", missing_and_extra(&have, &want).join("; "));
@@ -692,6 +692,36 @@ mod tests {
         assert_eq!(diff.len(), 1, "{diff:#?}");
         assert_eq!((diff[0].kind, diff[0].frontend.as_str()), ("maglev", "[2001:db8::10]:30080/TCP"));
         assert!(diff[0].detail.starts_with("1 of 16381 entries"), "{}", diff[0].detail);
+    }
+
+    #[test]
+    fn ipv6_source_ranges_are_programmed_in_their_own_trie_and_compared() {
+        let b6 = BackendAddr {
+            addr: std::net::Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0x11).into(),
+            port: 80,
+        };
+        let mut lb6 = web(vec![b6]);
+        (lb6.vip, lb6.kind) =
+            ("2001:db8:10::10".parse::<IpAddr>().unwrap(), model::FrontendKind::LoadBalancer);
+        lb6.source_ranges = vec!["2001:db8:99::/48".parse().unwrap(), "fd00:192:168::/48".parse().unwrap()];
+        let desired = Desired::new(vec![lb6]);
+        let mut mem = programmed(&desired);
+        let master = mem.services6.iter().find(|(k, _)| k.4 == 0).map(|(_, v)| *v).unwrap();
+        assert_ne!(master.flags & proxy_common::maps::SVC_FLAG_SOURCE_RANGES, 0);
+        let held: Vec<String> = mem
+            .source_ranges
+            .iter()
+            .filter(|(id, _)| *id == master.rev_nat_id)
+            .map(|(_, r)| r.to_string())
+            .collect();
+        assert_eq!(held, ["2001:db8:99::/48", "fd00:192:168::/48"]);
+        assert_eq!(compare(&desired, &state_of(&mem)), vec![]);
+
+        mem.source_ranges.remove(&(master.rev_nat_id, "2001:db8:99::/48".parse().unwrap()));
+        let diff = compare(&desired, &state_of(&mem));
+        assert_eq!(diff.len(), 1, "{diff:#?}");
+        assert_eq!(diff[0].frontend, "[2001:db8:10::10]:80/TCP");
+        assert_eq!(diff[0].detail, "missing 2001:db8:99::/48");
     }
 
     #[test]

@@ -12,9 +12,9 @@ use proxy_common::maps::{
 use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 
 use crate::{
-    bpf::{Maps, read_entries, read_source_ranges},
+    bpf::{Maps, read_entries, read_source_ranges, read_source_ranges6},
     model::BackendAddr,
-    net::Cidr4,
+    net::{Cidr, Cidr4},
 };
 
 /// A services map key of either family (SERVICES_V4 or SERVICES_V6).
@@ -93,7 +93,7 @@ pub struct MapState {
     /// VIP → the number of frontends VIPS_V4 or VIPS_V6 counts on it.
     pub vips: BTreeMap<IpAddr, u32>,
     /// rev-NAT id → its source ranges.
-    pub source_ranges: BTreeMap<RevNatId, BTreeSet<Cidr4>>,
+    pub source_ranges: BTreeMap<RevNatId, BTreeSet<Cidr>>,
     /// Maglev table number → its entries (backend ids), for the tables slot 0s name.
     pub maglev: BTreeMap<u32, Vec<u32>>,
     /// NODEPORT_CONFIG's Maglev seed (every table is built with it).
@@ -138,7 +138,10 @@ impl MapState {
 
     fn with_source_ranges(mut self, maps: &Maps) -> Result<Self> {
         for (rev_nat_id, range) in read_source_ranges(&maps.source_ranges)? {
-            self.source_ranges.entry(rev_nat_id).or_default().insert(range);
+            self.source_ranges.entry(rev_nat_id).or_default().insert(Cidr::V4(range));
+        }
+        for (rev_nat_id, range) in read_source_ranges6(&maps.source_ranges_v6)? {
+            self.source_ranges.entry(rev_nat_id).or_default().insert(Cidr::V6(range));
         }
         Ok(self)
     }
