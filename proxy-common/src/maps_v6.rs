@@ -17,6 +17,7 @@ pub const MAP_AFFINITY_V6: &str = "AFFINITY_V6";
 pub const MAP_SNAT_V6: &str = "SNAT_V6";
 pub const MAP_EXTERNAL_IFACES_V6: &str = "EXTERNAL_IFACES_V6";
 pub const MAP_SOURCE_RANGES_V6: &str = "SOURCE_RANGES_V6";
+pub const MAP_SERVICE_CIDRS_V6: &str = "SERVICE_CIDRS_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;

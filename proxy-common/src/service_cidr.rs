@@ -83,6 +83,103 @@ impl ServiceCidrsV4 {
 // bit pattern is valid.
 unsafe impl aya::Pod for ServiceCidrsV4 {}
 
+/// One IPv6 prefix, as [`ServiceCidrV4`]: the address (already masked) and the mask as two words
+/// each, the 16 network-order bytes read as native-endian `u64`s, so that the datapath compares
+/// four aligned words per prefix (a bitwise AND does not care about byte order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceCidrV6 {
+    pub addr: [u64; 2],
+    pub mask: [u64; 2],
+}
+
+/// `addr` as the two words [`ServiceCidrV6`] compares.
+#[inline(always)]
+pub fn words6(addr: &[u8; 16]) -> [u64; 2] {
+    let [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15] = *addr;
+    [
+        u64::from_ne_bytes([a0, a1, a2, a3, a4, a5, a6, a7]),
+        u64::from_ne_bytes([a8, a9, a10, a11, a12, a13, a14, a15]),
+    ]
+}
+
+impl ServiceCidrV6 {
+    /// `addr/prefix_len` (a prefix above 128 counts as 128).
+    pub fn new(addr: [u8; 16], prefix_len: u8) -> Self {
+        let prefix_len = u32::from(prefix_len.min(128));
+        let mask = if prefix_len == 0 { 0 } else { u128::MAX << (128 - prefix_len) };
+        let masked = (u128::from_be_bytes(addr) & mask).to_be_bytes();
+        Self { addr: words6(&masked), mask: words6(&mask.to_be_bytes()) }
+    }
+
+    /// The address, in network byte order.
+    pub fn addr_bytes(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.addr[0].to_ne_bytes());
+        out[8..].copy_from_slice(&self.addr[1].to_ne_bytes());
+        out
+    }
+
+    pub const fn prefix_len(&self) -> u8 {
+        (self.mask[0].count_ones() + self.mask[1].count_ones()) as u8
+    }
+
+    /// Whether the address of [`words6`] `words` is inside.
+    #[inline(always)]
+    pub fn contains_words(&self, words: [u64; 2]) -> bool {
+        words[0] & self.mask[0] == self.addr[0] && words[1] & self.mask[1] == self.addr[1]
+    }
+
+    pub fn contains(&self, addr: &[u8; 16]) -> bool {
+        self.contains_words(words6(addr))
+    }
+}
+
+/// The one entry of SERVICE_CIDRS_V6, as [`ServiceCidrsV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ServiceCidrsV6 {
+    pub count: u32,
+    pub _pad: u32,
+    pub cidrs: [ServiceCidrV6; SERVICE_CIDRS_MAX],
+}
+
+impl ServiceCidrsV6 {
+    /// The first [`SERVICE_CIDRS_MAX`] of `prefixes`; the caller reports the rest.
+    pub fn from_prefixes(prefixes: &[ServiceCidrV6]) -> Self {
+        let mut value = Self::default();
+        for (slot, prefix) in value.cidrs.iter_mut().zip(prefixes) {
+            *slot = *prefix;
+            value.count += 1;
+        }
+        value
+    }
+
+    /// The prefixes in use.
+    pub fn prefixes(&self) -> &[ServiceCidrV6] {
+        &self.cidrs[..(self.count as usize).min(SERVICE_CIDRS_MAX)]
+    }
+
+    /// Whether `addr` is inside one of the prefixes.
+    #[inline(always)]
+    pub fn contains(&self, addr: &[u8; 16]) -> bool {
+        let words = words6(addr);
+        for (i, cidr) in self.cidrs.iter().enumerate() {
+            if i as u32 >= self.count {
+                return false;
+            }
+            if cidr.contains_words(words) {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+#[cfg(feature = "user")]
+// SAFETY: as for ServiceCidrsV4: repr(C) integers and byte arrays without padding.
+unsafe impl aya::Pod for ServiceCidrsV6 {}
+
 /// Whether a packet of neither TCP nor UDP (`proto`) to an unallocated address of a service CIDR is dropped.
 /// kube-proxy's rule matches the address alone, whatever the protocol (`ip daddr { CIDRs } drop`, under `ct state
 /// new`: pkg/proxy/nftables/proxier.go), so what it drops is what netfilter's conntrack calls a new connection:
@@ -151,6 +248,26 @@ mod tests {
         let corrupt = ServiceCidrsV4 { count: 99, ..set };
         assert_eq!(corrupt.prefixes().len(), SERVICE_CIDRS_MAX);
         assert!(!corrupt.contains([10, 9, 0, 1]));
+    }
+
+    #[test]
+    fn ipv6_prefixes_and_sets_hold_what_they_cover_and_no_more() {
+        let v6 = |text: &str| -> [u8; 16] { text.parse::<std::net::Ipv6Addr>().unwrap().octets() };
+        let cidr = ServiceCidrV6::new(v6("fd00:10:96::7:9"), 108);
+        assert_eq!(cidr.addr_bytes(), v6("fd00:10:96::"), "the address is masked");
+        assert_eq!(cidr.prefix_len(), 108);
+        assert!(cidr.contains(&v6("fd00:10:96::f:ffff")));
+        assert!(!cidr.contains(&v6("fd00:10:96::10:0")));
+        assert!(!cidr.contains(&v6("fd00:10:97::1")), "the first half differs");
+        assert_eq!(ServiceCidrV6::new(v6("::1"), 200).prefix_len(), 128);
+        assert!(ServiceCidrV6::new(v6("fd00::"), 0).contains(&v6("2001:db8::1")));
+
+        assert!(!ServiceCidrsV6::default().contains(&v6("::")), "unused slots are ::/0 and hold nothing");
+        let set = ServiceCidrsV6::from_prefixes(&[cidr, ServiceCidrV6::new(v6("2001:db8:96::"), 112)]);
+        assert_eq!(set.count, 2);
+        assert!(set.contains(&v6("2001:db8:96::5")));
+        assert!(!set.contains(&v6("2001:db8:97::5")));
+        assert_eq!(set.prefixes().len(), 2);
     }
 
     #[test]

@@ -200,6 +200,8 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
             Some(frontend) => (frontend, SCOPE_INTERNAL),
             // A cluster IP routed to the node, on a port the Service does not have.
             None if lb6::is_vip(&flow.daddr) => return Step::Refuse,
+            // An unallocated address of the service range, routed to the node: dropped (cluster-ips-check).
+            None if lb6::in_service_cidr(&flow.daddr) => return Step::Drop(Stat::DropUnallocatedServiceIp),
             // Only a packet that may start a flow can clash (UDP, a bare TCP SYN).
             None if flow.has_l4_header() && direct_may_clash(flow.proto, flow.tcp_flags) => {
                 return Step::Direct;

@@ -130,6 +130,11 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
             // A port the Service does not have.
             return Step::Refuse;
         }
+        // kube-proxy's cluster-ips-check, as IPv4's: an unallocated address of the service range
+        // never leaves the node.
+        if lb6::in_service_cidr(&flow.daddr) {
+            return Step::Drop(Stat::DropUnallocatedServiceIp);
+        }
         // Only a packet that may start a flow can clash (UDP, a bare TCP SYN): established TCP to
         // a pod pays no lookup for it (the SYN that opened it had the clash resolved).
         if flow.has_l4_header() && direct_may_clash(flow.proto, flow.tcp_flags) {

@@ -16,7 +16,7 @@ use proxy_common::{
 
 use crate::{
     config,
-    maps::{AFFINITY_V6, BACKENDS_V6, MAGLEV_V4, SERVICES_V6, SOURCE_RANGES_V6, VIPS_V6},
+    maps::{AFFINITY_V6, BACKENDS_V6, MAGLEV_V4, SERVICE_CIDRS_V6, SERVICES_V6, SOURCE_RANGES_V6, VIPS_V6},
     parse6::Flow6,
     stats,
     verdict::Verdict,
@@ -53,6 +53,13 @@ pub fn source_allowed(rev_nat_id: RevNatId, client: [u8; 16]) -> bool {
 pub fn is_vip(addr: &[u8; 16]) -> bool {
     // SAFETY: a word copied out at once.
     unsafe { VIPS_V6.get(addr) }.is_some_and(|entry| entry.is_cluster_ip())
+}
+
+/// Whether `addr` is inside an IPv6 service CIDR (asked only of an address that is no VIP), as
+/// `lb::in_service_cidr`.
+#[inline(always)]
+pub fn in_service_cidr(addr: &[u8; 16]) -> bool {
+    SERVICE_CIDRS_V6.get(0).is_some_and(|cidrs| cidrs.contains(addr))
 }
 
 /// Whether a known flow stays on the backend its entry records: TCP always, UDP while its backend

@@ -65,6 +65,11 @@ pub static SNAT_V4: LruHashMap<CtKeyV4, SnatEntryV4> = LruHashMap::with_max_entr
 pub static SOURCE_RANGES_V4: LpmTrie<SourceRangeV4, u8> =
     LpmTrie::with_max_entries(SOURCE_RANGES_V4_CAPACITY, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
+/// The IPv6 service CIDRs, as SERVICE_CIDRS_V4.
+#[map(name = "SERVICE_CIDRS_V6")]
+pub static SERVICE_CIDRS_V6: Array<proxy_common::service_cidr::ServiceCidrsV6> =
+    Array::with_max_entries(1, 0);
+
 /// loadBalancerSourceRanges of IPv6 frontends, as SOURCE_RANGES_V4.
 #[map(name = "SOURCE_RANGES_V6")]
 pub static SOURCE_RANGES_V6: LpmTrie<proxy_common::maps_v6::SourceRangeV6, u8> = LpmTrie::with_max_entries(

@@ -213,9 +213,7 @@ fn no_frontend(ctx: &SockAddrContext, flow: &Flow, ip: u32, port: u32) -> i32 {
     // out instead).
     if lb::in_service_cidr(&flow.daddr) {
         stats::count(Stat::DropUnallocatedServiceIp);
-        // SAFETY: as in `refuse`.
-        unsafe { bpf_set_retval(-EPERM) };
-        return REFUSE;
+        return refuse_unallocated();
     }
     if flow.proto == IPPROTO_UDP && !is_connected_peer(ctx, ip, port) {
         forget_service_of(ctx, ip, port);
@@ -304,6 +302,15 @@ pub fn refuse() -> i32 {
     stats::count(Stat::SockRefused);
     // SAFETY: a helper setting this program's return value to the caller.
     unsafe { bpf_set_retval(-ECONNREFUSED) };
+    REFUSE
+}
+
+/// Fails the call to an unallocated service address with EPERM (what netfilter's drop in OUTPUT
+/// gives a UDP sendmsg); the caller counted it.
+#[inline(always)]
+pub fn refuse_unallocated() -> i32 {
+    // SAFETY: as in `refuse`.
+    unsafe { bpf_set_retval(-EPERM) };
     REFUSE
 }
 

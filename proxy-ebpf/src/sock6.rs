@@ -188,6 +188,12 @@ fn no_frontend(ctx: &SockAddrContext, vip: &[u8; 16], port: [u8; 2], proto: u8) 
     if lb6::is_vip(vip) {
         return sock::refuse();
     }
+    // An unallocated service address: refused with EPERM, as `sock.rs` does for IPv4 (the node's and
+    // covered pods' packets cross no tc program of kproxy's).
+    if lb6::in_service_cidr(vip) {
+        stats::count(Stat::DropUnallocatedServiceIp);
+        return sock::refuse_unallocated();
+    }
     if proto == IPPROTO_UDP {
         forget_service_of(ctx, vip, port);
     }

@@ -235,14 +235,10 @@ impl AgentArgs {
     }
 }
 
-/// `--service-cidr`'s IPv4 ranges; its IPv6 ones are ignored with one warning.
-pub(crate) fn service_cidrs(args: &AgentArgs) -> Result<Vec<kproxy::net::Cidr4>> {
-    let (ipv4, ipv6) = kproxy::model::service_cidrs::parse_flag(&args.service_cidr)
-        .map_err(|e| anyhow::anyhow!("--service-cidr {e}"))?;
-    if !ipv6.is_empty() {
-        tracing::warn!(?ipv6, "--service-cidr: IPv6 ranges are ignored (kproxy serves IPv4 only)");
-    }
-    Ok(ipv4)
+/// `--service-cidr`'s ranges, of both families.
+pub(crate) fn service_cidrs(args: &AgentArgs) -> Result<Vec<kproxy::net::Cidr>> {
+    kproxy::model::service_cidrs::parse_flag(&args.service_cidr)
+        .map_err(|e| anyhow::anyhow!("--service-cidr {e}"))
 }
 
 pub(crate) fn cluster_cidrs(args: &AgentArgs) -> Result<ClusterCidrs> {

@@ -60,6 +60,7 @@ struct V6 {
     vips: HashMap<MapData, [u8; 16], VipV4>,
     conntrack: HashMap<MapData, CtKeyV6, CtEntryV6>,
     stats: PerCpuArray<MapData, u64>,
+    service_cidrs: aya::maps::Array<MapData, proxy_common::service_cidr::ServiceCidrsV6>,
     next_backend_id: u32,
     next_rev_nat_id: u32,
 }
@@ -78,6 +79,7 @@ impl V6 {
             vips: maps.vips_v6,
             conntrack: maps.conntrack_v6,
             stats: maps.stats,
+            service_cidrs: maps.service_cidrs_v6,
             next_backend_id: 1,
             next_rev_nat_id: 1,
         };
@@ -317,6 +319,35 @@ fn a_tcp_syn_to_the_v6_cluster_ip_is_dnated_byte_exact_and_tracked() {
     assert_eq!((reply.nat_addr, u16::from_be_bytes(reply.nat_port)), (WEB6, 80));
     assert_eq!((reply.rev_nat_id, reply.backend_id), (fwd.rev_nat_id, fwd.backend_id));
     assert_eq!(v6.stat(Stat::DnatNew), 1);
+}
+
+#[test]
+fn an_unallocated_address_of_an_ipv6_service_cidr_is_dropped_and_the_rest_goes_on() {
+    let mut v6 = V6::new();
+    let unallocated = addr6(0xc9, 0x0096);
+    let syn = Packet6::tcp(CLIENT6, 40100, unallocated, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&syn.frame());
+    assert_eq!((ret, out), (PASS, syn.frame()), "no service CIDR known: nothing is dropped");
+
+    // fd00:1000:96::/64 as the agent writes it (`bpf::service_cidrs::write6`).
+    let range = kproxy::net::Cidr6::new(std::net::Ipv6Addr::from(addr6(0, 0x0096)), 64).unwrap();
+    kproxy::bpf::service_cidrs::write6(&mut v6.service_cidrs, &[range]).unwrap();
+    for packet in [syn.clone(), Packet6::udp(CLIENT6, 40101, unallocated, 53, b"query")] {
+        let (ret, _) = v6.ingress(&packet.frame());
+        assert_eq!(ret, DROP, "an unallocated address of the range never leaves the node: {packet:?}");
+    }
+    assert_eq!(v6.stat(Stat::DropUnallocatedServiceIp), 2);
+    // A cluster IP of the range is served, a port it lacks refused, and a pod outside the range
+    // reached untouched.
+    let (ret, out) = v6.ingress(&Packet6::tcp(CLIENT6, 40102, WEB6, 80, TCP_SYN).frame());
+    assert_eq!(ret, PASS);
+    assert!(WEB6_BACKENDS.contains(&destination(&out).0));
+    let (ret, _) = v6.ingress(&Packet6::tcp(CLIENT6, 40103, WEB6, 81, TCP_SYN).frame());
+    assert_eq!(ret, BOUNCE, "refused with a RST");
+    let direct = Packet6::tcp(CLIENT6, 40104, OTHER_POD, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&direct.frame());
+    assert_eq!((ret, out), (PASS, direct.frame()));
+    assert_eq!(v6.stat(Stat::DropUnallocatedServiceIp), 2);
 }
 
 #[test]

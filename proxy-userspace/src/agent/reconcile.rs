@@ -167,24 +167,33 @@ impl SyncLoop<'_> {
     /// set, and the ranges left out.
     fn program_service_cidrs(&mut self, cidrs: ServiceCidrs) {
         if self.service_cidrs.as_ref() != Some(&cidrs) {
-            let shown = |list: &[crate::net::Cidr4]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
-            tracing::info!(service_cidrs = ?shown(&cidrs.ipv4), "unallocated addresses of these service CIDRs are dropped");
+            let shown = |list: &[crate::net::Cidr]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+            let both: Vec<crate::net::Cidr> = cidrs
+                .ipv4
+                .iter()
+                .map(|c| crate::net::Cidr::V4(*c))
+                .chain(cidrs.ipv6.iter().map(|c| crate::net::Cidr::V6(*c)))
+                .collect();
+            tracing::info!(service_cidrs = ?shown(&both), "unallocated addresses of these service CIDRs are dropped");
             let before = self.service_cidrs.as_ref();
-            if !cidrs.ignored_ipv6.is_empty() && before.is_none_or(|b| b.ignored_ipv6 != cidrs.ignored_ipv6) {
-                tracing::warn!(ipv6 = ?cidrs.ignored_ipv6, "IPv6 service CIDRs are ignored: kproxy serves IPv4 only");
-            }
             if !cidrs.overflow.is_empty() && before.is_none_or(|b| b.overflow != cidrs.overflow) {
                 tracing::warn!(
                     left_out = ?shown(&cidrs.overflow),
-                    "more than {} IPv4 service CIDRs: the unallocated addresses of these are not dropped",
+                    "more than {} service CIDRs of a family: the unallocated addresses of these are not dropped",
                     proxy_common::service_cidr::SERVICE_CIDRS_MAX
                 );
             }
         }
         let map = &mut self.maps.service_cidrs;
-        let written = bpf::service_cidrs::read(map).and_then(|held| {
-            if held == cidrs.ipv4 { Ok(()) } else { bpf::service_cidrs::write(map, &cidrs.ipv4) }
-        });
+        let written = bpf::service_cidrs::read(map)
+            .and_then(
+                |held| if held == cidrs.ipv4 { Ok(()) } else { bpf::service_cidrs::write(map, &cidrs.ipv4) },
+            )
+            .and_then(|()| {
+                let map = &mut self.maps.service_cidrs_v6;
+                let held = bpf::service_cidrs::read6(map)?;
+                if held == cidrs.ipv6 { Ok(()) } else { bpf::service_cidrs::write6(map, &cidrs.ipv6) }
+            });
         match written {
             Ok(()) => self.service_cidrs = Some(cidrs),
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "writing the service CIDRs failed"),

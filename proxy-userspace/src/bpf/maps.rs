@@ -12,7 +12,7 @@ use aya::{
 };
 use proxy_common::maps::*;
 use proxy_common::maps_v6::*;
-use proxy_common::service_cidr::ServiceCidrsV4;
+use proxy_common::service_cidr::{ServiceCidrsV4, ServiceCidrsV6};
 use proxy_common::sock_v6::{MAP_SOCK_REVNAT_V6, SockRevNatKeyV6, SockRevNatV6};
 use proxy_common::trace::{MAP_EVENTS, MAP_TRACE, TraceConfig};
 
@@ -106,6 +106,8 @@ map_table! {
         snat_v6: HashMap<MapData, CtKeyV6, SnatEntryV6> = MAP_SNAT_V6, LruHashMap, (CtKeyV6, SnatEntryV6);
         /// The IPv6 address each external interface source-NATs to, as `external_ifaces`.
         external_ifaces_v6: HashMap<MapData, u32, ExternalIfaceV6> = MAP_EXTERNAL_IFACES_V6, HashMap, (u32, ExternalIfaceV6);
+        /// The IPv6 service CIDRs, as `service_cidrs`.
+        service_cidrs_v6: Array<MapData, ServiceCidrsV6> = MAP_SERVICE_CIDRS_V6, Array, (u32, ServiceCidrsV6);
         /// loadBalancerSourceRanges of IPv6 frontends, as `source_ranges`.
         source_ranges_v6: LpmTrie<MapData, SourceRangeV6, u8> = MAP_SOURCE_RANGES_V6, LpmTrie, (lpm_trie::Key<SourceRangeV6>, u8);
     }

@@ -465,9 +465,9 @@ pub struct ServiceCidrRow {
     pub cidr: String,
 }
 
-/// SERVICE_CIDRS_V4: the service CIDRs in effect.
+/// SERVICE_CIDRS_V4 and SERVICE_CIDRS_V6: the service CIDRs in effect.
 pub fn service_cidrs(maps: &Maps) -> Result<Vec<ServiceCidrRow>> {
-    let cidrs = crate::bpf::service_cidrs::read(&maps.service_cidrs)?;
+    let cidrs = crate::bpf::service_cidrs::read_both(maps)?;
     Ok(cidrs.into_iter().map(|cidr| ServiceCidrRow { cidr: cidr.to_string() }).collect())
 }
 

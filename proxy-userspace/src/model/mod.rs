@@ -91,8 +91,8 @@ pub struct ModelOptions {
     /// This node's zone (its `topology.kubernetes.io/zone` label, or `--node-zone`), for zone hints.
     /// `None` (or empty): zone hints are never followed.
     pub zone: Option<String>,
-    /// `--service-cidr` (IPv4): service ranges besides the ServiceCIDR objects'.
-    pub service_cidrs: Vec<crate::net::Cidr4>,
+    /// `--service-cidr` (both families): service ranges besides the ServiceCIDR objects'.
+    pub service_cidrs: Vec<crate::net::Cidr>,
 }
 
 /// Counts about one build, for logs and metrics.

@@ -6,86 +6,77 @@
 //! nothing is dropped.
 
 use std::collections::BTreeSet;
-use std::net::Ipv6Addr;
 
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use proxy_common::service_cidr::SERVICE_CIDRS_MAX;
 
 use crate::k8s::manifest::{ManifestError, Sourced};
-use crate::net::Cidr4;
+use crate::net::{Cidr, Cidr4, Cidr6};
 
 /// The service CIDRs to program, and what was left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceCidrs {
-    /// Sorted, without duplicates; at most [`SERVICE_CIDRS_MAX`].
+    /// Sorted, without duplicates; at most [`SERVICE_CIDRS_MAX`] (SERVICE_CIDRS_V4).
     pub ipv4: Vec<Cidr4>,
-    /// IPv6 ranges, sorted: kproxy serves IPv4 only (the agent warns once).
-    pub ignored_ipv6: Vec<String>,
-    /// IPv4 ranges beyond [`SERVICE_CIDRS_MAX`]: not dropped.
-    pub overflow: Vec<Cidr4>,
+    /// The same for IPv6 (SERVICE_CIDRS_V6).
+    pub ipv6: Vec<Cidr6>,
+    /// Ranges beyond [`SERVICE_CIDRS_MAX`] of their family: not dropped.
+    pub overflow: Vec<Cidr>,
 }
 
-/// The union of `flag` (`--service-cidr`) and every object's `spec.cidrs`. An entry that is no CIDR is
-/// reported with the object (or the flag) naming it, and skipped.
+/// The union of `flag` (`--service-cidr`) and every object's `spec.cidrs`, of both families. An entry
+/// that is no CIDR is reported with the object (or the flag) naming it, and skipped.
 pub fn resolve<S: std::borrow::Borrow<Sourced<ServiceCIDR>>>(
-    flag: &[Cidr4],
+    flag: &[Cidr],
     objects: &[S],
 ) -> (ServiceCidrs, Vec<ManifestError>) {
-    let mut ipv4: BTreeSet<Cidr4> = flag.iter().copied().collect();
-    let mut ipv6 = BTreeSet::new();
+    let mut all: BTreeSet<Cidr> = flag.iter().copied().collect();
     let mut errors = Vec::new();
     for sourced in objects {
         let sourced = sourced.borrow();
         let name = sourced.object.metadata.name.as_deref().unwrap_or_default();
         let cidrs = sourced.object.spec.as_ref().and_then(|spec| spec.cidrs.as_ref());
         for (i, text) in cidrs.into_iter().flatten().enumerate() {
-            let text = text.trim();
-            if text.contains(':') {
-                if is_cidr6(text) {
-                    ipv6.insert(text.to_owned());
-                    continue;
+            match range(text.trim()) {
+                Some(cidr) => {
+                    all.insert(cidr);
                 }
-            } else if let Ok(cidr) = text.parse::<Cidr4>()
-                && text.contains('/')
-            {
-                ipv4.insert(cidr);
-                continue;
+                None => errors.push(
+                    ManifestError::new(&sourced.origin, format!("{:?} is not a CIDR; ignored", text.trim()))
+                        .with_object(format!("ServiceCIDR {name}"))
+                        .with_field(format!("spec.cidrs[{i}]")),
+                ),
             }
-            errors.push(
-                ManifestError::new(&sourced.origin, format!("{text:?} is not a CIDR; ignored"))
-                    .with_object(format!("ServiceCIDR {name}"))
-                    .with_field(format!("spec.cidrs[{i}]")),
-            );
         }
     }
-    let mut ipv4: Vec<Cidr4> = ipv4.into_iter().collect();
-    let overflow = ipv4.split_off(ipv4.len().min(SERVICE_CIDRS_MAX));
-    (ServiceCidrs { ipv4, ignored_ipv6: ipv6.into_iter().collect(), overflow }, errors)
-}
-
-fn is_cidr6(text: &str) -> bool {
-    text.split_once('/').is_some_and(|(addr, len)| {
-        addr.parse::<Ipv6Addr>().is_ok() && len.parse::<u8>().is_ok_and(|len| len <= 128)
-    })
-}
-
-/// `--service-cidr`: IPv4 CIDRs, comma-separated; IPv6 ones are returned apart (kproxy ignores them).
-pub fn parse_flag(values: &[String]) -> Result<(Vec<Cidr4>, Vec<String>), String> {
-    let mut ipv4 = Vec::new();
-    let mut ipv6 = Vec::new();
-    for value in values.iter().flat_map(|v| v.split(',')).map(str::trim).filter(|v| !v.is_empty()) {
-        if value.contains(':') {
-            if !is_cidr6(value) {
-                return Err(format!("{value:?} is not a CIDR"));
-            }
-            ipv6.push(value.to_owned());
-        } else if !value.contains('/') {
-            return Err(format!("{value:?} is not a CIDR (a.b.c.d/len)"));
-        } else {
-            ipv4.push(value.parse::<Cidr4>()?);
+    let mut cidrs = ServiceCidrs::default();
+    for cidr in all {
+        match cidr {
+            Cidr::V4(v4) if cidrs.ipv4.len() < SERVICE_CIDRS_MAX => cidrs.ipv4.push(v4),
+            Cidr::V6(v6) if cidrs.ipv6.len() < SERVICE_CIDRS_MAX => cidrs.ipv6.push(v6),
+            _ => cidrs.overflow.push(cidr),
         }
     }
-    Ok((ipv4, ipv6))
+    (cidrs, errors)
+}
+
+/// A range in CIDR notation (`addr/len`: a bare address is no range).
+fn range(text: &str) -> Option<Cidr> {
+    if !text.contains('/') {
+        return None;
+    }
+    text.parse::<Cidr>().ok()
+}
+
+/// `--service-cidr`: CIDRs of either family, comma-separated.
+pub fn parse_flag(values: &[String]) -> Result<Vec<Cidr>, String> {
+    values
+        .iter()
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(|value| range(value).ok_or_else(|| format!("{value:?} is not a CIDR (address/length)")))
+        .collect()
 }
 
 #[cfg(test)]
@@ -106,16 +97,24 @@ mod tests {
         text.parse().unwrap()
     }
 
+    fn cidr6(text: &str) -> Cidr6 {
+        match text.parse::<Cidr>().unwrap() {
+            Cidr::V6(v6) => v6,
+            Cidr::V4(_) => panic!("{text} is IPv4"),
+        }
+    }
+
     #[test]
-    fn every_object_and_the_flag_add_their_ranges_once_and_ipv6_is_set_apart() {
+    fn every_object_and_the_flag_add_their_ranges_once_per_family() {
         let objects = [
             object("kubernetes", &["10.96.0.0/16", "fd00:10:96::/112"]),
-            object("extra", &["10.100.0.0/24", "10.96.0.0/16"]),
+            object("extra", &["10.100.0.0/24", "10.96.0.0/16", "fd00:10:96::/112"]),
         ];
-        let (cidrs, errors) = resolve(&[cidr("172.30.0.0/16")], &objects);
+        let flag = ["172.30.0.0/16".parse().unwrap(), "fd00:30::/108".parse().unwrap()];
+        let (cidrs, errors) = resolve(&flag, &objects);
         assert_eq!(errors, []);
         assert_eq!(cidrs.ipv4, [cidr("10.96.0.0/16"), cidr("10.100.0.0/24"), cidr("172.30.0.0/16")]);
-        assert_eq!(cidrs.ignored_ipv6, ["fd00:10:96::/112"]);
+        assert_eq!(cidrs.ipv6, [cidr6("fd00:10:96::/112"), cidr6("fd00:30::/108")]);
         assert_eq!(cidrs.overflow, []);
     }
 
@@ -143,15 +142,19 @@ mod tests {
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
         let (cidrs, _) = resolve(&[], &[object("many", &many)]);
         assert_eq!(cidrs.ipv4.len(), SERVICE_CIDRS_MAX);
-        assert_eq!(cidrs.overflow, [cidr("10.8.0.0/16"), cidr("10.9.0.0/16")]);
+        assert_eq!(cidrs.overflow, [Cidr::V4(cidr("10.8.0.0/16")), Cidr::V4(cidr("10.9.0.0/16"))]);
     }
 
     #[test]
-    fn the_flag_takes_ipv4_cidrs_and_sets_ipv6_apart() {
+    fn the_flag_takes_cidrs_of_both_families() {
         let values = ["10.96.0.0/12,fd00::/108".to_owned(), " 10.200.0.0/24".to_owned()];
         assert_eq!(
             parse_flag(&values),
-            Ok((vec![cidr("10.96.0.0/12"), cidr("10.200.0.0/24")], vec!["fd00::/108".to_owned()]))
+            Ok(vec![
+                Cidr::V4(cidr("10.96.0.0/12")),
+                Cidr::V6(cidr6("fd00::/108")),
+                Cidr::V4(cidr("10.200.0.0/24"))
+            ])
         );
         assert!(parse_flag(&["10.96.0.1".to_owned()]).is_err(), "an address is no range");
         assert!(parse_flag(&["10.96.0.0/33".to_owned()]).is_err());

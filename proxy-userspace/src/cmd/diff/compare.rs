@@ -17,7 +17,7 @@ use super::render::{
 use super::{Difference, MapState};
 use crate::{
     model::{BackendAddr, Desired, Frontend},
-    net::{Cidr, Cidr4, Protocol},
+    net::{Cidr, Protocol},
     sync::{
         FrontendKey, ServicePortKey, affinity_id, build_maglev_table, cluster_ip_frontends,
         desired_backend_flags, frontend_flags, vip_entries,
@@ -54,10 +54,10 @@ pub fn compare(desired: &Desired, state: &MapState) -> Vec<Difference> {
     comparison.out
 }
 
-/// SERVICE_CIDRS_V4 (`have`) against the IPv4 service CIDRs the agent would program (`want`).
-pub fn service_cidrs(want: &[Cidr4], have: &[Cidr4]) -> Option<Difference> {
-    let want: BTreeSet<Cidr4> = want.iter().copied().collect();
-    let have: BTreeSet<Cidr4> = have.iter().copied().collect();
+/// SERVICE_CIDRS_V4 and SERVICE_CIDRS_V6 (`have`) against the service CIDRs the agent would program (`want`).
+pub fn service_cidrs(want: &[Cidr], have: &[Cidr]) -> Option<Difference> {
+    let want: BTreeSet<Cidr> = want.iter().copied().collect();
+    let have: BTreeSet<Cidr> = have.iter().copied().collect();
     (want != have).then(|| Difference {
         kind: "service-cidrs",
         frontend: String::new(),
@@ -780,7 +780,7 @@ mod tests {
 
     #[test]
     fn service_cidrs_that_differ_are_named() {
-        let cidr = |text: &str| text.parse::<Cidr4>().unwrap();
+        let cidr = |text: &str| text.parse::<Cidr>().unwrap();
         let want = [cidr("10.96.0.0/16"), cidr("10.97.0.0/16")];
         assert_eq!(service_cidrs(&want, &[cidr("10.97.0.0/16"), cidr("10.96.0.0/16")]), None);
         let diff = service_cidrs(&want, &[cidr("10.96.0.0/16"), cidr("192.0.2.0/24")]).unwrap();

@@ -14,18 +14,18 @@ use crate::{
     k8s::api_watch::KubeOptions,
     k8s::manifest::{self, ManifestError, Sourced},
     model::{self, Desired, ModelOptions, service_cidrs},
-    net::Cidr4,
+    net::Cidr,
 };
 
 /// What the agent would program: the frontends, and the IPv4 service CIDRs SERVICE_CIDRS_V4 would hold.
 pub(super) struct Wanted {
     pub desired: Desired,
-    pub service_cidrs: Vec<Cidr4>,
+    pub service_cidrs: Vec<Cidr>,
 }
 
 /// What the agent would program, from the same source it would read.
 pub(super) fn desired(args: &DiffArgs) -> Result<Wanted> {
-    let (flag_cidrs, _ipv6) =
+    let flag_cidrs =
         service_cidrs::parse_flag(&args.service_cidr).map_err(|e| anyhow::anyhow!("--service-cidr: {e}"))?;
     let (services, slices, cidr_objects, source_errors) = match &args.manifests {
         Some(path) => {
@@ -53,7 +53,9 @@ pub(super) fn desired(args: &DiffArgs) -> Result<Wanted> {
     for error in source_errors.iter().chain(&model_errors).chain(&cidr_errors) {
         tracing::warn!("{error}");
     }
-    Ok(Wanted { desired, service_cidrs: cidrs.ipv4 })
+    let wanted_cidrs =
+        cidrs.ipv4.into_iter().map(Cidr::V4).chain(cidrs.ipv6.into_iter().map(Cidr::V6)).collect();
+    Ok(Wanted { desired, service_cidrs: wanted_cidrs })
 }
 
 type Objects =

@@ -14,7 +14,7 @@ use proxy_common::maps_v6::{BackendV6, RevNatV6, ServiceKeyV6};
 use crate::{
     bpf::{Maps, read_entries, read_source_ranges, read_source_ranges6},
     model::BackendAddr,
-    net::{Cidr, Cidr4},
+    net::Cidr,
 };
 
 /// A services map key of either family (SERVICES_V4 or SERVICES_V6).
@@ -98,8 +98,8 @@ pub struct MapState {
     pub maglev: BTreeMap<u32, Vec<u32>>,
     /// NODEPORT_CONFIG's Maglev seed (every table is built with it).
     pub maglev_seed: u32,
-    /// What SERVICE_CIDRS_V4 holds.
-    pub service_cidrs: Vec<Cidr4>,
+    /// What SERVICE_CIDRS_V4 and SERVICE_CIDRS_V6 hold.
+    pub service_cidrs: Vec<Cidr>,
 }
 
 impl MapState {
@@ -130,7 +130,7 @@ impl MapState {
             source_ranges: BTreeMap::new(),
             maglev: BTreeMap::new(),
             maglev_seed: maps.nodeport_config.get(&0, 0).map(|c| c.maglev_seed).unwrap_or(0),
-            service_cidrs: crate::bpf::service_cidrs::read(&maps.service_cidrs)?,
+            service_cidrs: crate::bpf::service_cidrs::read_both(maps)?,
         }
         .with_source_ranges(maps)?
         .with_maglev_tables(maps))
