@@ -24,7 +24,7 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CtEntryV4, CtKeyV4,
         RevNatId, SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
     },
-    maps_v6::{CtEntryV6, CtKeyV6},
+    maps_v6::{AffinityKeyV6, CtEntryV6, CtKeyV6},
 };
 
 use crate::bpf::{
@@ -120,17 +120,35 @@ pub fn plan_conntrack_pairs<K: CtKey, E: CtEntry>(
     plan
 }
 
+/// An AFFINITY_V4 or AFFINITY_V6 key: both name their frontend by the shared rev-NAT id.
+pub trait AffinityKey: Copy {
+    fn rev_nat_id(&self) -> RevNatId;
+}
+
+impl AffinityKey for AffinityKeyV4 {
+    fn rev_nat_id(&self) -> RevNatId {
+        self.rev_nat_id
+    }
+}
+
+impl AffinityKey for AffinityKeyV6 {
+    fn rev_nat_id(&self) -> RevNatId {
+        self.rev_nat_id
+    }
+}
+
 /// Affinity entries to delete: those of frontends that are gone or no longer
 /// have sessionAffinity, and those unused for longer than their frontend's
-/// timeout. `frontends` maps rev-NAT id → slot 0 `(flags, affinity_timeout_s)`.
-pub fn plan_affinity(
-    entries: &[(AffinityKeyV4, AffinityValueV4)],
+/// timeout. `frontends` maps rev-NAT id → slot 0 `(flags, affinity_timeout_s)`,
+/// of both families' frontends (the ids are shared).
+pub fn plan_affinity<K: AffinityKey>(
+    entries: &[(K, AffinityValueV4)],
     frontends: &BTreeMap<RevNatId, (u16, u32)>,
     now: u64,
-) -> Vec<AffinityKeyV4> {
+) -> Vec<K> {
     entries
         .iter()
-        .filter(|(key, value)| match frontends.get(&key.rev_nat_id) {
+        .filter(|(key, value)| match frontends.get(&key.rev_nat_id()) {
             None => true,
             Some((flags, _)) if flags & SVC_FLAG_AFFINITY == 0 => true,
             Some((_, timeout_s)) => {
@@ -225,7 +243,7 @@ impl GcReport {
     }
 }
 
-/// One GC pass over CONNTRACK_V4, CONNTRACK_V6 and AFFINITY_V4. Blocking: run it in
+/// One GC pass over CONNTRACK_V4, CONNTRACK_V6, AFFINITY_V4 and AFFINITY_V6. Blocking: run it in
 /// `spawn_blocking`. Each pair is re-read and re-checked just before it is
 /// deleted, so a flow that sent a packet during the scan survives.
 pub fn run(maps: &mut Maps) -> Result<GcReport> {
@@ -261,10 +279,18 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     }
     collect_ipv6(maps, &timeouts, now, &mut report)?;
 
+    // One table for both families: an IPv6 frontend keys its clients by its own rev-NAT id or its Service
+    // port's cluster-IP one, and the port's cluster IP may be of the other family.
     let mut frontends = BTreeMap::new();
-    for entry in maps.services.iter() {
-        let (key, value) = entry.context("reading the services map")?;
-        if key.slot == 0 {
+    let slot0s =
+        maps.services.iter().map(|e| e.map(|(k, v)| (k.slot, v)).context("reading the services map")).chain(
+            maps.services_v6
+                .iter()
+                .map(|e| e.map(|(k, v)| (k.slot, v)).context("reading the IPv6 services map")),
+        );
+    for entry in slot0s {
+        let (slot, value) = entry?;
+        if slot == 0 {
             frontends.insert(value.rev_nat_id, (value.flags, value.affinity_timeout_s));
             // Entries are keyed by the Service port's cluster-IP frontend; should that one be gone, the
             // port's other frontends still keep theirs.
@@ -278,6 +304,16 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
             Ok(true) => report.affinity_deleted += 1,
             Ok(false) => {}
             Err(e) => return Err(e).context("deleting an affinity entry"),
+        }
+    }
+    // IPv6 clients' entries, counted with IPv4's: kproxy_affinity_gc_deleted_total has no family label.
+    let affinity6: Vec<(AffinityKeyV6, AffinityValueV4)> =
+        maps.affinity_v6.iter().filter_map(|e| e.ok()).collect();
+    for key in plan_affinity(&affinity6, &frontends, monotonic_ns()) {
+        match remove_present(&mut maps.affinity_v6, &key) {
+            Ok(true) => report.affinity_deleted += 1,
+            Ok(false) => {}
+            Err(e) => return Err(e).context("deleting an IPv6 affinity entry"),
         }
     }
 
@@ -534,6 +570,33 @@ mod tests {
         ];
         let deleted: Vec<u8> = plan_affinity(&entries, &frontends, now).iter().map(|k| k.client[3]).collect();
         assert_eq!(deleted, [2, 3, 4, 6]);
+    }
+
+    #[test]
+    fn ipv6_affinity_entries_expire_by_the_same_rule() {
+        let now = 10_000 * S;
+        let entry = |client: u8, rev_nat_id: RevNatId, used_ago: u64| {
+            let mut addr = [0u8; 16];
+            addr[..2].copy_from_slice(&[0xfd, 0x00]);
+            addr[15] = client;
+            (
+                AffinityKeyV6 { client: addr, rev_nat_id },
+                AffinityValueV4 { last_used_ns: now - used_ago, backend_id: 1, slot: 0 },
+            )
+        };
+        // Ids are shared: 1 is an IPv4 frontend's, 7 an IPv6 one's, in the one table.
+        let frontends: BTreeMap<RevNatId, (u16, u32)> =
+            [(1, (SVC_FLAG_AFFINITY, 100)), (7, (SVC_FLAG_AFFINITY, 30)), (8, (0, 30))].into();
+        let entries = [
+            entry(1, 7, 30 * S), // kept (exactly the timeout)
+            entry(2, 7, 31 * S), // timed out
+            entry(3, 8, 0),      // frontend lost its affinity
+            entry(4, 9, 0),      // frontend gone
+            entry(5, 1, 99 * S), // kept: keyed by an IPv4 cluster IP's id
+        ];
+        let deleted: Vec<u8> =
+            plan_affinity(&entries, &frontends, now).iter().map(|k| k.client[15]).collect();
+        assert_eq!(deleted, [2, 3, 4]);
     }
 
     #[test]
