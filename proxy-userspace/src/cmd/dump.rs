@@ -3,7 +3,7 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use anyhow::{Context as _, Result};
@@ -13,7 +13,7 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
         CtEntryV4, CtKeyV4, RevNatId, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
     },
-    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
+    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, RevNatV6},
 };
 use serde::Serialize;
 
@@ -343,25 +343,91 @@ pub fn affinity(maps: &Maps) -> Result<Vec<AffinityRow>> {
             frontends.insert(value.rev_nat_id, value);
         }
     }
-    let rev_nat: BTreeMap<RevNatId, RevNatV4> = maps.rev_nat.iter().filter_map(|e| e.ok()).collect();
-    let backends: BTreeMap<u32, BackendV4> = maps.backends.iter().filter_map(|e| e.ok()).collect();
+    for entry in maps.services_v6.iter() {
+        let (key, value) = entry.context("reading the IPv6 services map")?;
+        if key.slot == 0 {
+            frontends.insert(value.rev_nat_id, value);
+        }
+    }
+    let ctx = AffinityContext {
+        names,
+        frontends,
+        rev_nat: maps.rev_nat.iter().filter_map(|e| e.ok()).collect(),
+        backends: maps.backends.iter().filter_map(|e| e.ok()).collect(),
+        rev_nat_v6: maps.rev_nat_v6.iter().filter_map(|e| e.ok()).collect(),
+        backends_v6: maps.backends_v6.iter().filter_map(|e| e.ok()).collect(),
+    };
     let entries: Vec<(AffinityKeyV4, AffinityValueV4)> =
         maps.affinity.iter().filter_map(|e| e.ok()).collect();
-    Ok(affinity_rows(
-        &entries,
-        &AffinityContext { names, frontends, rev_nat, backends },
-        crate::bpf::conntrack::monotonic_ns(),
-    ))
+    let entries6: Vec<(AffinityKeyV6, AffinityValueV4)> =
+        maps.affinity_v6.iter().filter_map(|e| e.ok()).collect();
+    let now = crate::bpf::conntrack::monotonic_ns();
+    let mut rows = affinity_rows(&entries, &ctx, now);
+    // IPv6 clients after the IPv4 ones, as dump conntrack orders its flows.
+    rows.extend(affinity_rows6(&entries6, &ctx, now));
+    Ok(rows)
 }
 
-/// What affinity rows are resolved against.
+/// What affinity rows are resolved against. Rev-NAT ids are shared between the families; backend ids too,
+/// so an entry's backend is looked up in its own family's map.
 #[derive(Default)]
 pub struct AffinityContext {
     pub names: BTreeMap<RevNatId, String>,
-    /// rev-NAT id → the frontend's slot 0.
+    /// rev-NAT id → the frontend's slot 0, of either family.
     pub frontends: BTreeMap<RevNatId, ServiceValueV4>,
     pub rev_nat: BTreeMap<RevNatId, RevNatV4>,
     pub backends: BTreeMap<u32, BackendV4>,
+    pub rev_nat_v6: BTreeMap<RevNatId, RevNatV6>,
+    pub backends_v6: BTreeMap<u32, BackendV6>,
+}
+
+/// The frontend `rev_nat_id` names, `(vip:port, protocol)`: an entry is keyed by its Service port's cluster-IP
+/// frontend, which may be of the other family than its client.
+fn affinity_frontend(ctx: &AffinityContext, rev_nat_id: RevNatId) -> Option<(String, u8)> {
+    ctx.rev_nat
+        .get(&rev_nat_id)
+        .map(|r| (endpoint(r.vip, r.port), r.proto))
+        .or_else(|| ctx.rev_nat_v6.get(&rev_nat_id).map(|r| (endpoint6(r.vip, r.port), r.proto)))
+}
+
+fn affinity_row(
+    client: IpAddr,
+    rev_nat_id: RevNatId,
+    value: &AffinityValueV4,
+    backend: Option<String>,
+    ctx: &AffinityContext,
+    now: u64,
+) -> AffinityRow {
+    let idle_ns = now.saturating_sub(value.last_used_ns);
+    let frontend = affinity_frontend(ctx, rev_nat_id);
+    let time_left_seconds = ctx
+        .frontends
+        .get(&rev_nat_id)
+        .filter(|f| f.flags & SVC_FLAG_AFFINITY != 0)
+        .map(|f| (u64::from(f.affinity_timeout_s) * 1_000_000_000).saturating_sub(idle_ns) as f64 / 1e9);
+    AffinityRow {
+        client: client.to_string(),
+        protocol: frontend.as_ref().map_or("?", |(_, proto)| proto_name(*proto)),
+        frontend: frontend.map(|(f, _)| f).unwrap_or_default(),
+        service: ctx.names.get(&rev_nat_id).cloned().unwrap_or_default(),
+        rev_nat_id,
+        backend_id: value.backend_id,
+        backend: backend.unwrap_or_else(|| "(gone)".to_owned()),
+        last_used_seconds_ago: idle_ns as f64 / 1e9,
+        time_left_seconds,
+    }
+}
+
+/// The address of a row's `vip:port` or `[vip]:port` frontend; `None` (first) when it is gone.
+fn frontend_ip(frontend: &str) -> Option<IpAddr> {
+    match frontend.strip_prefix('[') {
+        Some(rest) => rest.split(']').next()?.parse::<Ipv6Addr>().ok().map(IpAddr::V6),
+        None => frontend.split(':').next()?.parse::<Ipv4Addr>().ok().map(IpAddr::V4),
+    }
+}
+
+fn sort_affinity(rows: &mut [AffinityRow]) {
+    rows.sort_by_cached_key(|r| (frontend_ip(&r.frontend), r.rev_nat_id, r.client.parse::<IpAddr>().ok()));
 }
 
 pub fn affinity_rows(
@@ -372,35 +438,28 @@ pub fn affinity_rows(
     let mut rows: Vec<AffinityRow> = entries
         .iter()
         .map(|(key, value)| {
-            let idle_ns = now.saturating_sub(value.last_used_ns);
-            let rev = ctx.rev_nat.get(&key.rev_nat_id);
-            let time_left_seconds =
-                ctx.frontends.get(&key.rev_nat_id).filter(|f| f.flags & SVC_FLAG_AFFINITY != 0).map(|f| {
-                    (u64::from(f.affinity_timeout_s) * 1_000_000_000).saturating_sub(idle_ns) as f64 / 1e9
-                });
-            AffinityRow {
-                client: Ipv4Addr::from(key.client).to_string(),
-                frontend: rev.map_or_else(String::new, |r| endpoint(r.vip, r.port)),
-                protocol: rev.map_or("?", |r| proto_name(r.proto)),
-                service: ctx.names.get(&key.rev_nat_id).cloned().unwrap_or_default(),
-                rev_nat_id: key.rev_nat_id,
-                backend_id: value.backend_id,
-                backend: ctx
-                    .backends
-                    .get(&value.backend_id)
-                    .map_or_else(|| "(gone)".to_owned(), |b| endpoint(b.addr, b.port)),
-                last_used_seconds_ago: idle_ns as f64 / 1e9,
-                time_left_seconds,
-            }
+            let backend = ctx.backends.get(&value.backend_id).map(|b| endpoint(b.addr, b.port));
+            affinity_row(Ipv4Addr::from(key.client).into(), key.rev_nat_id, value, backend, ctx, now)
         })
         .collect();
-    rows.sort_by(|a, b| {
-        (Ipv4Addr::from(parse_ip(&a.frontend)), a.rev_nat_id, a.client.parse::<Ipv4Addr>().ok()).cmp(&(
-            Ipv4Addr::from(parse_ip(&b.frontend)),
-            b.rev_nat_id,
-            b.client.parse::<Ipv4Addr>().ok(),
-        ))
-    });
+    sort_affinity(&mut rows);
+    rows
+}
+
+/// [`affinity_rows`] of AFFINITY_V6: the client an IPv6 address, the backend one of BACKENDS_V6.
+pub fn affinity_rows6(
+    entries: &[(AffinityKeyV6, AffinityValueV4)],
+    ctx: &AffinityContext,
+    now: u64,
+) -> Vec<AffinityRow> {
+    let mut rows: Vec<AffinityRow> = entries
+        .iter()
+        .map(|(key, value)| {
+            let backend = ctx.backends_v6.get(&value.backend_id).map(|b| endpoint6(b.addr, b.port));
+            affinity_row(Ipv6Addr::from(key.client).into(), key.rev_nat_id, value, backend, ctx, now)
+        })
+        .collect();
+    sort_affinity(&mut rows);
     rows
 }
 
@@ -785,6 +844,7 @@ mod tests {
                 BackendV4 { addr: [10, 244, 1, 7], port: 8080u16.to_be_bytes(), proto: 6, flags: 0 },
             )]
             .into(),
+            ..Default::default()
         };
         let rows = affinity_rows(&[(key(9, 1), value(25, 4)), (key(3, 2), value(1, 5))], &ctx, now);
         assert_eq!(rows.len(), 2);
@@ -803,5 +863,67 @@ mod tests {
         let table = affinity_table(&rows);
         assert!(table.contains("revnat 2"), "{table}");
         assert!(table.contains("100.0s"), "{table}");
+    }
+
+    #[test]
+    fn ipv6_affinity_rows_resolve_the_backend_in_backends_v6_and_the_frontend_by_the_shared_id() {
+        let now = 100_000 * S;
+        let v6 = |last: u16| -> [u8; 16] {
+            let mut a = [0u8; 16];
+            a[..4].copy_from_slice(&[0xfd, 0x00, 0x00, 0x10]);
+            a[14..].copy_from_slice(&last.to_be_bytes());
+            a
+        };
+        let slot0 = ServiceValueV4 {
+            flags: SVC_FLAG_AFFINITY,
+            affinity_timeout_s: 60,
+            rev_nat_id: 7,
+            ..Default::default()
+        };
+        // Backend id 4 names an IPv4 backend too: an IPv6 entry's is BACKENDS_V6's.
+        let ctx = AffinityContext {
+            names: [(7, "default/web:http".to_owned())].into(),
+            frontends: [(7, slot0)].into(),
+            rev_nat_v6: [(7, RevNatV6 { vip: v6(0x96), port: 80u16.to_be_bytes(), proto: 6, _pad: 0 })]
+                .into(),
+            backends: [(
+                4,
+                BackendV4 { addr: [10, 244, 1, 7], port: 8080u16.to_be_bytes(), proto: 6, flags: 0 },
+            )]
+            .into(),
+            backends_v6: [(4, BackendV6 { addr: v6(7), port: 8080u16.to_be_bytes(), proto: 6, flags: 0 })]
+                .into(),
+            ..Default::default()
+        };
+        let entries = [
+            (
+                AffinityKeyV6 { client: v6(0x905), rev_nat_id: 7 },
+                AffinityValueV4 { last_used_ns: now - 15 * S, backend_id: 4, slot: 1 },
+            ),
+            (
+                AffinityKeyV6 { client: v6(5), rev_nat_id: 7 },
+                AffinityValueV4 { last_used_ns: now - 90 * S, backend_id: 9, slot: 1 },
+            ),
+        ];
+        let rows = affinity_rows6(&entries, &ctx, now);
+        assert_eq!(rows.len(), 2);
+        // Same frontend: ordered by client address.
+        let r = &rows[1];
+        assert_eq!(r.client, "fd00:10::905");
+        assert_eq!(r.frontend, "[fd00:10::96]:80");
+        assert_eq!(r.protocol, "TCP");
+        assert_eq!(r.service, "default/web:http");
+        assert_eq!((r.backend_id, r.backend.as_str()), (4, "[fd00:10::7]:8080"));
+        assert_eq!(r.last_used_seconds_ago, 15.0);
+        assert_eq!(r.time_left_seconds, Some(45.0));
+        let stale = &rows[0];
+        assert_eq!(stale.client, "fd00:10::5");
+        assert_eq!(stale.backend, "(gone)", "id 9 is in neither map");
+        assert_eq!(stale.time_left_seconds, Some(0.0));
+        let table = affinity_table(&rows);
+        assert!(table.contains("fd00:10::905") && table.contains("4 [fd00:10::7]:8080"), "{table}");
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(json[1]["client"], "fd00:10::905");
+        assert_eq!(json[1]["backend"], "[fd00:10::7]:8080");
     }
 }
