@@ -2,7 +2,9 @@
 //! clients: `kproxy dump conntrack` lists a curl -6 through an IPv6 cluster IP (client → VIP translated
 //! to the backend, named by its Service) after the IPv4 flows, `kproxy conntrack flush --service`
 //! deletes a Service's flows of both families, the agent purges the IPv6 UDP flows of a backend that
-//! left its slice at once (kube-proxy's conntrack clean-up), and its GC expires idle IPv6 flows.
+//! left its slice at once (kube-proxy's conntrack clean-up), and its GC expires idle IPv6 flows;
+//! `kproxy dump affinity` lists an IPv6 client's sessionAffinity entry, which the GC deletes once its
+//! Service has no affinity.
 //! The cluster is dual_stack.rs's, cut down. Needs root.
 
 mod common;
@@ -27,10 +29,15 @@ const DNS: [(&str, Ipv4Addr); 2] =
 /// `ops-web` (an IPv4 and an IPv6 cluster IP, port 80, one backend, a slice per family) and `ops-dns`
 /// (IPv6 only, 53/UDP, the one backend named).
 fn manifests(dns_backend: (&str, Ipv4Addr)) -> String {
+    manifests_with(dns_backend, "")
+}
+
+/// [`manifests`] with `web_spec` added to ops-web's spec (two-space indented lines).
+fn manifests_with(dns_backend: (&str, Ipv4Addr), web_spec: &str) -> String {
     let dns_ports = "- name: dns\n  port: 53\n  protocol: UDP\n";
     [
         format!(
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-web\n  namespace: default\nspec:\n  clusterIP: {WEB_VIP4}\n  clusterIPs: [{WEB_VIP4}, \"{WEB_VIP6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n{web_spec}  ports:\n  - port: 80\n    protocol: TCP\n    targetPort: 80\n"
         ),
         slice("ops-web-v4", "ops-web", "IPv4", endpoints(&[WEB], false), WEB_PORTS),
         slice("ops-web-v6", "ops-web", "IPv6", endpoints(&[WEB], true), WEB_PORTS),
@@ -56,6 +63,11 @@ struct DualStack {
 }
 
 fn start(tag: &str, agent_args: &[&str]) -> DualStack {
+    start_on(tag, agent_args, &manifests(DNS[0]))
+}
+
+/// [`start`] on the manifests `yaml`.
+fn start_on(tag: &str, agent_args: &[&str], yaml: &str) -> DualStack {
     let mut cluster = Cluster::prepared(tag, Mode::Files);
     cluster.client.add_ipv6(ipv6_of(CLIENT_IP)).unwrap();
     let web = dual_pod(&cluster, WEB.0, WEB.1);
@@ -66,7 +78,7 @@ fn start(tag: &str, agent_args: &[&str]) -> DualStack {
         pod.start_dnsmasq(Ipv4Addr::new(10, 96, 0, 210)).unwrap();
         pods.push(pod);
     }
-    std::fs::write(cluster.manifest("dual-stack-ops.yaml"), manifests(DNS[0])).unwrap();
+    std::fs::write(cluster.manifest("dual-stack-ops.yaml"), yaml).unwrap();
     cluster.extra_agent_args.extend(agent_args.iter().map(|a| (*a).to_owned()));
     cluster.start_agent();
     cluster.wait_for_frontends(&[
@@ -243,6 +255,58 @@ fn idle_ipv6_flows_are_expired_by_the_agents_gc() {
     // sees it again, and the LRU is nowhere near full. Only the GC removes it.
     wait_until(cluster, "the idle IPv6 flow was not collected", Duration::from_secs(20), || {
         flows_to(&conntrack(cluster), &backend).is_empty()
+    });
+}
+
+const WEB_AFFINITY: &str =
+    "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 600\n";
+
+#[test]
+fn an_ipv6_clients_session_affinity_is_dumped_and_collected_when_the_service_drops_it() {
+    let ds =
+        start_on("dsops-affinity", &["--conntrack-gc-interval", "1s"], &manifests_with(DNS[0], WEB_AFFINITY));
+    let cluster = &ds.cluster;
+    let client = &cluster.client;
+    assert_eq!(client.curl(&format!("http://{WEB_VIP4}/")).unwrap(), format!("{}\n", WEB.0));
+    assert_eq!(client.curl(&format!("http://[{WEB_VIP6}]/")).unwrap(), format!("{}\n", WEB.0));
+
+    // One entry per client address and Service port: the IPv4 client's, then the IPv6 one's.
+    let affinity = cluster.dump_json("affinity");
+    let rows = affinity.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{affinity:#}");
+    assert_eq!(
+        (&rows[0]["client"], &rows[0]["backend"]),
+        (&Value::from(CLIENT_IP.to_string()), &Value::from(format!("{}:80", WEB.1))),
+        "{affinity:#}"
+    );
+    let row = &rows[1];
+    let client6 = ipv6_of(CLIENT_IP).to_string();
+    let backend6 = format!("[{}]:80", ipv6_of(WEB.1));
+    assert_eq!(row["client"], client6, "{affinity:#}");
+    assert_eq!(row["backend"], backend6, "the id resolved in BACKENDS_V6: {row}");
+    assert_eq!(row["frontend"], format!("[{WEB_VIP6}]:80"), "{row}");
+    assert_eq!((&row["protocol"], &row["service"]), (&Value::from("TCP"), &Value::from("default/ops-web:")));
+    let left = row["time_left_seconds"].as_f64().unwrap();
+    assert!(left > 590.0 && left <= 600.0, "the Service's 600 s: {row}");
+    let table = cluster.kproxy(&["dump", "affinity"]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&client6) && l.contains(&backend6) && l.contains("default/ops-web")),
+        "{table}"
+    );
+
+    // The Service drops its affinity: no packet comes and the 600 s are far off, so only the GC removes
+    // the entries (the IPv6 one as the IPv4 one), and counts them.
+    std::fs::write(cluster.manifest("dual-stack-ops.yaml"), manifests(DNS[0])).unwrap();
+    wait_until(
+        cluster,
+        "the affinity entries outlived the Service's affinity",
+        Duration::from_secs(40),
+        || cluster.dump_json("affinity").as_array().unwrap().is_empty(),
+    );
+    wait_until(cluster, "the GC did not count both entries", Duration::from_secs(10), || {
+        metric(cluster, "kproxy_affinity_gc_deleted_total") >= Some(2.0)
     });
 }
 
