@@ -160,12 +160,15 @@ pub fn frontend_flags(frontend: &Frontend) -> u16 {
     flags
 }
 
-/// A Service port as kube-proxy names it (`ServicePortName` and protocol): what its session affinity is kept per.
-pub type ServicePortKey = (ServiceName, String, Protocol);
+/// A Service port as kube-proxy names it (`ServicePortName` and protocol), in one family (true: IPv4): what its
+/// session affinity is kept per.
+pub type ServicePortKey = (ServiceName, String, Protocol, bool);
 
 /// The Service port `frontend` belongs to.
 pub fn service_port(frontend: &Frontend) -> ServicePortKey {
-    (frontend.service.clone(), frontend.port_name.clone(), frontend.proto)
+    // Per family: a dual-stack Service's IPv4 NodePort shares its clients' affinity with the IPv4
+    // cluster IP, not the IPv6 one (kube-proxy's affinity lives in each family's proxier).
+    (frontend.service.clone(), frontend.port_name.clone(), frontend.proto, frontend.vip.is_ipv4())
 }
 
 /// The cluster-IP frontend of each Service port among `frontends`: the one whose rev-NAT id the port's other

@@ -287,6 +287,41 @@ fn a_service_ports_frontends_share_the_cluster_ips_affinity_id() {
     assert_eq!((master.named_affinity_id(), master.backend_id), (0, 0));
 }
 
+/// Per family, as kube-proxy's affinity lives in each family's proxier: a dual-stack Service's IPv4 external
+/// IP names the IPv4 cluster IP's id and its IPv6 external IP the IPv6 one's, whichever comes first.
+#[test]
+fn a_dual_stack_service_ports_frontends_share_the_affinity_id_of_their_own_familys_cluster_ip() {
+    let frontend = |vip: std::net::IpAddr, kind: FrontendKind| {
+        let mut fe = web(80, Protocol::Tcp, &[1, 2], &[]);
+        (fe.vip, fe.kind, fe.session_affinity_timeout) = (vip, kind, Some(60));
+        fe
+    };
+    let (v4_cluster, v4_external): (std::net::IpAddr, std::net::IpAddr) =
+        (Ipv4Addr::from(VIP).into(), Ipv4Addr::new(192, 168, 100, 50).into());
+    let (v6_cluster, v6_external): (std::net::IpAddr, std::net::IpAddr) =
+        ("fd00:10:96::64".parse().unwrap(), "2001:db8::50".parse().unwrap());
+    let desired = Desired::new(vec![
+        frontend(v4_cluster, FrontendKind::ClusterIp),
+        frontend(v4_external, FrontendKind::ExternalIp),
+        frontend(v6_cluster, FrontendKind::ClusterIp),
+        frontend(v6_external, FrontendKind::ExternalIp),
+    ]);
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    let report = syncer.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let store = syncer.store();
+    let v4 = |addr: std::net::IpAddr| {
+        let std::net::IpAddr::V4(a) = addr else { unreachable!() };
+        store.services[&(a.octets(), 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)]
+    };
+    let v6 = |addr: std::net::IpAddr| {
+        let std::net::IpAddr::V6(a) = addr else { unreachable!() };
+        store.services6[&(a.octets(), 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)]
+    };
+    assert_eq!(v4(v4_external).affinity_id(), v4(v4_cluster).rev_nat_id, "IPv4 external IP");
+    assert_eq!(v6(v6_external).affinity_id(), v6(v6_cluster).rev_nat_id, "IPv6 external IP");
+}
+
 #[test]
 fn a_dual_stack_service_programs_each_family_in_its_own_maps_under_shared_ids() {
     let v6_vip: std::net::Ipv6Addr = "fd00:10:96::64".parse().unwrap();
