@@ -235,6 +235,10 @@ pub struct GcReport {
     /// (by fill): the interval shortens when either table nears its capacity, as either evicts.
     pub remaining: u64,
     pub capacity: u64,
+    /// What the tables the run walked hold after it, by the names of `kproxy_bpf_map_entries`
+    /// (conntrack and affinity, both families): the metrics take them from here rather than walk the
+    /// tables again.
+    pub fill: Vec<(&'static str, u64)>,
 }
 
 impl GcReport {
@@ -299,9 +303,13 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     }
     let affinity: Vec<(AffinityKeyV4, AffinityValueV4)> =
         maps.affinity.iter().filter_map(|e| e.ok()).collect();
+    let mut affinity_left = affinity.len() as u64;
     for key in plan_affinity(&affinity, &frontends, monotonic_ns()) {
         match remove_present(&mut maps.affinity, &key) {
-            Ok(true) => report.affinity_deleted += 1,
+            Ok(true) => {
+                report.affinity_deleted += 1;
+                affinity_left -= 1;
+            }
             Ok(false) => {}
             Err(e) => return Err(e).context("deleting an affinity entry"),
         }
@@ -309,9 +317,13 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     // IPv6 clients' entries, counted with IPv4's: kproxy_affinity_gc_deleted_total has no family label.
     let affinity6: Vec<(AffinityKeyV6, AffinityValueV4)> =
         maps.affinity_v6.iter().filter_map(|e| e.ok()).collect();
+    let mut affinity6_left = affinity6.len() as u64;
     for key in plan_affinity(&affinity6, &frontends, monotonic_ns()) {
         match remove_present(&mut maps.affinity_v6, &key) {
-            Ok(true) => report.affinity_deleted += 1,
+            Ok(true) => {
+                report.affinity_deleted += 1;
+                affinity6_left -= 1;
+            }
             Ok(false) => {}
             Err(e) => return Err(e).context("deleting an IPv6 affinity entry"),
         }
@@ -342,6 +354,12 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
 
     let (remaining, remaining6) = (maps.conntrack.keys().count() as u64, count6(maps));
     (report.remaining, report.capacity) = fuller((remaining, capacity(maps)), (remaining6, capacity6(maps)));
+    report.fill = vec![
+        ("conntrack_v4", remaining),
+        ("conntrack_v6", remaining6),
+        ("affinity_v4", affinity_left),
+        ("affinity_v6", affinity6_left),
+    ];
     Ok(report)
 }
 

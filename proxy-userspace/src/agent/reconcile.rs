@@ -288,6 +288,9 @@ impl SyncLoop<'_> {
         self.metrics.add_changes(pending.endpoint_changes, pending.service_changes);
         self.metrics.inc_sync_errors(report.errors.len() as u64);
         self.metrics.set_programmed(self.syncer.frontend_count() as u64, self.syncer.backend_count() as u64);
+        for (map, entries) in self.syncer.map_fill() {
+            self.metrics.set_map_entries(map, entries);
+        }
         for trigger in pending.trigger_times {
             if let Ok(latency) = finished.duration_since(trigger) {
                 self.metrics.observe_network_programming(latency);

@@ -65,10 +65,23 @@ macro_rules! map_table {
         /// `(map, entries, capacity)` for every map with a fixed capacity that the metrics and `kproxy
         /// doctor` report.
         pub fn map_usage(maps: &Maps) -> Vec<(&'static str, u64, u64)> {
+            map_usage_where(maps, |_| true)
+                .into_iter()
+                .map(|(name, entries, capacity)| (name, entries.unwrap_or(0), capacity))
+                .collect()
+        }
+
+        /// [`map_usage`] with the entries walked only for the maps `count` names (`None` for the rest):
+        /// a capacity is one syscall, the entries one per key.
+        pub fn map_usage_where(maps: &Maps, count: impl Fn(&str) -> bool) -> Vec<(&'static str, Option<u64>, u64)> {
             fn capacity<K: aya::Pod, V, M: aya::maps::IterableMap<K, V>>(map: &M) -> u64 {
                 map.map().info().map_or(0, |info| u64::from(info.max_entries()))
             }
-            vec![$( $( ($usage, maps.$field.keys().count() as u64, capacity(&maps.$field)), )? )*]
+            vec![$( $( (
+                $usage,
+                count($usage).then(|| maps.$field.keys().count() as u64),
+                capacity(&maps.$field),
+            ), )? )*]
         }
     };
 }

@@ -32,7 +32,9 @@ pub use load::{
 pub(crate) use lock::flock;
 pub use lock::{ClaimOptions, PinLock, claim, lock_holder, pin_lock_pid};
 pub use log::forward_bpf_logs;
-pub use maps::{ALL_MAPS, InheritedMap, Maps, expected_layout, map_usage, remove_present, second_handle};
+pub use maps::{
+    ALL_MAPS, InheritedMap, Maps, expected_layout, map_usage, map_usage_where, remove_present, second_handle,
+};
 pub use pins::{DEFAULT_PIN_DIR, Hook, PinDir, SOCKET_PROGRAMS};
 pub use service_store::{
     BpfStore, Store, read_entries, read_source_ranges, read_source_ranges6, rev_nat_capacity,

@@ -308,4 +308,31 @@ impl<S: Store> Syncer<S> {
     pub fn backend_count(&self) -> usize {
         self.backends.len()
     }
+
+    /// The entries the service maps hold, by the map names of `kproxy_bpf_map_entries`, as this Syncer
+    /// wrote them: counted from its mirror rather than by walking the maps (tens of thousands of
+    /// syscalls at 10k Services), which only the Syncer writes.
+    pub fn map_fill(&self) -> [(&'static str, u64); 8] {
+        let (mut services, mut rev_nat) = ([0u64; 2], [0u64; 2]);
+        for (key, programmed) in &self.frontends {
+            let family = usize::from(!key.vip.is_ipv4());
+            services[family] += 1 + programmed.slot_count() as u64;
+            rev_nat[family] += 1;
+        }
+        let count = |ipv4: bool, n: &mut [u64; 2]| n[usize::from(!ipv4)] += 1;
+        let mut backends = [0u64; 2];
+        self.backends.keys().for_each(|(b, _)| count(b.addr.is_ipv4(), &mut backends));
+        let mut vips = [0u64; 2];
+        self.vips.keys().for_each(|vip| count(vip.is_ipv4(), &mut vips));
+        [
+            ("services_v4", services[0]),
+            ("backends_v4", backends[0]),
+            ("rev_nat_v4", rev_nat[0]),
+            ("vips_v4", vips[0]),
+            ("services_v6", services[1]),
+            ("backends_v6", backends[1]),
+            ("rev_nat_v6", rev_nat[1]),
+            ("vips_v6", vips[1]),
+        ]
+    }
 }

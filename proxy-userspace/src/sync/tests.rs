@@ -402,3 +402,50 @@ fn rev_nat_ids_go_past_16_bits_distinct_and_a_restarted_syncer_continues_above_t
     let master = restarted.store().services[&(added, 80, Protocol::Tcp.number(), SCOPE_INTERNAL, 0)];
     assert_eq!(master.rev_nat_id, n + 1);
 }
+
+/// What the metrics report for the service maps comes from the mirror: it must equal what the maps hold.
+#[test]
+fn map_fill_counts_what_the_maps_hold_in_both_families() {
+    let v6 = |last: u16| BackendAddr {
+        addr: std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, last).into(),
+        port: 80,
+    };
+    let mut web6 = web(80, Protocol::Tcp, &[], &[]);
+    (web6.vip, web6.backends, web6.terminating_backends) =
+        ("fd00:10:96::64".parse().unwrap(), vec![v6(1), v6(2)], vec![v6(3)]);
+    let mut node_port = web(30080, Protocol::Tcp, &[1, 2], &[3]);
+    (node_port.vip, node_port.kind) = (Ipv4Addr::new(192, 168, 1, 10).into(), FrontendKind::NodePort);
+    let desired = Desired::new(vec![
+        web(80, Protocol::Tcp, &[1, 2], &[3]),
+        web(53, Protocol::Udp, &[1], &[]),
+        node_port,
+        web6,
+    ]);
+    let mut syncer = Syncer::with_store(FakeStore::default()).unwrap();
+    assert!(syncer.apply(&desired).errors.is_empty());
+    let store = syncer.store();
+    let held = [
+        ("services_v4", store.services.len()),
+        ("backends_v4", store.backends.len()),
+        ("rev_nat_v4", store.rev_nat.len()),
+        ("vips_v4", store.vips.len()),
+        ("services_v6", store.services6.len()),
+        ("backends_v6", store.backends6.len()),
+        ("rev_nat_v6", store.rev_nat6.len()),
+        ("vips_v6", store.vips6.len()),
+    ]
+    .map(|(name, n)| (name, n as u64));
+    assert_eq!(syncer.map_fill(), held);
+    assert_eq!(held[0], ("services_v4", 4 + 2 + 4), "slot 0 and the slots of each IPv4 frontend");
+
+    // After a removal too, and read back by a restarted agent.
+    let smaller = Desired::new(vec![web(80, Protocol::Tcp, &[1], &[])]);
+    syncer.apply(&smaller);
+    let restarted = Syncer::with_store(syncer.store().clone()).unwrap();
+    for s in [&syncer, &restarted] {
+        let fill = s.map_fill();
+        assert_eq!(fill[0], ("services_v4", s.store().services.len() as u64));
+        assert_eq!(fill[1], ("backends_v4", s.store().backends.len() as u64));
+        assert_eq!(fill[4], ("services_v6", 0));
+    }
+}

@@ -220,6 +220,17 @@ impl Metrics {
         self.lock().maps.insert(map.to_owned(), (entries, capacity));
     }
 
+    /// The entries of one BPF map, its capacity left as last set (the Syncer counts the service maps,
+    /// the GC the conntrack and affinity tables, each as it goes).
+    pub fn set_map_entries(&self, map: &str, entries: u64) {
+        self.lock().maps.entry(map.to_owned()).or_default().0 = entries;
+    }
+
+    /// The capacity of one BPF map, its entries left as last set.
+    pub fn set_map_capacity(&self, map: &str, capacity: u64) {
+        self.lock().maps.entry(map.to_owned()).or_default().1 = capacity;
+    }
+
     /// Datapath packet counters by reason, as absolute totals (summed over
     /// CPUs). Reasons not mentioned keep their previous value.
     pub fn set_datapath_counters(&self, counters: &[(&str, u64)]) {
