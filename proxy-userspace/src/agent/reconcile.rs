@@ -208,22 +208,30 @@ impl SyncLoop<'_> {
             .removed_backend_addrs
             .iter()
             .filter(|(_, proto)| *proto == Protocol::Udp)
-            // Socket LB is IPv4 only so far: no IPv6 socket is translated.
-            .filter_map(|(b, _)| match b.addr {
-                std::net::IpAddr::V4(addr) => Some(crate::agent::sockdiag::Peer { addr, port: b.port }),
-                std::net::IpAddr::V6(_) => None,
-            })
+            .map(|(b, _)| crate::agent::sockdiag::Peer { addr: b.addr, port: b.port })
             .collect();
         if self.socket_lb != SocketLbMode::Off && !peers.is_empty() {
-            let sock_revnat = &self.maps.sock_revnat;
-            let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| {
-                let key = SockRevNatKeyV4 {
-                    cookie,
-                    addr: peer.addr.octets(),
-                    port: peer.port.to_be_bytes(),
-                    _pad: [0; 2],
-                };
-                sock_revnat.get(&key, 0).is_ok()
+            let (sock_revnat, sock_revnat_v6) = (&self.maps.sock_revnat, &self.maps.sock_revnat_v6);
+            // An IPv4 peer of an AF_INET6 socket (mapped address) is in SOCK_REVNAT_V4 too.
+            let translated = |cookie: u64, peer: &crate::agent::sockdiag::Peer| match peer.addr {
+                std::net::IpAddr::V4(addr) => {
+                    let key = SockRevNatKeyV4 {
+                        cookie,
+                        addr: addr.octets(),
+                        port: peer.port.to_be_bytes(),
+                        _pad: [0; 2],
+                    };
+                    sock_revnat.get(&key, 0).is_ok()
+                }
+                std::net::IpAddr::V6(addr) => {
+                    let key = proxy_common::sock_v6::SockRevNatKeyV6 {
+                        cookie,
+                        addr: addr.octets(),
+                        port: peer.port.to_be_bytes(),
+                        _pad: [0; 6],
+                    };
+                    sock_revnat_v6.get(&key, 0).is_ok()
+                }
             };
             let destroyed = crate::agent::sockdiag::destroy_everywhere(&peers, &translated);
             match destroyed {

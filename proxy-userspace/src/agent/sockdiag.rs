@@ -15,7 +15,10 @@
 //! really gone ends it by itself (RST, or the client's timeout).
 //!
 //! Only sockets the hooks translated are touched — their cookie and peer are in
-//! `SOCK_REVNAT_V4`. A socket an application connected to the pod's own address (a headless
+//! `SOCK_REVNAT_V4`, or `SOCK_REVNAT_V6` for an AF_INET6 socket connected to a native IPv6
+//! backend. An AF_INET6 socket connected to an IPv4-mapped backend (`::ffff:a.b.c.d`) went
+//! through the IPv4 Service, and the hooks keep its entry in `SOCK_REVNAT_V4`: its peer is the
+//! IPv4 address, so one IPv4 backend leaving reaches the sockets of both families. A socket an application connected to the pod's own address (a headless
 //! Service, a StatefulSet peer) is its business: a pod leaving a Service, or just turning
 //! unready, must not cut it.
 
@@ -23,7 +26,7 @@ use std::{
     collections::BTreeMap,
     ffi::c_void,
     fs, io,
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::PathBuf,
 };
@@ -45,25 +48,36 @@ const MSG_LEN: usize = 72;
 /// A UDP backend whose connected sockets must go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Peer {
-    pub addr: Ipv4Addr,
+    /// An IPv4-mapped address is never here: such a peer is its IPv4 address.
+    pub addr: IpAddr,
     pub port: u16,
 }
 
 /// `struct inet_diag_sockid`, as the kernel reported it (it must be sent back unchanged,
-/// cookie included, to name the socket).
+/// cookie included, to name the socket), and the family of the dump that reported it, which
+/// the destroy request must name too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct SockId([u8; 48]);
+struct SockId {
+    family: u8,
+    id: [u8; 48],
+}
 
 impl SockId {
-    fn dst(&self) -> (Ipv4Addr, u16) {
-        let port = u16::from_be_bytes([self.0[2], self.0[3]]);
-        (Ipv4Addr::new(self.0[20], self.0[21], self.0[22], self.0[23]), port)
+    fn dst(&self) -> (IpAddr, u16) {
+        let port = u16::from_be_bytes([self.id[2], self.id[3]]);
+        let addr = if self.family == libc::AF_INET6 as u8 {
+            let v6 = Ipv6Addr::from(<[u8; 16]>::try_from(&self.id[20..36]).unwrap());
+            v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+        } else {
+            IpAddr::V4(Ipv4Addr::new(self.id[20], self.id[21], self.id[22], self.id[23]))
+        };
+        (addr, port)
     }
 
     /// `idiag_cookie`: the socket cookie (`SO_COOKIE`, `bpf_get_socket_cookie`), low half first.
     fn cookie(&self) -> u64 {
-        let low = u32::from_ne_bytes(self.0[40..44].try_into().unwrap());
-        let high = u32::from_ne_bytes(self.0[44..48].try_into().unwrap());
+        let low = u32::from_ne_bytes(self.id[40..44].try_into().unwrap());
+        let high = u32::from_ne_bytes(self.id[44..48].try_into().unwrap());
         u64::from(low) | (u64::from(high) << 32)
     }
 }
@@ -85,23 +99,24 @@ pub fn socket_cookie_option(socket: &impl AsRawFd, option: i32) -> io::Result<u6
     if ret != 0 { Err(io::Error::last_os_error()) } else { Ok(value) }
 }
 
-/// Whether the socket with this cookie was connected to `peer` by kproxy's socket hooks.
+/// Whether the socket with this cookie was connected to `peer` by kproxy's socket hooks: an IPv4
+/// peer in `SOCK_REVNAT_V4` (whatever the socket's family), an IPv6 one in `SOCK_REVNAT_V6`.
 pub type Translated<'a> = &'a (dyn Fn(u64, &Peer) -> bool + Sync);
 
-/// `nlmsghdr` + `inet_diag_req_v2` for IPv4 UDP sockets in any state.
-fn request(kind: u16, flags: u16, seq: u32, id: Option<&SockId>) -> Vec<u8> {
+/// `nlmsghdr` + `inet_diag_req_v2` for UDP sockets of `family` in any state.
+fn request(kind: u16, flags: u16, seq: u32, family: u8, id: Option<&[u8; 48]>) -> Vec<u8> {
     let mut msg = Vec::with_capacity(NLMSG_HDRLEN + REQ_LEN);
     msg.extend_from_slice(&((NLMSG_HDRLEN + REQ_LEN) as u32).to_ne_bytes());
     msg.extend_from_slice(&kind.to_ne_bytes());
     msg.extend_from_slice(&flags.to_ne_bytes());
     msg.extend_from_slice(&seq.to_ne_bytes());
     msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.push(libc::AF_INET as u8);
+    msg.push(family);
     msg.push(libc::IPPROTO_UDP as u8);
     msg.push(0); // no extensions
     msg.push(0);
     msg.extend_from_slice(&u32::MAX.to_ne_bytes()); // every state
-    msg.extend_from_slice(id.map_or(&[0u8; 48], |id| &id.0));
+    msg.extend_from_slice(id.unwrap_or(&[0u8; 48]));
     msg
 }
 
@@ -125,7 +140,7 @@ fn parse_dump(buf: &[u8]) -> Result<Option<Vec<SockId>>> {
                 let body = &buf[at + NLMSG_HDRLEN..at + len];
                 let mut id = [0u8; 48];
                 id.copy_from_slice(&body[4..52]);
-                out.push(SockId(id));
+                out.push(SockId { family: body[0], id });
             }
             _ => {}
         }
@@ -167,8 +182,8 @@ impl Netlink {
         Ok(got as usize)
     }
 
-    fn dump(&self) -> Result<Vec<SockId>> {
-        self.send(&request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, None))?;
+    fn dump(&self, family: u8) -> Result<Vec<SockId>> {
+        self.send(&request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, family, None))?;
         let mut buf = vec![0u8; 64 * 1024];
         let mut all = Vec::new();
         loop {
@@ -181,7 +196,7 @@ impl Netlink {
     }
 
     fn destroy(&self, id: &SockId) -> Result<()> {
-        self.send(&request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, Some(id)))?;
+        self.send(&request(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, 2, id.family, Some(&id.id)))?;
         let mut buf = [0u8; 512];
         let n = self.recv(&mut buf)?;
         if n >= NLMSG_HDRLEN + 4 && u16::from_ne_bytes([buf[4], buf[5]]) == NLMSG_ERROR {
@@ -203,12 +218,16 @@ pub fn destroy_here(peers: &[Peer], translated: Translated) -> Result<usize> {
     }
     let netlink = Netlink::open()?;
     let mut destroyed = 0;
-    for id in netlink.dump()? {
-        let (addr, port) = id.dst();
-        let peer = Peer { addr, port };
-        if peers.contains(&peer) && translated(id.cookie(), &peer) {
-            netlink.destroy(&id)?;
-            destroyed += 1;
+    // AF_INET6 even with IPv4 peers only: a dual-stack socket reaches an IPv4 backend by its
+    // mapped address.
+    for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+        for id in netlink.dump(family)? {
+            let (addr, port) = id.dst();
+            let peer = Peer { addr, port };
+            if peers.contains(&peer) && translated(id.cookie(), &peer) {
+                netlink.destroy(&id)?;
+                destroyed += 1;
+            }
         }
     }
     Ok(destroyed)
@@ -269,7 +288,7 @@ mod tests {
     #[test]
     fn requests_have_the_kernel_layout() {
         assert_eq!(std::mem::size_of::<libc::nlmsghdr>(), NLMSG_HDRLEN);
-        let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, None);
+        let msg = request(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 7, libc::AF_INET as u8, None);
         assert_eq!(msg.len(), NLMSG_HDRLEN + REQ_LEN);
         assert_eq!(u32::from_ne_bytes(msg[0..4].try_into().unwrap()), 72);
         assert_eq!(u16::from_ne_bytes(msg[4..6].try_into().unwrap()), SOCK_DIAG_BY_FAMILY);
@@ -294,12 +313,36 @@ mod tests {
         buf.extend_from_slice(&body);
         let parsed = parse_dump(&buf).unwrap().unwrap();
         assert_eq!(parsed.len(), 1);
-        assert_eq!(parsed[0].dst(), (Ipv4Addr::new(10, 244, 0, 21), 53));
+        assert_eq!(parsed[0].dst(), (IpAddr::V4(Ipv4Addr::new(10, 244, 0, 21)), 53));
         let mut done = Vec::new();
         done.extend_from_slice(&20u32.to_ne_bytes());
         done.extend_from_slice(&NLMSG_DONE.to_ne_bytes());
         done.extend_from_slice(&[0; 14]);
         assert!(parse_dump(&done).unwrap().is_none());
+    }
+
+    #[test]
+    fn an_ipv6_dump_reply_yields_native_and_mapped_peers() {
+        let reply = |dst: Ipv6Addr| {
+            let mut buf = Vec::new();
+            buf.extend_from_slice(&((NLMSG_HDRLEN + MSG_LEN) as u32).to_ne_bytes());
+            buf.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+            buf.extend_from_slice(&[0; 10]);
+            let mut body = [0u8; MSG_LEN];
+            body[0] = libc::AF_INET6 as u8;
+            body[1] = 1;
+            body[6..8].copy_from_slice(&53u16.to_be_bytes());
+            body[24..40].copy_from_slice(&dst.octets());
+            buf.extend_from_slice(&body);
+            parse_dump(&buf).unwrap().unwrap()
+        };
+        let native: Ipv6Addr = "fd00:10:244::15".parse().unwrap();
+        let parsed = reply(native);
+        assert_eq!(parsed[0].family, libc::AF_INET6 as u8, "the destroy request must name it");
+        assert_eq!(parsed[0].dst(), (IpAddr::V6(native), 53));
+        // A dual-stack socket's IPv4 backend: its SOCK_REVNAT_V4 entry names the IPv4 address.
+        let mapped = Ipv4Addr::new(10, 244, 0, 21).to_ipv6_mapped();
+        assert_eq!(reply(mapped)[0].dst(), (IpAddr::V4(Ipv4Addr::new(10, 244, 0, 21)), 53));
     }
 
     fn cookie_of(socket: &std::net::UdpSocket) -> u64 {
@@ -319,7 +362,7 @@ mod tests {
         direct.connect(peer).unwrap();
         let other = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         other.connect(client.local_addr().unwrap()).unwrap();
-        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port: peer.port() };
+        let gone = Peer { addr: IpAddr::V4(Ipv4Addr::LOCALHOST), port: peer.port() };
         let client_cookie = cookie_of(&client);
         let translated = |cookie: u64, p: &Peer| cookie == client_cookie && *p == gone;
         let destroyed = destroy_here(&[gone], &translated).expect("needs root and CONFIG_INET_DIAG_DESTROY");
@@ -347,7 +390,106 @@ mod tests {
         let (mut accepted, _) = listener.accept().unwrap();
         let udp_client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         udp_client.connect(udp_server.local_addr().unwrap()).unwrap();
-        let gone = Peer { addr: Ipv4Addr::LOCALHOST, port };
+        let gone = Peer { addr: IpAddr::V4(Ipv4Addr::LOCALHOST), port };
+        let destroyed = destroy_here(&[gone], &|_, p: &Peer| *p == gone)
+            .expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "the connected UDP socket only");
+        stream.write_all(b"still here").unwrap();
+        let mut got = [0u8; 10];
+        accepted.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"still here");
+    }
+
+    /// As [`a_translated_udp_socket_to_a_gone_peer_is_destroyed`], with AF_INET6 sockets on ::1
+    /// and a native IPv6 peer (`SOCK_REVNAT_V6`).
+    #[test]
+    fn a_translated_ipv6_udp_socket_to_a_gone_peer_is_destroyed() {
+        let server = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        let client = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        let peer = server.local_addr().unwrap();
+        client.connect(peer).unwrap();
+        let direct = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        direct.connect(peer).unwrap();
+        let other = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        other.connect(client.local_addr().unwrap()).unwrap();
+        let gone = Peer { addr: IpAddr::V6(Ipv6Addr::LOCALHOST), port: peer.port() };
+        let client_cookie = cookie_of(&client);
+        let translated = |cookie: u64, p: &Peer| cookie == client_cookie && *p == gone;
+        let destroyed = destroy_here(&[gone], &translated).expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "only the translated socket connected to the gone peer");
+        direct.send(b"untouched").unwrap();
+        client.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+        let err = client.recv(&mut [0u8; 16]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNABORTED), "{err}");
+        let err = client.send(b"hello").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EDESTADDRREQ), "{err}");
+        other.send(b"still fine").unwrap();
+        assert_eq!(server.recv(&mut [0u8; 16]).unwrap(), 9, "the untranslated socket still reaches its peer");
+    }
+
+    /// An AF_INET6 socket that does not refuse IPv4 (IPV6_V6ONLY off, whatever the sysctl says).
+    fn dual_stack_udp() -> std::net::UdpSocket {
+        // SAFETY: plain socket(2); the descriptor is owned at once.
+        let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(fd >= 0, "{}", io::Error::last_os_error());
+        // SAFETY: a fresh descriptor nobody else owns.
+        let socket = unsafe { std::net::UdpSocket::from_raw_fd(fd) };
+        let off: libc::c_int = 0;
+        // SAFETY: setsockopt reading a c_int from a live buffer of that size.
+        let ret = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                (&off as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(ret, 0, "{}", io::Error::last_os_error());
+        socket
+    }
+
+    /// A dual-stack socket the hooks connected to an IPv4 backend by its mapped address
+    /// (`::ffff:127.0.0.1`) is claimed through its IPv4 peer, as the hooks keep its entry in
+    /// `SOCK_REVNAT_V4`, and is destroyed when that IPv4 backend leaves.
+    #[test]
+    fn a_dual_stack_socket_to_a_gone_ipv4_peer_is_destroyed() {
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = server.local_addr().unwrap().port();
+        let mapped = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST.to_ipv6_mapped(), port));
+        let client = dual_stack_udp();
+        client.connect(mapped).unwrap();
+        let direct = dual_stack_udp();
+        direct.connect(mapped).unwrap();
+        let gone = Peer { addr: IpAddr::V4(Ipv4Addr::LOCALHOST), port };
+        let client_cookie = cookie_of(&client);
+        let asked = std::sync::Mutex::new(Vec::new());
+        let translated = |cookie: u64, p: &Peer| {
+            asked.lock().unwrap().push(*p);
+            cookie == client_cookie && *p == gone
+        };
+        let destroyed = destroy_here(&[gone], &translated).expect("needs root and CONFIG_INET_DIAG_DESTROY");
+        assert_eq!(destroyed, 1, "only the translated dual-stack socket");
+        assert!(asked.into_inner().unwrap().iter().all(|p| *p == gone), "asked by its IPv4 peer");
+        client.set_read_timeout(Some(std::time::Duration::from_secs(1))).unwrap();
+        let err = client.recv(&mut [0u8; 16]).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ECONNABORTED), "{err}");
+        direct.send(b"untouched").unwrap();
+        assert_eq!(server.recv(&mut [0u8; 16]).unwrap(), 9);
+    }
+
+    /// As [`a_tcp_connection_to_a_gone_peer_is_never_destroyed`], over ::1.
+    #[test]
+    fn an_ipv6_tcp_connection_to_a_gone_peer_is_never_destroyed() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("[::1]:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let udp_server = std::net::UdpSocket::bind(("::1", port)).expect("the same port for UDP");
+        let mut stream = std::net::TcpStream::connect(("::1", port)).unwrap();
+        let (mut accepted, _) = listener.accept().unwrap();
+        let udp_client = std::net::UdpSocket::bind("[::1]:0").unwrap();
+        udp_client.connect(udp_server.local_addr().unwrap()).unwrap();
+        let gone = Peer { addr: IpAddr::V6(Ipv6Addr::LOCALHOST), port };
         let destroyed = destroy_here(&[gone], &|_, p: &Peer| *p == gone)
             .expect("needs root and CONFIG_INET_DIAG_DESTROY");
         assert_eq!(destroyed, 1, "the connected UDP socket only");

@@ -123,13 +123,15 @@ map_table! {
         service_cidrs_v6: Array<MapData, ServiceCidrsV6> = MAP_SERVICE_CIDRS_V6, Array, (u32, ServiceCidrsV6);
         /// loadBalancerSourceRanges of IPv6 frontends, as `source_ranges`.
         source_ranges_v6: LpmTrie<MapData, SourceRangeV6, u8> = MAP_SOURCE_RANGES_V6, LpmTrie, (lpm_trie::Key<SourceRangeV6>, u8);
+        /// IPv6 sockets the hooks connected to a native IPv6 backend, as `sock_revnat` (the agent
+        /// destroys the UDP ones whose backend leaves).
+        sock_revnat_v6: HashMap<MapData, SockRevNatKeyV6, SockRevNatV6> = MAP_SOCK_REVNAT_V6, LruHashMap, (SockRevNatKeyV6, SockRevNatV6);
     }
     pinned {
         MAP_EVENTS;
         MAP_TRACE => (u32, TraceConfig);
         MAP_FRAGMENTS_V4 => (FragmentKeyV4, FragmentPortsV4);
         MAP_FRAGMENTS_V6 => (FragmentKeyV6, FragmentPortsV4);
-        MAP_SOCK_REVNAT_V6 => (SockRevNatKeyV6, SockRevNatV6);
     }
 }
 
