@@ -403,3 +403,130 @@ fn the_agent_attaches_the_ipv6_hooks_to_its_cgroup_and_unload_detaches_them() {
     );
     assert_ne!(out.trim(), "connected", "{out}");
 }
+
+/// The EndpointSlice YAML without the endpoint whose address is `ip` (as socket_lb.rs edits it).
+fn remove_endpoint(yaml: &str, ip: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].starts_with("- addresses:") && lines.get(i + 1).is_some_and(|l| l.contains(ip)) {
+            i += 1;
+            while i < lines.len() && lines[i].starts_with("  ") {
+                i += 1;
+            }
+            continue;
+        }
+        out.push(lines[i]);
+        i += 1;
+    }
+    out.join("\n") + "\n"
+}
+
+/// Two connected AF_INET6 UDP sockets of the node — one to the IPv6 DNS Service, one to the IPv4
+/// kube-dns by its mapped address — are destroyed when their backends leave their slices: the
+/// application gets ECONNABORTED (then EDESTADDRREQ) and would reconnect through the Service,
+/// instead of sending to a dead pod. Sockets connected to the IPv6 pods' own addresses are left
+/// alone.
+#[test]
+fn connected_ipv6_udp_sockets_to_removed_backends_are_destroyed() {
+    let ds = start("sock6-destroy");
+    let cluster = &ds.cluster;
+    let direct6: Vec<String> = ds.dns.iter().map(|p| format!("'{}'", p.ip6().unwrap())).collect();
+    let script = format!(
+        r#"{DNS_HELPERS}
+import sys, time, errno
+def connected(host):
+    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    s.connect((host, 53))
+    s.settimeout(2)
+    s.send(query('whoami.kproxy.test', 16))
+    return s, s.recv(512)
+native, reply = connected('{DNS_VIP6}')
+print('native', backend(reply), native.getpeername()[0], flush=True)
+mapped, reply = connected('::ffff:{DNS_VIP}')
+at = reply.find(b'coredns-')
+print('mapped', reply[at:at + 9].decode(), mapped.getpeername()[0], flush=True)
+direct = []
+for ip in ({direct}):
+    d = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    d.connect((ip, 53))
+    d.settimeout(2)
+    direct.append(d)
+pending = {{'native': native, 'mapped': mapped}}
+deadline = time.time() + 30
+while pending and time.time() < deadline:
+    for name, s in list(pending.items()):
+        try:
+            s.send(query('whoami.kproxy.test', 16))
+            s.recv(512)
+        except socket.timeout:
+            pass
+        except OSError as e:
+            print(name, 'error', errno.errorcode[e.errno], flush=True)
+            del pending[name]
+    time.sleep(0.2)
+for name in pending:
+    print(name, 'still connected', flush=True)
+for d in direct:
+    try:
+        d.send(query('whoami.kproxy.test', 16))
+        print('direct', backend(d.recv(512)), flush=True)
+    except OSError as e:
+        print('direct error', errno.errorcode.get(e.errno, e), flush=True)
+"#,
+        direct = direct6.join(", ") + ","
+    );
+    let mut child = cluster
+        .cgroup
+        .command(cluster.sandbox.node_netns(), &["python3", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::BufRead as _;
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().expect("the script ended silently").unwrap();
+    let native = next();
+    let fields: Vec<&str> = native.split(' ').collect();
+    assert_eq!(fields.len(), 3, "{native}");
+    assert_eq!(fields[2].parse::<Ipv6Addr>().ok(), DNS_VIP6.parse().ok(), "getpeername: {native}");
+    let gone6 = DNS_PODS6.iter().find(|(name, _)| *name == fields[1]).unwrap_or_else(|| panic!("{native}"));
+    let mapped = next();
+    let fields: Vec<&str> = mapped.split(' ').collect();
+    assert_eq!(fields.len(), 3, "{mapped}");
+    assert_eq!(fields[2], format!("::ffff:{DNS_VIP}"), "getpeername: {mapped}");
+    let gone4 = match fields[1] {
+        "coredns-1" => "10.244.0.21",
+        "coredns-2" => "10.244.0.22",
+        other => panic!("unknown backend {other}"),
+    };
+
+    // Both backends leave their slices.
+    let remaining: Vec<(&str, std::net::Ipv4Addr)> =
+        DNS_PODS6.iter().filter(|(name, _)| *name != gone6.0).copied().collect();
+    std::fs::write(cluster.manifest("dual-stack.yaml"), manifests(&WEB_PODS6, &remaining)).unwrap();
+    let path = cluster.manifest("kube-dns.yaml");
+    let yaml = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, remove_endpoint(&yaml, gone4)).unwrap();
+    cluster.wait_for_frontends(&[(&format!("[{DNS_VIP6}]:53"), "UDP", 1), ("10.96.0.10:53", "UDP", 1)]);
+
+    let mut verdicts: Vec<String> = (0..2).map(|_| next()).collect();
+    verdicts.sort();
+    for (verdict, name) in verdicts.iter().zip(["mapped", "native"]) {
+        assert!(
+            *verdict == format!("{name} error ECONNABORTED")
+                || *verdict == format!("{name} error EDESTADDRREQ"),
+            "the {name} socket was not destroyed: {verdicts:?}\n{}",
+            cluster.agent_log()
+        );
+    }
+    let direct: Vec<String> = (0..2).map(|_| next()).collect();
+    assert_eq!(direct, ["direct dns6-a", "direct dns6-b"], "sockets connected to the pods' own addresses");
+    let _ = child.wait();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cluster.agent_log().contains("destroyed the UDP sockets connected to removed backends") {
+        assert!(Instant::now() < deadline, "no destroy in the agent log:\n{}", cluster.agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
