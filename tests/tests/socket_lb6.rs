@@ -11,6 +11,8 @@
 //! - An IPv6 cluster IP of a dual-stack Service, over TCP and unconnected UDP (dig AAAA takes only
 //!   an answer from the address it asked).
 //! - Refusal at once with no endpoints or on a port the cluster IP does not have.
+//! - A connected UDP socket, to an IPv6 Service or by a mapped address, destroyed when its backend
+//!   leaves (ECONNABORTED), as socket_lb.rs checks for AF_INET.
 //!
 //! The node namespace gets an IPv6 address of its own (`NODE_IP6`) for the pods to answer; the pods
 //! are dual-stack (`Pod::add_ipv6`: a /128 route to each in the node namespace). Needs root.
