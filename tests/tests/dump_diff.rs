@@ -173,5 +173,9 @@ fn diff_compares_the_service_cidrs_with_the_clusters_and_the_flag() {
     assert_eq!(code, 1, "{table}");
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 3, "header, one difference, count:\n{table}");
-    assert!(lines[1].starts_with("service-cidrs") && lines[1].ends_with("missing 192.0.2.0/24"), "{table}");
+    // Both families' ranges: SERVICE_CIDRS_V6 is compared as SERVICE_CIDRS_V4 is.
+    assert!(
+        lines[1].starts_with("service-cidrs") && lines[1].ends_with("missing 192.0.2.0/24, fd00::/108"),
+        "{table}"
+    );
 }
