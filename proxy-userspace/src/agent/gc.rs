@@ -301,33 +301,10 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
             frontends.entry(value.affinity_id()).or_insert((value.flags, value.affinity_timeout_s));
         }
     }
-    let affinity: Vec<(AffinityKeyV4, AffinityValueV4)> =
-        maps.affinity.iter().filter_map(|e| e.ok()).collect();
-    let mut affinity_left = affinity.len() as u64;
-    for key in plan_affinity(&affinity, &frontends, monotonic_ns()) {
-        match remove_present(&mut maps.affinity, &key) {
-            Ok(true) => {
-                report.affinity_deleted += 1;
-                affinity_left -= 1;
-            }
-            Ok(false) => {}
-            Err(e) => return Err(e).context("deleting an affinity entry"),
-        }
-    }
+    let (deleted, affinity_left) = expire_affinity(&mut maps.affinity, &frontends, "affinity")?;
     // IPv6 clients' entries, counted with IPv4's: kproxy_affinity_gc_deleted_total has no family label.
-    let affinity6: Vec<(AffinityKeyV6, AffinityValueV4)> =
-        maps.affinity_v6.iter().filter_map(|e| e.ok()).collect();
-    let mut affinity6_left = affinity6.len() as u64;
-    for key in plan_affinity(&affinity6, &frontends, monotonic_ns()) {
-        match remove_present(&mut maps.affinity_v6, &key) {
-            Ok(true) => {
-                report.affinity_deleted += 1;
-                affinity6_left -= 1;
-            }
-            Ok(false) => {}
-            Err(e) => return Err(e).context("deleting an IPv6 affinity entry"),
-        }
-    }
+    let (deleted6, affinity6_left) = expire_affinity(&mut maps.affinity_v6, &frontends, "IPv6 affinity")?;
+    report.affinity_deleted += deleted + deleted6;
 
     // Translations whose flow is gone (its reply entry was evicted or
     // deleted): the reverse SNAT key is the flow's reply key.
@@ -361,6 +338,23 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
         ("affinity_v6", affinity6_left),
     ];
     Ok(report)
+}
+
+/// Deletes the entries of one affinity table that [`plan_affinity`] gives up; returns how many it
+/// deleted and how many are left.
+fn expire_affinity<K: AffinityKey + aya::Pod>(
+    map: &mut aya::maps::HashMap<aya::maps::MapData, K, AffinityValueV4>,
+    frontends: &BTreeMap<RevNatId, (u16, u32)>,
+    what: &str,
+) -> Result<(u64, u64)> {
+    let entries: Vec<(K, AffinityValueV4)> = map.iter().filter_map(|e| e.ok()).collect();
+    let mut deleted = 0;
+    for key in plan_affinity(&entries, frontends, monotonic_ns()) {
+        if remove_present(map, &key).with_context(|| format!("deleting an {what} entry"))? {
+            deleted += 1;
+        }
+    }
+    Ok((deleted, entries.len() as u64 - deleted))
 }
 
 /// The (entries, capacity) of the fuller table; a table of unknown capacity (0) counts as empty.
