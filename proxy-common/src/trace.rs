@@ -29,19 +29,21 @@ pub struct TraceConfig {
     pub enabled: u32,
 }
 
-/// One step that changed (or refused) a packet: the tuple before and after.
+/// One step that changed (or refused) a packet: the tuple before and after. Generic over the
+/// family's address (`[u8; 4]`, `[u8; 16]`): both families write to the one EVENTS ring buffer, and a
+/// record's length tells which it is ([`TraceEventV4`] and [`TraceEventV6`] differ in size).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TraceEventV4 {
+pub struct TraceEvent<A> {
     pub timestamp_ns: u64,
     /// When the flow's conntrack entry was created (0 when none).
     pub ct_created_ns: u64,
     pub backend_id: u32,
     pub ifindex: u32,
-    pub before_saddr: [u8; 4],
-    pub before_daddr: [u8; 4],
-    pub after_saddr: [u8; 4],
-    pub after_daddr: [u8; 4],
+    pub before_saddr: A,
+    pub before_daddr: A,
+    pub after_saddr: A,
+    pub after_daddr: A,
     pub before_sport: [u8; 2],
     pub before_dport: [u8; 2],
     pub after_sport: [u8; 2],
@@ -57,11 +59,42 @@ pub struct TraceEventV4 {
     pub _pad: [u8; 5],
 }
 
+pub type TraceEventV4 = TraceEvent<[u8; 4]>;
+pub type TraceEventV6 = TraceEvent<[u8; 16]>;
+
+impl<A> TraceEvent<A> {
+    /// The same event with its addresses converted (userspace reads both families as one type).
+    pub fn map_addrs<B>(self, mut f: impl FnMut(A) -> B) -> TraceEvent<B> {
+        TraceEvent {
+            timestamp_ns: self.timestamp_ns,
+            ct_created_ns: self.ct_created_ns,
+            backend_id: self.backend_id,
+            ifindex: self.ifindex,
+            before_saddr: f(self.before_saddr),
+            before_daddr: f(self.before_daddr),
+            after_saddr: f(self.after_saddr),
+            after_daddr: f(self.after_daddr),
+            before_sport: self.before_sport,
+            before_dport: self.before_dport,
+            after_sport: self.after_sport,
+            after_dport: self.after_dport,
+            rev_nat_id: self.rev_nat_id,
+            backend_slot: self.backend_slot,
+            backend_count: self.backend_count,
+            kind: self.kind,
+            proto: self.proto,
+            ct_flags: self.ct_flags,
+            _pad: self._pad,
+        }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: repr(C) integers and byte arrays with explicit padding.
     unsafe impl aya::Pod for super::TraceConfig {}
     unsafe impl aya::Pod for super::TraceEventV4 {}
+    unsafe impl aya::Pod for super::TraceEventV6 {}
 }
 
 #[cfg(test)]
@@ -72,5 +105,7 @@ mod tests {
     fn event_layout_has_no_holes() {
         assert_eq!(core::mem::size_of::<TraceEventV4>(), 8 + 8 + 4 + 4 + 16 + 8 + 4 + 2 + 2 + 1 + 1 + 1 + 5);
         assert_eq!(core::mem::size_of::<TraceEventV4>() % 8, 0);
+        assert_eq!(core::mem::size_of::<TraceEventV6>(), 8 + 8 + 4 + 4 + 64 + 8 + 4 + 2 + 2 + 1 + 1 + 1 + 5);
+        assert_eq!(core::mem::size_of::<TraceEventV6>() % 8, 0);
     }
 }

@@ -7,10 +7,11 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     maps::{CT_DIR_REPLY, CT_FLAG_DIRECT, CT_FLAG_REMAP},
     stats::Stat,
+    trace::EV_UNNAT,
 };
 
 use crate::{
-    conntrack, conntrack6, fib, icmp6,
+    conntrack, conntrack6, events, fib, icmp6,
     maps::FLOW6_SCRATCH,
     nat6,
     parse6::{self, Flow6},
@@ -29,7 +30,7 @@ fn egress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     // SAFETY: a per-CPU value, used by this program run alone.
     let flow = unsafe { &mut *flow };
     match parse6::flow(ctx, flow) {
-        Ok(()) => unnat(ctx, flow),
+        Ok(()) => unnat(ctx, flow).inspect(|_| events::step6(ctx, flow, EV_UNNAT, core::ptr::null())),
         Err(Stat::PassNotTcpUdp) => icmp6::unnat_error(ctx),
         Err(stat) => Err(Verdict::pass(stat)),
     }

@@ -2,17 +2,21 @@
 //! ring buffer drops the event instead of slowing the packet. A stage emits
 //! with one call; each builds the event in this CPU's scratch entry (the BPF
 //! stack has no room for it in the programs that emit the most).
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
     icmp::Quote,
-    maps::CtEntryV4,
+    maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, ServiceValueV4},
+    packet::ETH_HLEN,
+    packet6::{IP6_OFF_DADDR, IP6_OFF_SADDR},
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_ICMP_UNNAT, EV_UNNAT, TraceEventV4},
 };
 
 use crate::{
-    conntrack,
-    maps::{EVENT_SCRATCH, EVENTS, TRACE},
+    conntrack, conntrack6,
+    maps::{CHOICE6_SCRATCH, EVENT_SCRATCH, EVENT_SCRATCH_V6, EVENTS, TRACE},
     parse::Flow,
+    parse6::{self, Flow6},
     stats,
 };
 
@@ -147,8 +151,85 @@ fn set_entry(event: &mut TraceEventV4, entry: &CtEntryV4) {
 }
 
 #[inline(always)]
-fn emit(event: &TraceEventV4) {
-    if EVENTS.output::<TraceEventV4>(event, 0).is_err() {
+fn emit<A: 'static>(event: &proxy_common::trace::TraceEvent<A>) {
+    if EVENTS.output::<proxy_common::trace::TraceEvent<A>>(event, 0).is_err() {
         stats::count(Stat::TraceDropped);
     }
+}
+
+/// An IPv6 step, emitted after the stage that made it, so that the stages' frames stay as they are
+/// (the IPv6 chain has no room for an event beside them): the "before" tuple is the packet as parsed
+/// (`flow`, which no rewrite changes), the "after" tuple the rewritten packet itself, and the
+/// conntrack fields the flow's entry's (forward for DNAT, reply for un-NAT), looked up again —
+/// only while someone listens. `frontend` (null when none) is the frontend of a refusal or a new
+/// flow; a new flow's backend choice is this run's CHOICE6_SCRATCH.
+#[inline(always)]
+pub fn step6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV4) {
+    if enabled() {
+        emit6(ctx, flow, kind, frontend);
+    }
+}
+
+#[inline(never)]
+fn emit6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV4) {
+    let Some(event) = EVENT_SCRATCH_V6.get_ptr_mut(0) else { return };
+    // SAFETY: this CPU's entry; a program runs to completion on its CPU.
+    let event = unsafe { &mut *event };
+    event.timestamp_ns = conntrack::now();
+    event.ct_created_ns = 0;
+    event.backend_id = 0;
+    event.ifindex = 0;
+    event.before_saddr = flow.saddr;
+    event.before_daddr = flow.daddr;
+    event.before_sport = flow.sport;
+    event.before_dport = flow.dport;
+    event.after_saddr = flow.saddr;
+    event.after_daddr = flow.daddr;
+    event.after_sport = flow.sport;
+    event.after_dport = flow.dport;
+    event.rev_nat_id = 0;
+    event.backend_slot = 0;
+    event.backend_count = 0;
+    event.kind = kind;
+    event.proto = flow.proto;
+    event.ct_flags = 0;
+    event._pad = [0; 5];
+    // SAFETY: null or a map value valid for this program run.
+    if let Some(frontend) = unsafe { frontend.as_ref() } {
+        event.rev_nat_id = frontend.rev_nat_id;
+        event.backend_count = frontend.count;
+    }
+    let direction = match kind {
+        EV_DNAT_NEW | EV_DNAT_ESTABLISHED => CT_DIR_FORWARD,
+        EV_UNNAT => CT_DIR_REPLY,
+        // Refused or dropped: nothing was rewritten (and a refusal's packet is now its answer).
+        _ => {
+            emit(event);
+            return;
+        }
+    };
+    let rewritten = parse6::load_into(ctx, ETH_HLEN + IP6_OFF_SADDR, &mut event.after_saddr).is_ok()
+        && parse6::load_into(ctx, ETH_HLEN + IP6_OFF_DADDR, &mut event.after_daddr).is_ok()
+        && (!flow.has_l4_header()
+            || parse6::load_into(ctx, flow.l4_offset, &mut event.after_sport).is_ok()
+                && parse6::load_into(ctx, flow.l4_offset + 2, &mut event.after_dport).is_ok());
+    if !rewritten {
+        return;
+    }
+    if let Some(entry) = conntrack6::lookup(&flow.ct_key(direction)) {
+        // SAFETY: a map value valid for this program run, read in place.
+        unsafe {
+            event.ct_created_ns = (*entry).created_ns;
+            event.ct_flags = (*entry).flags;
+            event.backend_id = (*entry).backend_id;
+            event.rev_nat_id = (*entry).rev_nat_id;
+        }
+    }
+    if kind == EV_DNAT_NEW
+        && let Some(choice) = CHOICE6_SCRATCH.get_ptr(0)
+    {
+        // SAFETY: this CPU's entry, set by this program run before the flow was created.
+        event.backend_slot = unsafe { (*choice).slot };
+    }
+    emit(event);
 }

@@ -32,11 +32,13 @@ use proxy_common::{
     },
     maps_v6::CtEntryV6,
     stats::Stat,
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_REJECT, EV_UNNAT},
 };
 
 use crate::{
     config, conntrack,
     conntrack6::{self, ReplyTo6},
+    events,
     fib::{self, ingress_ifindex},
     fib6, icmp6, ingress6, lb6,
     maps::{CHOICE6_SCRATCH, EXTERNAL_IFACES_V6, EXTERNAL6_SCRATCH, FLOW6_SCRATCH},
@@ -131,7 +133,33 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         scope: SCOPE_INTERNAL,
         _pad: [0; 3],
     };
-    match classify(flow, &mut found) {
+    let step = classify(flow, &mut found);
+    let kind = match step {
+        Step::SnatReply => EV_UNNAT,
+        Step::Refuse => EV_REJECT,
+        Step::Established => EV_DNAT_ESTABLISHED,
+        Step::NewFlow => EV_DNAT_NEW,
+        _ => 0,
+    };
+    let result = take_step(ctx, flow, &mut found, step);
+    // After the stage: the event's "after" is the packet as the stage left it (a refusal's is
+    // its answer, so only the tuple it was about is written).
+    if kind != 0 && result.is_ok() {
+        let frontend = if kind == EV_DNAT_ESTABLISHED { core::ptr::null() } else { found.frontend };
+        events::step6(ctx, flow, kind, frontend);
+    }
+    result
+}
+
+/// The stage [`classify`] chose, carried out.
+#[inline(always)]
+fn take_step(
+    ctx: &TcContext,
+    flow: &parse6::Flow6,
+    found: &mut Found,
+    step: Step,
+) -> Result<Verdict, Verdict> {
+    match step {
         Step::Pass(stat) => Err(Verdict::pass(stat)),
         Step::Drop(stat) => Err(Verdict::drop(stat)),
         Step::SnatReply => snat_reply(ctx, flow),
@@ -139,7 +167,7 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         // flow nor answers for a refused one.
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
         Step::Refuse => refuse(ctx, flow),
-        Step::Established => established(ctx, flow, &found),
+        Step::Established => established(ctx, flow, found),
         // Untouched, unless a translated flow of this client already has its reply tuple: the
         // client reused a source port for a pod it had reached through a frontend.
         Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
@@ -168,7 +196,7 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
                 let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;
                 found.reply_to = ReplyTo6::remap(port, false);
             }
-            let verdict = new_flow(ctx, flow, &found, choice)?;
+            let verdict = new_flow(ctx, flow, found, choice)?;
             // The source is rewritten in stages of their own: `new_flow` has no room left.
             if found.reply_to.is(CT_FLAG_SNAT) {
                 return snat_source(ctx, flow, found.reply_to.port);

@@ -4,6 +4,8 @@
 //! port it lacks; a TCP segment that is no SYN, with no flow, to a Service dropped. A chain of
 //! its own (`run` is not inlined): its stages never share a call chain with IPv4's, so each family
 //! has the 512-byte stack to itself beside the entry point's frame.
+use core::ptr::null;
+
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     conntrack::{Clash, direct_may_clash, starts_tcp_flow},
@@ -13,12 +15,13 @@ use proxy_common::{
     },
     maps_v6::{BackendV6, CtEntryV6, HAIRPIN_ADDR_V6},
     stats::Stat,
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_REJECT, EV_UNNAT},
 };
 
 use crate::{
     conntrack,
     conntrack6::{self, ReplyTo6},
-    fib, lb6,
+    events, fib, lb6,
     maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
@@ -68,36 +71,27 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     };
     match classify(flow, &mut found) {
         Step::Pass(stat) => Err(Verdict::pass(stat)),
-        Step::Drop(stat) => Err(Verdict::drop(stat)),
+        Step::Drop(stat) => {
+            if matches!(stat, Stat::DropInvalidTcp) {
+                events::step6(ctx, flow, EV_DROP_INVALID, found.frontend);
+            }
+            Err(Verdict::drop(stat))
+        }
         // A later fragment follows the translation its first fragment made; it never starts a
         // flow nor answers for a refused one.
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
-        Step::HairpinReply => hairpin_reply(ctx, flow),
-        Step::Refuse => refuse(ctx, flow),
-        Step::Established => established(ctx, flow, &found),
-        Step::NewFlow => {
-            // In a per-CPU map rather than this frame: the chain through `new_flow` would
-            // otherwise take the whole 512 bytes.
-            let choice = CHOICE6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::NoBackend))?;
-            // SAFETY: a per-CPU value, used by this program run alone; `classify` set the
-            // frontend to a map value before choosing this step.
-            let (choice, frontend) = unsafe { (&mut *choice, &*found.frontend) };
-            lb6::select_backend(flow, frontend, found.now, choice)?;
-            // A live flow of this client may already have the reply tuple (the same backend
-            // through another Service, or directly from this port): this one's source port is
-            // then remapped. A hairpin flow's reply tuple is no pod's own.
-            let backend = &choice.backend;
-            if backend.addr != flow.saddr && conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
-                let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;
-                found.reply_to = ReplyTo6::remap(port, false);
-            }
-            let verdict = new_flow(ctx, flow, &found, choice)?;
-            if found.reply_to.is(CT_FLAG_REMAP) {
-                // In a stage of its own: `new_flow` has no room left for it.
-                return remapped_source(ctx, flow, found.reply_to.port);
-            }
-            Ok(verdict)
+        Step::HairpinReply => {
+            hairpin_reply(ctx, flow).inspect(|_| events::step6(ctx, flow, EV_UNNAT, null()))
         }
+        Step::Refuse => {
+            events::step6(ctx, flow, EV_REJECT, found.frontend);
+            refuse(ctx, flow)
+        }
+        Step::Established => {
+            established(ctx, flow, &found).inspect(|_| events::step6(ctx, flow, EV_DNAT_ESTABLISHED, null()))
+        }
+        Step::NewFlow => new_flow_stages(ctx, flow, &mut found)
+            .inspect(|_| events::step6(ctx, flow, EV_DNAT_NEW, found.frontend)),
         // Untouched, unless a translated flow of the same client already has its reply tuple: the
         // client reused a source port for a pod it had reached through a Service. The translated
         // flow yields the tuple if it is over; otherwise this flow's source port is remapped, so
@@ -111,6 +105,33 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
             _ => Err(Verdict::pass(Stat::PassNoService)),
         },
     }
+}
+
+/// A new flow's stages: its backend picked, its reply tuple claimed (or its source port remapped),
+/// recorded and DNATed.
+#[inline(always)]
+fn new_flow_stages(ctx: &TcContext, flow: &parse6::Flow6, found: &mut Found) -> Result<Verdict, Verdict> {
+    // In a per-CPU map rather than this frame: the chain through `new_flow` would otherwise take
+    // the whole 512 bytes.
+    let choice = CHOICE6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::NoBackend))?;
+    // SAFETY: a per-CPU value, used by this program run alone; `classify` set the frontend to a
+    // map value before choosing this step.
+    let (choice, frontend) = unsafe { (&mut *choice, &*found.frontend) };
+    lb6::select_backend(flow, frontend, found.now, choice)?;
+    // A live flow of this client may already have the reply tuple (the same backend through
+    // another Service, or directly from this port): this one's source port is then remapped. A
+    // hairpin flow's reply tuple is no pod's own.
+    let backend = &choice.backend;
+    if backend.addr != flow.saddr && conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
+        let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;
+        found.reply_to = ReplyTo6::remap(port, false);
+    }
+    let verdict = new_flow(ctx, flow, found, choice)?;
+    if found.reply_to.is(CT_FLAG_REMAP) {
+        // In a stage of its own: `new_flow` has no room left for it.
+        return remapped_source(ctx, flow, found.reply_to.port);
+    }
+    Ok(verdict)
 }
 
 #[inline(never)]
@@ -143,6 +164,8 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         return Step::Pass(Stat::PassNoService);
     };
     found.now = conntrack::now();
+    // Named in the trace events of a refusal or a dropped segment too.
+    found.frontend = frontend;
     // Pods are filtered too, as IPv4's (kube-proxy checks every source before DNAT).
     if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb6::source_allowed(frontend.rev_nat_id, flow.saddr) {
         return Step::Drop(Stat::DropSourceRange);
@@ -158,7 +181,6 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
         }
         return Step::Refuse;
     }
-    found.frontend = frontend;
     Step::NewFlow
 }
 

@@ -81,6 +81,8 @@ pub fn keeps_backend(entry: &CtEntryV6, proto: u8) -> bool {
 pub struct Choice6 {
     pub backend_id: u32,
     pub backend: BackendV6,
+    /// The slot it was picked from; 0 when session affinity or Maglev chose it (as `lb::Choice`).
+    pub slot: u16,
 }
 
 /// Slots searched for a sticky backend that is no longer in its hint's (as `lb::slot_of`).
@@ -154,6 +156,7 @@ pub fn select_backend_in(
                 stats::count(Stat::AffinityHit);
                 choice.backend_id = backend_id;
                 choice.backend = *backend;
+                choice.slot = 0;
                 return Ok(());
             }
         }
@@ -180,6 +183,7 @@ pub fn select_backend_in(
     }
     choice.backend_id = backend_id;
     choice.backend = backend;
+    choice.slot = slot;
     Ok(())
 }
 
@@ -204,5 +208,6 @@ fn maglev_backend(flow: &Flow6, table: u32, choice: &mut Choice6) -> bool {
     stats::count(Stat::MaglevPick);
     choice.backend_id = backend_id;
     choice.backend = backend;
+    choice.slot = 0;
     true
 }

@@ -95,6 +95,11 @@ pub static FIB_SCRATCH: PerCpuArray<aya_ebpf::bindings::bpf_fib_lookup> = PerCpu
 pub static EVENT_SCRATCH: PerCpuArray<proxy_common::trace::TraceEventV4> =
     PerCpuArray::with_max_entries(1, 0);
 
+/// IPv6's, as EVENT_SCRATCH. Not pinned.
+#[map(name = "EVENT_SCRATCH_V6")]
+pub static EVENT_SCRATCH_V6: PerCpuArray<proxy_common::trace::TraceEventV6> =
+    PerCpuArray::with_max_entries(1, 0);
+
 /// Socket-level load balancing: what a translated socket asked for.
 #[map(name = "SOCK_REVNAT_V4")]
 pub static SOCK_REVNAT_V4: LruHashMap<SockRevNatKeyV4, SockRevNatV4> =

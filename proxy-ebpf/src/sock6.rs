@@ -156,7 +156,7 @@ fn backend_of(
             _pad2: 0,
             _pad4: 0,
         };
-        let mut choice = lb6::Choice6 { backend_id: 0, backend: BackendV6::default() };
+        let mut choice = lb6::Choice6 { backend_id: 0, backend: BackendV6::default(), slot: 0 };
         return lb6::select_backend(&flow, frontend, conntrack::now(), &mut choice)
             .ok()
             .map(|()| choice.backend);

@@ -4,7 +4,7 @@
 //! deletes a Service's flows of both families, the agent purges the IPv6 UDP flows of a backend that
 //! left its slice at once (kube-proxy's conntrack clean-up), and its GC expires idle IPv6 flows;
 //! `kproxy dump affinity` lists an IPv6 client's sessionAffinity entry, which the GC deletes once its
-//! Service has no affinity.
+//! Service has no affinity; `kproxy trace` shows an IPv6 DNS query's and an IPv6 curl's NAT steps.
 //! The cluster is dual_stack.rs's, cut down. Needs root.
 
 mod common;
@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::cluster::{CLIENT_IP, Cluster, Mode};
+use common::cluster::{CLIENT_IP, Cluster, Mode, Trace};
 use common::dual_stack::{WEB_PORTS, dual_pod, endpoints, ipv6_of, slice};
 use sandbox::Pod;
 use serde_json::Value;
@@ -361,4 +361,62 @@ fn doctor_checks_ipv6_forwarding_on_a_node_serving_ipv6_services() {
         check["fix"].as_str().unwrap().starts_with("sysctl -w net.ipv6.conf.all.forwarding=1"),
         "{check}"
     );
+}
+
+#[test]
+fn trace_shows_the_nat_steps_of_ipv6_flows() {
+    let ds = start("dsops-trace", &[]);
+    let cluster = &ds.cluster;
+    let client6 = ipv6_of(CLIENT_IP).to_string();
+    let dns_backend = format!("[{}]:53", ipv6_of(DNS[0].1));
+
+    // dig over UDP from the client's fixed port 35353: the four steps of its one flow.
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--client", &client6, "--port", "53"]);
+    assert_eq!(whoami(cluster), DNS[0].0, "dig accepts only the answer from the address it asked");
+    let steps = trace.steps();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
+    let client_end = format!("[{client6}]:35353");
+    let vip = format!("[{DNS_VIP6}]:53");
+    let tuples: Vec<(&str, &str)> =
+        steps.iter().map(|s| (s["source"].as_str().unwrap(), s["destination"].as_str().unwrap())).collect();
+    assert_eq!(
+        tuples,
+        [
+            (client_end.as_str(), vip.as_str()),
+            (client_end.as_str(), dns_backend.as_str()),
+            (dns_backend.as_str(), client_end.as_str()),
+            (vip.as_str(), client_end.as_str()),
+        ],
+        "{steps:#?}"
+    );
+    assert!(steps.iter().all(|s| s["protocol"] == "udp"), "{steps:#?}");
+    assert_eq!(steps[1]["note"], "default/ops-dns:dns, backend 1 of 1, new flow", "{steps:#?}");
+    assert!(
+        steps[3]["note"].as_str().unwrap().starts_with("default/ops-dns:dns, conntrack entry created "),
+        "{steps:#?}"
+    );
+
+    // curl -6 over TCP: the SYN translated to the backend and the SYN-ACK back from the VIP.
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--client", &client6, "--port", "80"]);
+    assert_eq!(cluster.client.curl(&format!("http://[{WEB_VIP6}]/")).unwrap(), format!("{}\n", WEB.0));
+    let steps = trace.steps();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "{steps:#?}");
+    let backend = format!("[{}]:80", ipv6_of(WEB.1));
+    assert_eq!(steps[0]["destination"], format!("[{WEB_VIP6}]:80"), "{steps:#?}");
+    assert_eq!(steps[1]["destination"], backend, "{steps:#?}");
+    assert_eq!(steps[1]["source"], steps[0]["source"], "the client's own address and port kept");
+    assert_eq!(steps[2]["source"], backend, "{steps:#?}");
+    assert_eq!(steps[3]["source"], format!("[{WEB_VIP6}]:80"), "un-NATed back to the VIP");
+    assert_eq!(steps[3]["destination"], steps[0]["source"]);
+    assert!(steps.iter().all(|s| s["protocol"] == "tcp"), "{steps:#?}");
+    assert_eq!(steps[1]["note"], "default/ops-web:, backend 1 of 1, new flow", "{steps:#?}");
+
+    // An IPv4 client filter sees none of the IPv6 flow's events: the trace of a v4 curl only.
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--client", &CLIENT_IP.to_string()]);
+    assert_eq!(cluster.client.curl(&format!("http://[{WEB_VIP6}]/")).unwrap(), format!("{}\n", WEB.0));
+    assert_eq!(cluster.client.curl(&format!("http://{WEB_VIP4}/")).unwrap(), format!("{}\n", WEB.0));
+    let steps = trace.steps();
+    assert_eq!(steps[0]["destination"], format!("{WEB_VIP4}:80"), "{steps:#?}");
 }

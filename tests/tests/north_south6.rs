@@ -22,7 +22,7 @@ use std::{
 use sandbox::{Pod, Spawned, multinode::MultiNode};
 
 mod common;
-use common::cluster::{TempDir, kproxy_bin, unique_pin_dir};
+use common::cluster::{TempDir, Trace, kproxy_bin, unique_pin_dir};
 
 const WEB_A: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 11);
 const WEB_B: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 11);
@@ -504,4 +504,49 @@ print(answer.decode())
         .unwrap_or_else(|e| panic!("the upload stalled: {e:#}\n{}", cluster.agent_logs()));
     assert_eq!(out.trim(), "300000", "the sink got every byte");
     assert!(cluster.stat(0, "icmp_error_unnat") > before, "no packet too big went on to the client");
+}
+
+/// `kproxy trace` on each node while the external client reaches NodePort 30082 (web-b, on node 1)
+/// over IPv6: through node 0 the query leaves as node 0's address and a SNAT port toward web-b and
+/// the answer to that port goes back to the client from the NodePort; through node 1 web-b is
+/// local and sees the client itself.
+#[test]
+fn trace_shows_a_v6_node_port_flow_with_its_snat_and_without_it() {
+    let cluster = NorthSouth6::start("ns6-trace");
+    let client = CLIENT6.to_string();
+    for node in 0..2 {
+        let node_ip = node_ip6(node);
+        let trace = Trace::start(cluster.multi.node(node), &cluster.pins[node], &["--client", &client]);
+        let (backend, source) =
+            cluster.whoami6(node, 30082).unwrap_or_else(|e| panic!("via node {node}: {e}"));
+        assert_eq!(backend, IpAddr::V6(WEB_B6));
+        let steps = trace.steps();
+        let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+        assert_eq!(names, ["pre-DNAT", "post-DNAT", "reply", "un-NAT"], "via node {node}: {steps:#?}");
+        let client_end = steps[0]["source"].as_str().unwrap().to_owned();
+        assert!(client_end.starts_with(&format!("[{CLIENT6}]:")), "{steps:#?}");
+        let node_port = format!("[{node_ip}]:30082");
+        let web_b = format!("[{WEB_B6}]:80");
+        assert_eq!(steps[0]["destination"], node_port, "{steps:#?}");
+        assert_eq!(steps[1]["destination"], web_b, "{steps:#?}");
+        assert!(
+            steps[1]["note"].as_str().unwrap().starts_with("default/web6-b:http, backend 1 of 1"),
+            "{steps:#?}"
+        );
+        let translated_source = steps[1]["source"].as_str().unwrap().to_owned();
+        if node == 0 {
+            assert!(
+                translated_source.starts_with(&format!("[{node_ip}]:")) && translated_source != client_end,
+                "source NAT to node 0's address and a SNAT port: {steps:#?}"
+            );
+            assert_eq!(source, IpAddr::V6(node_ip), "web-b saw node 0");
+        } else {
+            assert_eq!(translated_source, client_end, "a local backend: the client kept, {steps:#?}");
+            assert_eq!(source, IpAddr::V6(CLIENT6));
+        }
+        assert_eq!(steps[2]["source"], web_b, "{steps:#?}");
+        assert_eq!(steps[2]["destination"], translated_source, "{steps:#?}");
+        assert_eq!(steps[3]["source"], node_port, "un-NATed back to the NodePort: {steps:#?}");
+        assert_eq!(steps[3]["destination"], client_end, "{steps:#?}");
+    }
 }

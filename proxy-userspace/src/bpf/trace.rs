@@ -7,8 +7,9 @@ use anyhow::{Context as _, Result};
 use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use proxy_common::{
     maps::{FrontendNameV4, MAP_FRONTEND_NAMES_V4},
-    trace::{MAP_EVENTS, MAP_TRACE, TraceConfig, TraceEventV4},
+    trace::{MAP_EVENTS, MAP_TRACE, TraceConfig, TraceEvent, TraceEventV4, TraceEventV6},
 };
+use std::net::IpAddr;
 
 use super::{PinDir, flock, maps::open_pinned};
 
@@ -20,17 +21,31 @@ impl EventRing {
         Ok(Self(RingBuf::try_from(Map::RingBuf(open_pinned(pins, MAP_EVENTS)?))?))
     }
 
-    /// The next event, if one is waiting (a record too short to be one is skipped).
-    pub fn next_event(&mut self) -> Option<TraceEventV4> {
+    /// The next event of either family, if one is waiting. Both families write to the one ring
+    /// buffer and a record's length says which it is; a record of neither length is skipped.
+    pub fn next_event(&mut self) -> Option<TraceEvent<IpAddr>> {
         loop {
             let item = self.0.next()?;
-            if item.len() < core::mem::size_of::<TraceEventV4>() {
-                continue;
+            if let Some(event) = decode(&item) {
+                return Some(event);
             }
-            // SAFETY: the datapath writes whole TraceEventV4 records; the read is
-            // unaligned-safe.
-            return Some(unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) });
         }
+    }
+}
+
+/// A ring buffer record as an event: [`TraceEventV4`] or [`TraceEventV6`] by its length.
+pub fn decode(record: &[u8]) -> Option<TraceEvent<IpAddr>> {
+    if record.len() == size_of::<TraceEventV6>() {
+        // SAFETY: exactly one TraceEventV6, a repr(C) of integers and byte arrays; the read is
+        // unaligned-safe.
+        let event: TraceEventV6 = unsafe { std::ptr::read_unaligned(record.as_ptr().cast()) };
+        Some(event.map_addrs(IpAddr::from))
+    } else if record.len() == size_of::<TraceEventV4>() {
+        // SAFETY: as above, for one TraceEventV4.
+        let event: TraceEventV4 = unsafe { std::ptr::read_unaligned(record.as_ptr().cast()) };
+        Some(event.map_addrs(IpAddr::from))
+    } else {
+        None
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::Ipv4Addr,
+    net::IpAddr,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -16,7 +16,7 @@ use anyhow::{Context as _, Result, bail};
 use proxy_common::{
     maps::{CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, RevNatId},
     trace::{
-        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, TraceEventV4,
+        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, TraceEvent,
     },
 };
 use serde::Serialize;
@@ -32,9 +32,9 @@ pub struct TraceArgs {
     /// Only flows of this Service (namespace/name).
     #[arg(long)]
     pub service: Option<String>,
-    /// Only flows of this client address.
+    /// Only flows of this client address (IPv4 or IPv6).
     #[arg(long)]
-    pub client: Option<Ipv4Addr>,
+    pub client: Option<IpAddr>,
     /// Only packets with this port on either side (before or after NAT).
     #[arg(long)]
     pub port: Option<u16>,
@@ -63,8 +63,9 @@ pub struct Step {
     pub note: String,
 }
 
-fn endpoint(addr: [u8; 4], port: [u8; 2]) -> String {
-    format!("{}:{}", Ipv4Addr::from(addr), u16::from_be_bytes(port))
+/// An address and port as tcpdump and `ss` write them: `10.96.0.10:53`, `[fd00:10:96::a]:53`.
+fn endpoint(addr: IpAddr, port: [u8; 2]) -> String {
+    std::net::SocketAddr::new(addr, u16::from_be_bytes(port)).to_string()
 }
 
 fn protocol(p: u8) -> &'static str {
@@ -82,7 +83,7 @@ fn age(ns: u64) -> String {
 
 /// Turns an event into the lines a person reads. `now_mono`/`now_wall` map the
 /// kernel's monotonic timestamps to wall-clock time.
-pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: SystemTime) -> Vec<Step> {
+pub fn steps(event: &TraceEvent<IpAddr>, service: &str, now_mono: u64, now_wall: SystemTime) -> Vec<Step> {
     let wall = now_wall
         .checked_sub(Duration::from_nanos(now_mono.saturating_sub(event.timestamp_ns)))
         .unwrap_or(now_wall);
@@ -163,14 +164,13 @@ pub fn steps(event: &TraceEventV4, service: &str, now_mono: u64, now_wall: Syste
 }
 
 /// Whether an event passes the command line's filters.
-pub fn matches(event: &TraceEventV4, args: &TraceArgs, service_ids: Option<&[RevNatId]>) -> bool {
+pub fn matches(event: &TraceEvent<IpAddr>, args: &TraceArgs, service_ids: Option<&[RevNatId]>) -> bool {
     if let Some(ids) = service_ids
         && !ids.contains(&event.rev_nat_id)
     {
         return false;
     }
     if let Some(client) = args.client {
-        let client = client.octets();
         let involved = [event.before_saddr, event.before_daddr, event.after_saddr, event.after_daddr];
         if !involved.contains(&client) {
             return false;
@@ -258,10 +258,9 @@ pub fn run(pins: &PinDir, args: &TraceArgs) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn dns_event(kind: u8) -> TraceEventV4 {
-        let (client, vip, pod) = ([10, 244, 0, 2], [10, 96, 0, 10], [10, 244, 0, 12]);
+    fn dns_event_of<A: Copy + Default>(kind: u8, client: A, vip: A, pod: A) -> TraceEvent<A> {
         let (cport, dns) = (56340u16.to_be_bytes(), 53u16.to_be_bytes());
-        let base = TraceEventV4 {
+        let base = TraceEvent::<A> {
             timestamp_ns: 2_000_400_000,
             ct_created_ns: 2_000_000_000,
             backend_id: 7,
@@ -273,7 +272,7 @@ mod tests {
             ..Default::default()
         };
         if kind == EV_UNNAT {
-            TraceEventV4 {
+            TraceEvent {
                 before_saddr: pod,
                 before_sport: dns,
                 before_daddr: client,
@@ -285,7 +284,7 @@ mod tests {
                 ..base
             }
         } else {
-            TraceEventV4 {
+            TraceEvent {
                 before_saddr: client,
                 before_sport: cport,
                 before_daddr: vip,
@@ -297,6 +296,63 @@ mod tests {
                 ..base
             }
         }
+    }
+
+    fn dns_event(kind: u8) -> TraceEvent<IpAddr> {
+        dns_event_of(kind, [10, 244, 0, 2], [10, 96, 0, 10], [10, 244, 0, 12]).map_addrs(IpAddr::from)
+    }
+
+    fn v6(text: &str) -> [u8; 16] {
+        text.parse::<std::net::Ipv6Addr>().unwrap().octets()
+    }
+
+    fn dns_event6(kind: u8) -> proxy_common::trace::TraceEventV6 {
+        dns_event_of(kind, v6("fd00:10:244::2"), v6("fd00:10:96::a"), v6("fd00:10:244::c"))
+    }
+
+    /// The record as the datapath writes it into the ring buffer.
+    fn record<A>(event: &TraceEvent<A>) -> Vec<u8> {
+        // SAFETY: a repr(C) of integers and byte arrays, read as its bytes.
+        unsafe {
+            std::slice::from_raw_parts((event as *const TraceEvent<A>).cast::<u8>(), size_of_val(event))
+        }
+        .to_vec()
+    }
+
+    #[test]
+    fn an_ipv6_dns_query_reads_from_the_ring_and_prints_bracketed_endpoints() {
+        let now_wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_960_800);
+        let svc = "kube-system/kube-dns:dns";
+        let mut lines = Vec::new();
+        for kind in [EV_DNAT_NEW, EV_UNNAT] {
+            let event = crate::bpf::trace::decode(&record(&dns_event6(kind))).expect("an IPv6 record");
+            lines.extend(steps(&event, svc, 2_000_400_000, now_wall).iter().map(line));
+        }
+        assert_eq!(
+            lines,
+            [
+                "2026-11-29T14:00:00Z pre-DNAT  [fd00:10:244::2]:56340 > [fd00:10:96::a]:53 udp",
+                "2026-11-29T14:00:00Z post-DNAT [fd00:10:244::2]:56340 > [fd00:10:244::c]:53 udp (kube-system/kube-dns:dns, backend 2 of 3, new flow)",
+                "2026-11-29T14:00:00Z reply     [fd00:10:244::c]:53 > [fd00:10:244::2]:56340 udp",
+                "2026-11-29T14:00:00Z un-NAT    [fd00:10:96::a]:53 > [fd00:10:244::2]:56340 udp (kube-system/kube-dns:dns, conntrack entry created 0.4 ms ago)",
+            ]
+        );
+        let event = crate::bpf::trace::decode(&record(&dns_event6(EV_DNAT_NEW))).unwrap();
+        let client = |c: &str| TraceArgs { client: Some(c.parse().unwrap()), ..Default::default() };
+        assert!(matches(&event, &client("fd00:10:244::2"), None));
+        assert!(!matches(&event, &client("fd00:10:244::3"), None));
+        assert!(!matches(&event, &client("10.244.0.2"), None), "an IPv4 client is no IPv6 flow's");
+    }
+
+    #[test]
+    fn ring_records_are_told_apart_by_length() {
+        let v4: proxy_common::trace::TraceEventV4 =
+            dns_event_of(EV_DNAT_NEW, [10, 244, 0, 2], [10, 96, 0, 10], [10, 244, 0, 12]);
+        assert_eq!(crate::bpf::trace::decode(&record(&v4)), Some(dns_event(EV_DNAT_NEW)));
+        let mut short = record(&v4);
+        short.pop();
+        assert_eq!(crate::bpf::trace::decode(&short), None, "a record of neither length is skipped");
+        assert_eq!(crate::bpf::trace::decode(&[]), None);
     }
 
     #[test]
