@@ -70,6 +70,33 @@ pub fn locate_l4<F: FnMut(usize) -> Option<[u8; 8]>>(
     next_header: u8,
     payload_len: u16,
     available: usize,
+    read: F,
+) -> Result<L4Location6, Skip> {
+    let loc = locate_upper(version_word, next_header, payload_len, available, read)?;
+    let l4_min = match loc.proto {
+        IPPROTO_TCP => TCP_MIN_HLEN,
+        IPPROTO_UDP => UDP_HLEN,
+        _ => return Err(Skip::NotTcpUdp),
+    };
+    if !matches!(loc.fragment, Fragment::Later)
+        && loc.l4_offset + l4_min > IPV6_HLEN + usize::from(payload_len)
+    {
+        return Err(Skip::Truncated);
+    }
+    Ok(loc)
+}
+
+/// The walk of [`locate_l4`] to the first header that is no extension header, whatever its
+/// protocol (ICMPv6, SCTP, ESP, ...): what a packet the datapath does not translate carries, which
+/// the service-CIDR check needs (an ICMPv6 echo request behind a hop-by-hop header is still one).
+/// A later fragment's protocol is its fragment header's next header, and its `l4_offset` is where
+/// its data starts (no upper-layer header is there). Nothing past the header's start is checked.
+#[inline(always)]
+pub fn locate_upper<F: FnMut(usize) -> Option<[u8; 8]>>(
+    version_word: u8,
+    next_header: u8,
+    payload_len: u16,
+    available: usize,
     mut read: F,
 ) -> Result<L4Location6, Skip> {
     if version_word >> 4 != 6 {
@@ -85,16 +112,7 @@ pub fn locate_l4<F: FnMut(usize) -> Option<[u8; 8]>>(
     let mut fragment = Fragment::Whole;
     let mut fragment_id = [0u8; 4];
     for _ in 0..MAX_EXT_HEADERS {
-        let l4_min = match next {
-            IPPROTO_TCP => TCP_MIN_HLEN,
-            IPPROTO_UDP => UDP_HLEN,
-            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => 0,
-            _ => return Err(Skip::NotTcpUdp),
-        };
-        if l4_min != 0 {
-            if offset + l4_min > end {
-                return Err(Skip::Truncated);
-            }
+        if !matches!(next, IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT) {
             return Ok(L4Location6 { l4_offset: offset, proto: next, fragment, fragment_id });
         }
         if offset + 8 > end {
@@ -105,15 +123,12 @@ pub fn locate_l4<F: FnMut(usize) -> Option<[u8; 8]>>(
             let field = u16::from_be_bytes([header[2], header[3]]);
             fragment_id = [header[4], header[5], header[6], header[7]];
             if field & IP6_FRAG_OFFSET_MASK != 0 {
-                return match header[0] {
-                    IPPROTO_TCP | IPPROTO_UDP => Ok(L4Location6 {
-                        l4_offset: offset + 8,
-                        proto: header[0],
-                        fragment: Fragment::Later,
-                        fragment_id,
-                    }),
-                    _ => Err(Skip::NotTcpUdp),
-                };
+                return Ok(L4Location6 {
+                    l4_offset: offset + 8,
+                    proto: header[0],
+                    fragment: Fragment::Later,
+                    fragment_id,
+                });
             }
             // Offset 0 without more fragments is an atomic fragment (RFC 6946): the whole datagram.
             if field & IP6_FRAG_MORE != 0 {
@@ -242,6 +257,43 @@ mod tests {
         first.extend(ext(IPPROTO_TCP, 0));
         first.extend([0; 20]);
         assert_eq!(walk(IPPROTO_FRAGMENT, &first).unwrap().l4_offset, 40 + 8 + 8);
+    }
+
+    fn upper(next: u8, rest: &[u8]) -> Result<(usize, u8, Fragment), Skip> {
+        let mut packet = std::vec![0u8; IPV6_HLEN];
+        packet.extend_from_slice(rest);
+        let read = |offset: usize| packet.get(offset..offset + 8).map(|b| <[u8; 8]>::try_from(b).unwrap());
+        locate_upper(0x60, next, rest.len() as u16, packet.len(), read)
+            .map(|loc| (loc.l4_offset, loc.proto, loc.fragment))
+    }
+
+    #[test]
+    fn the_upper_layer_walk_names_any_protocol_behind_the_extension_headers() {
+        let echo = [128, 0, 0, 0, 0, 0, 0, 0];
+        assert_eq!(upper(IPPROTO_ICMPV6, &echo), Ok((40, IPPROTO_ICMPV6, Fragment::Whole)));
+        let mut rest = ext(IPPROTO_ICMPV6, 0);
+        rest.extend(echo);
+        assert_eq!(
+            upper(IPPROTO_HOPOPTS, &rest),
+            Ok((48, IPPROTO_ICMPV6, Fragment::Whole)),
+            "behind hop-by-hop"
+        );
+        assert_eq!(upper(132, &[0; 12]), Ok((40, 132, Fragment::Whole)), "SCTP");
+        assert_eq!(upper(59, &[0; 8]), Ok((40, 59, Fragment::Whole)), "no next header");
+        // A later fragment of an echo request: its data starts after the fragment header.
+        let mut later = frag(IPPROTO_ICMPV6, 6, false, 3);
+        later.extend([0; 8]);
+        assert_eq!(upper(IPPROTO_FRAGMENT, &later), Ok((48, IPPROTO_ICMPV6, Fragment::Later)));
+        let mut first = frag(IPPROTO_ICMPV6, 0, true, 3);
+        first.extend(echo);
+        assert_eq!(upper(IPPROTO_FRAGMENT, &first), Ok((48, IPPROTO_ICMPV6, Fragment::First)));
+        // TCP and UDP are where locate_l4 finds them, and a short one is still located here.
+        assert_eq!(upper(IPPROTO_UDP, &[0; 4]), Ok((40, IPPROTO_UDP, Fragment::Whole)));
+        assert_eq!(walk(IPPROTO_UDP, &[0; 4]), Err(Skip::Truncated));
+        // What locate_l4 declines as malformed, so does the upper walk.
+        let chain: Vec<u8> = (0..MAX_EXT_HEADERS + 1).flat_map(|_| ext(IPPROTO_DSTOPTS, 0)).collect();
+        assert_eq!(upper(IPPROTO_DSTOPTS, &chain), Err(Skip::Malformed));
+        assert_eq!(upper(IPPROTO_HOPOPTS, &[IPPROTO_ICMPV6, 3, 0, 0]), Err(Skip::Truncated));
     }
 
     #[test]

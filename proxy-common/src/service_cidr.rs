@@ -196,6 +196,19 @@ pub const fn drops_other_protocol(proto: u8, icmp_type: Option<u8>) -> bool {
     matches!(icmp_type, None | Some(8 | 13 | 15 | 17))
 }
 
+/// [`drops_other_protocol`] for IPv6 (`ip6 daddr { CIDRs } drop` under `ct state new`): of ICMPv6 only what
+/// nf_conntrack_proto_icmpv6's `valid_new` opens, echo request (128) and node information query (139). Errors
+/// (below 128) and replies are related or invalid; neighbour discovery and MLD are never tracked at all
+/// (its `noct_valid_new`), so they pass, as they must for the node to keep its neighbours. A later fragment
+/// (`icmp6_type` `None`) is dropped with its datagram, and every other protocol is, as for IPv4.
+pub const fn drops_other_protocol6(proto: u8, icmp6_type: Option<u8>) -> bool {
+    const IPPROTO_ICMPV6: u8 = 58;
+    if proto != IPPROTO_ICMPV6 {
+        return true;
+    }
+    matches!(icmp6_type, None | Some(128 | 139))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,6 +296,23 @@ mod tests {
         // SCTP, GRE, ESP, an unassigned protocol.
         for proto in [132, 47, 50, 253] {
             assert!(drops_other_protocol(proto, None) && drops_other_protocol(proto, Some(8)), "{proto}");
+        }
+    }
+
+    #[test]
+    fn ipv6_other_protocols_drop_what_conntrack_calls_new() {
+        // Echo request, node information query; a later fragment.
+        for icmp6_type in [Some(128), Some(139), None] {
+            assert!(drops_other_protocol6(58, icmp6_type), "{icmp6_type:?}");
+        }
+        // Errors (unreachable, too big, time exceeded, parameter problem), echo reply, MLD, neighbour
+        // discovery (router and neighbour solicitation and advertisement, redirect), NI reply.
+        for icmp6_type in [1, 2, 3, 4, 129, 130, 131, 132, 133, 134, 135, 136, 137, 140, 143] {
+            assert!(!drops_other_protocol6(58, Some(icmp6_type)), "{icmp6_type}");
+        }
+        // SCTP, GRE, ESP, "no next header"; ICMP's numbers mean nothing in IPv6.
+        for proto in [132, 47, 50, 59, 1] {
+            assert!(drops_other_protocol6(proto, Some(129)), "{proto}");
         }
     }
 }

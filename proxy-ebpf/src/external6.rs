@@ -122,6 +122,9 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Ok(()) => {}
         // An ICMPv6 error about a source-NATed flow goes to its client; other ICMPv6 (neighbour
         // discovery above all) is never touched.
+        Err(Stat::PassNotTcpUdp) if lb6::unallocated_other_protocol(ctx) => {
+            return Err(Verdict::drop(Stat::DropUnallocatedServiceIp));
+        }
         Err(Stat::PassNotTcpUdp) => return icmp6::unnat_snat_error(ctx, shared_ptr().cast()),
         Err(stat) => return Err(Verdict::pass(stat)),
     }

@@ -62,7 +62,13 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
     let flow = FLOW6_SCRATCH.get_ptr_mut(0).ok_or(Verdict::pass(Stat::PassMalformed))?;
     // SAFETY: a per-CPU value, used by this program run alone.
     let flow = unsafe { &mut *flow };
-    parse6::flow(ctx, flow).map_err(Verdict::pass)?;
+    match parse6::flow(ctx, flow) {
+        Ok(()) => {}
+        Err(Stat::PassNotTcpUdp) if lb6::unallocated_other_protocol(ctx) => {
+            return Err(Verdict::drop(Stat::DropUnallocatedServiceIp));
+        }
+        Err(stat) => return Err(Verdict::pass(stat)),
+    }
     let mut found = Found {
         frontend: core::ptr::null(),
         entry: core::ptr::null_mut(),

@@ -1,7 +1,7 @@
 //! IPv6 Service lookup and backend choice, as `lb.rs` for IPv4: the same slot scheme
 //! (`proxy_common::slots::select_slot`) and session affinity, in SERVICES_V6, BACKENDS_V6 and
 //! AFFINITY_V6.
-use aya_ebpf::helpers::bpf_get_prandom_u32;
+use aya_ebpf::{helpers::bpf_get_prandom_u32, programs::TcContext};
 use proxy_common::{
     maglev::{MAGLEV_TABLE_SIZE, flow_hash6, table_index},
     maps::{
@@ -10,6 +10,9 @@ use proxy_common::{
     },
     maps::{RevNatId, SOURCE_RANGE_ID_BITS},
     maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, ServiceKeyV6, SourceRangeV6},
+    packet::{ETH_HLEN, Fragment},
+    packet6::{IP6_OFF_DADDR, IPPROTO_ICMPV6, locate_upper},
+    service_cidr::drops_other_protocol6,
     slots::select_slot,
     stats::Stat,
 };
@@ -60,6 +63,34 @@ pub fn is_vip(addr: &[u8; 16]) -> bool {
 #[inline(always)]
 pub fn in_service_cidr(addr: &[u8; 16]) -> bool {
     SERVICE_CIDRS_V6.get(0).is_some_and(|cidrs| cidrs.contains(addr))
+}
+
+/// Whether a packet of neither TCP nor UDP (ICMPv6 echo, SCTP, ...) goes to an address inside an
+/// IPv6 service CIDR that is no VIP and opens a connection there as netfilter's conntrack sees it:
+/// then it is dropped, as kube-proxy's cluster-ips-check drops it
+/// ([`proxy_common::service_cidr::drops_other_protocol6`]); neighbour discovery and ICMPv6 errors
+/// pass. Not inlined: called from the programs themselves, for packets `parse6::flow` left alone.
+#[inline(never)]
+pub fn unallocated_other_protocol(ctx: &TcContext) -> bool {
+    let Ok(daddr) = ctx.load::<[u8; 16]>(ETH_HLEN + IP6_OFF_DADDR) else { return false };
+    if !in_service_cidr(&daddr) || is_vip(&daddr) {
+        return false;
+    }
+    let Ok(fixed) = ctx.load::<[u8; 8]>(ETH_HLEN) else { return false };
+    let payload_len = u16::from_be_bytes([fixed[4], fixed[5]]);
+    let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    let read = |offset: usize| ctx.load::<[u8; 8]>(ETH_HLEN + offset).ok();
+    let Ok(upper) = locate_upper(fixed[0], fixed[6], payload_len, available, read) else { return false };
+    let icmp6_type = if upper.proto == IPPROTO_ICMPV6 && !matches!(upper.fragment, Fragment::Later) {
+        // Bounded for the verifier, as parse6::flow bounds the L4 offset.
+        match ctx.load::<u8>(ETH_HLEN + (upper.l4_offset & 0x7fff)) {
+            Ok(icmp6_type) => Some(icmp6_type),
+            Err(_) => return false,
+        }
+    } else {
+        None
+    };
+    drops_other_protocol6(upper.proto, icmp6_type)
 }
 
 /// Whether a known flow stays on the backend its entry records: TCP always, UDP while its backend

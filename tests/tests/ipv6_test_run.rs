@@ -348,6 +348,40 @@ fn an_unallocated_address_of_an_ipv6_service_cidr_is_dropped_and_the_rest_goes_o
     let (ret, out) = v6.ingress(&direct.frame());
     assert_eq!((ret, out), (PASS, direct.frame()));
     assert_eq!(v6.stat(Stat::DropUnallocatedServiceIp), 2);
+
+    // Other protocols, as kube-proxy's `ip6 daddr { CIDRs } drop` under `ct state new` sees them: an
+    // echo request (`ping -6`), a node information query, SCTP, and an echo request behind a
+    // hop-by-hop header open a connection there and are dropped...
+    let echo = icmp6(&CLIENT6, &unallocated, 128, 0, &[0, 1, 0, 1, b'p', b'i', b'n', b'g']);
+    let mut behind_hop_by_hop =
+        frame6(&CLIENT6, &unallocated, IPPROTO_HOPOPTS, &[IPPROTO_ICMPV6, 0, 0, 0, 0, 0, 0, 0]);
+    behind_hop_by_hop.extend_from_slice(&echo[14 + 40..]);
+    let payload_len = (behind_hop_by_hop.len() - 54) as u16;
+    behind_hop_by_hop[18..20].copy_from_slice(&payload_len.to_be_bytes());
+    let dropped = [
+        echo.clone(),
+        icmp6(&CLIENT6, &unallocated, 139, 0, &[0; 12]),
+        frame6(&CLIENT6, &unallocated, 132, &[0x9c, 0x40, 0x0b, 0x59, 0, 0, 0, 0, 0, 0, 0, 0]),
+        behind_hop_by_hop,
+    ];
+    for frame in &dropped {
+        assert_eq!(v6.ingress(frame).0, DROP, "{:02x?}", &frame[14..]);
+    }
+    assert_eq!(v6.stat(Stat::DropUnallocatedServiceIp), 2 + dropped.len() as u64);
+    // ...while an echo reply, neighbour discovery and an error pass untouched, and so does an echo
+    // request to an allocated cluster IP (its address answers nothing, as with kube-proxy, but no
+    // rule of a service proxy drops it) or to a pod.
+    let passed = [
+        icmp6(&CLIENT6, &unallocated, 129, 0, &[0, 1, 0, 1]),
+        icmp6(&CLIENT6, &unallocated, 135, 0, &[&[0u8; 4][..], &unallocated[..]].concat()),
+        icmp6(&CLIENT6, &unallocated, 1, 4, &[0; 4]),
+        icmp6(&CLIENT6, &WEB6, 128, 0, &[0, 1, 0, 1]),
+        icmp6(&CLIENT6, &OTHER_POD, 128, 0, &[0, 1, 0, 1]),
+    ];
+    for frame in &passed {
+        assert_eq!(v6.ingress(frame), (PASS, frame.clone()), "{:02x?}", &frame[14..]);
+    }
+    assert_eq!(v6.stat(Stat::DropUnallocatedServiceIp), 2 + dropped.len() as u64);
 }
 
 #[test]

@@ -138,6 +138,7 @@ struct Node6 {
     conntrack: HashMap<MapData, CtKeyV6, CtEntryV6>,
     snat: HashMap<MapData, CtKeyV6, SnatEntryV6>,
     stats: PerCpuArray<MapData, u64>,
+    service_cidrs: aya::maps::Array<MapData, proxy_common::service_cidr::ServiceCidrsV6>,
     ingress: u32,
 }
 
@@ -156,6 +157,7 @@ impl Node6 {
             conntrack: own.conntrack_v6,
             snat: own.snat_v6,
             stats: own.stats,
+            service_cidrs: own.service_cidrs_v6,
             ingress,
         }
     }
@@ -366,6 +368,32 @@ fn a_v6_nodeport_datagram_to_a_remote_backend_is_source_natted_with_its_udp_chec
         let back = Packet6 { src: NODE, sport: 30053, dst: CLIENT, dport: 5353, ..answer };
         assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC));
         assert!(l4_checksum_valid(&out));
+    });
+}
+
+#[test]
+fn an_echo_request_from_outside_to_an_unallocated_v6_service_address_is_dropped_and_neighbour_discovery_passes()
+ {
+    in_private_netns6(|ingress| {
+        let mut node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[LOCAL_BACKEND])]);
+        let range = kproxy::net::Cidr6::new(std::net::Ipv6Addr::from(addr6(0x1000, 0x0096, 0)), 64).unwrap();
+        bpf::service_cidrs::write6(&mut node.service_cidrs, &[range]).unwrap();
+        let unallocated = addr6(0x1000, 0x0096, 0xc9);
+        let echo = icmp6_frame(CLIENT, unallocated, 128, 0x0001_0001, b"ping", NODE_MAC, CLIENT_MAC);
+        assert_eq!(
+            node.external(&echo).0,
+            DROP,
+            "kube-proxy's cluster-ips-check drops it on every interface"
+        );
+        assert_eq!(node.stat(Stat::DropUnallocatedServiceIp), 1);
+        let echo_reply = icmp6_frame(CLIENT, unallocated, 129, 0x0001_0001, b"ping", NODE_MAC, CLIENT_MAC);
+        let neighbour_solicitation =
+            icmp6_frame(CLIENT, unallocated, 135, 0, &unallocated, NODE_MAC, CLIENT_MAC);
+        let echo_to_the_node = icmp6_frame(CLIENT, NODE, 128, 0x0001_0001, b"ping", NODE_MAC, CLIENT_MAC);
+        for frame in [echo_reply, neighbour_solicitation, echo_to_the_node] {
+            assert_eq!(node.external(&frame), (TCX_NEXT, frame.clone()), "{:02x?}", &frame[14..]);
+        }
+        assert_eq!(node.stat(Stat::DropUnallocatedServiceIp), 1);
     });
 }
 

@@ -115,6 +115,75 @@ fn ping_unallocated(cluster: &Cluster) -> (u64, u64) {
     (cluster.stat("drop_unallocated_service_ip") - drops, leaked(cluster) - leaks)
 }
 
+/// [`PING`] for IPv6: one echo request (the kernel fills in an ICMPv6 raw socket's checksum) to `argv[1]`.
+const PING6: &str = r#"
+import socket, struct, sys
+sock = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+sock.settimeout(1)
+sock.sendto(struct.pack("!BBHHH", 128, 0, 0, 0x4b50, 1) + b"kproxy", (sys.argv[1], 0))
+try:
+    while True:
+        data, peer = sock.recvfrom(2048)
+        if peer[0] == sys.argv[1] and data[0] == 129:
+            sys.exit(0)
+except socket.timeout:
+    sys.exit(1)
+"#;
+
+const UNALLOCATED6: &str = "fd00:10:96::77";
+
+/// Routes the IPv6 service range to a dead end (a permanent neighbour behind the port-less node
+/// bridge) and counts what the node sends there, as [`route_the_range_to_a_counted_dead_end`].
+fn route_the_v6_range_to_a_counted_dead_end(cluster: &Cluster) {
+    let node = |args: &[&str]| cluster.sandbox.node_exec(args.iter().copied()).unwrap();
+    node(&["sysctl", "-qw", &format!("net.ipv6.conf.{NODE_DEVICE}.disable_ipv6=0")]);
+    node(&[
+        "ip",
+        "-6",
+        "neigh",
+        "replace",
+        "fe80::fe",
+        "lladdr",
+        "02:00:00:00:00:fe",
+        "dev",
+        NODE_DEVICE,
+        "nud",
+        "permanent",
+    ]);
+    node(&["ip", "-6", "route", "add", "fd00:10:96::/112", "via", "fe80::fe", "dev", NODE_DEVICE]);
+    let rules = format!(
+        "table ip6 observe {{\n  counter leaked {{}}\n  chain post {{\n    type filter hook postrouting priority 0; \
+         policy accept;\n    oifname \"{NODE_DEVICE}\" ip6 daddr fd00:10:96::/112 counter name leaked\n  }}\n}}\n"
+    );
+    let file = cluster.sandbox.dir().join("observe6.nft");
+    std::fs::write(&file, rules).unwrap();
+    cluster.sandbox.node_exec(["nft".as_ref(), "-f".as_ref(), file.as_os_str()]).unwrap();
+}
+
+fn leaked6(cluster: &Cluster) -> u64 {
+    let out =
+        cluster.sandbox.node_exec(["nft", "-j", "list", "counter", "ip6", "observe", "leaked"]).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    json["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|item| item["counter"]["packets"].as_u64())
+        .unwrap_or_else(|| panic!("no counter in {out}"))
+}
+
+/// One `ping -6` from the client pod to [`UNALLOCATED6`], its neighbour cache flushed first (so that
+/// the echo request goes out only once neighbour discovery with the node has worked): the packets
+/// kproxy dropped as unallocated (when it runs) and those that left the node, meanwhile.
+fn ping6_unallocated(cluster: &Cluster, agent_running: bool) -> (u64, u64) {
+    let drops = || if agent_running { cluster.stat("drop_unallocated_service_ip") } else { 0 };
+    let (before, leaks) = (drops(), leaked6(cluster));
+    cluster.client.exec(["ip", "-6", "neigh", "flush", "dev", "eth0"]).unwrap();
+    let out = cluster.client.exec_output(["python3", "-c", PING6, UNALLOCATED6]).unwrap();
+    assert_eq!(out.status.code(), Some(1), "no reply: {}", String::from_utf8_lossy(&out.stderr));
+    (drops() - before, leaked6(cluster) - leaks)
+}
+
 const SERVICE_CIDR: &str = "apiVersion: networking.k8s.io/v1
 kind: ServiceCIDR
 metadata:
@@ -253,4 +322,25 @@ fn an_api_server_without_service_cidrs_is_told_once_and_the_flag_still_drops() {
     assert_eq!(asked, 1, "asked once, not again: {:?}", cluster.api().requests());
     // The object the server does not serve is not read: only the flag's range is held.
     assert_eq!(cluster.dump_json("service-cidrs"), serde_json::json!([{"cidr": "10.96.0.0/16"}]));
+}
+
+#[test]
+fn an_ipv6_echo_request_to_an_unallocated_address_is_dropped_and_neighbour_discovery_goes_on() {
+    let mut cluster = Cluster::prepared("svc-cidr-ping6", Mode::Files);
+    cluster.client.add_ipv6(common::dual_stack::ipv6_of(common::cluster::CLIENT_IP)).unwrap();
+    route_the_v6_range_to_a_counted_dead_end(&cluster);
+    assert_eq!(
+        ping6_unallocated(&cluster, false),
+        (0, 1),
+        "with no service proxy the echo request leaves the node"
+    );
+
+    cluster.extra_agent_args = vec!["--service-cidr".into(), "10.96.0.0/16,fd00:10:96::/112".into()];
+    cluster.start_agent();
+    cluster.wait_for_frontends(&[("10.96.0.100:80", "TCP", 3)]);
+    cluster.wait_for_attachment();
+    // kube-proxy's `ip6 daddr { fd00:10:96::/112 } drop` under `ct state new`; the neighbour
+    // solicitation the client sent first passed, or no echo request would have been sent at all.
+    assert_eq!(ping6_unallocated(&cluster, true), (1, 0), "the echo request is dropped on the node");
+    assert!(cluster.kproxy(&["dump", "service-cidrs"]).contains("fd00:10:96::/112"));
 }
