@@ -17,38 +17,52 @@ use sandbox::NODE_DEVICE;
 
 /// An address of the service range that no Service of the cluster has.
 const UNALLOCATED: &str = "10.96.0.77";
-const DEAD_END_HOP: &str = "10.0.0.254";
 
-/// Routes the service range to the dead end and counts what the node sends there.
-fn route_the_range_to_a_counted_dead_end(cluster: &Cluster) {
-    let ip = |args: &[&str]| {
-        let full: Vec<&str> = std::iter::once("ip").chain(args.iter().copied()).collect();
-        cluster.sandbox.node_exec(full).unwrap();
-    };
-    ip(&[
-        "neigh",
-        "replace",
-        DEAD_END_HOP,
-        "lladdr",
-        "02:00:00:00:00:fe",
-        "dev",
-        NODE_DEVICE,
-        "nud",
-        "permanent",
-    ]);
-    ip(&["route", "add", "10.96.0.0/16", "via", DEAD_END_HOP, "dev", NODE_DEVICE, "onlink"]);
+/// A family's service range, the dead end it is routed to (a permanent neighbour on the port-less
+/// node bridge) and the nftables family its counter lives in.
+struct DeadEnd {
+    ip_flag: &'static str,
+    hop: &'static str,
+    range: &'static str,
+    nft_family: &'static str,
+}
+
+const DEAD_END_V4: DeadEnd =
+    DeadEnd { ip_flag: "-4", hop: "10.0.0.254", range: "10.96.0.0/16", nft_family: "ip" };
+const DEAD_END_V6: DeadEnd =
+    DeadEnd { ip_flag: "-6", hop: "fe80::fe", range: "fd00:10:96::/112", nft_family: "ip6" };
+
+/// Routes the service range of `dead_end`'s family to it and counts what the node sends there.
+fn route_to_a_counted_dead_end(cluster: &Cluster, dead_end: &DeadEnd) {
+    let DeadEnd { ip_flag, hop, range, nft_family } = dead_end;
+    let node = |args: &[&str]| cluster.sandbox.node_exec(args.iter().copied()).unwrap();
+    if *ip_flag == "-6" {
+        // The sandbox's node bridge has IPv6 off until an IPv6 route needs it.
+        node(&["sysctl", "-qw", &format!("net.ipv6.conf.{NODE_DEVICE}.disable_ipv6=0")]);
+    }
+    let lladdr = "02:00:00:00:00:fe";
+    node(&["ip", ip_flag, "neigh", "replace", hop, "lladdr", lladdr, "dev", NODE_DEVICE, "nud", "permanent"]);
+    node(&["ip", ip_flag, "route", "add", range, "via", hop, "dev", NODE_DEVICE, "onlink"]);
     let rules = format!(
-        "table ip observe {{\n  counter leaked {{}}\n  chain post {{\n    type filter hook postrouting priority 0; \
-         policy accept;\n    oifname \"{NODE_DEVICE}\" ip daddr 10.96.0.0/16 counter name leaked\n  }}\n}}\n"
+        "table {nft_family} observe {{\n  counter leaked {{}}\n  chain post {{\n    type filter hook postrouting \
+         priority 0; policy accept;\n    oifname \"{NODE_DEVICE}\" {nft_family} daddr {range} counter name leaked\n  \
+         }}\n}}\n"
     );
-    let file = cluster.sandbox.dir().join("observe.nft");
+    let file = cluster.sandbox.dir().join(format!("observe-{nft_family}.nft"));
     std::fs::write(&file, rules).unwrap();
     cluster.sandbox.node_exec(["nft".as_ref(), "-f".as_ref(), file.as_os_str()]).unwrap();
 }
 
-/// Packets to the service range that left the node through its route.
-fn leaked(cluster: &Cluster) -> u64 {
-    let out = cluster.sandbox.node_exec(["nft", "-j", "list", "counter", "ip", "observe", "leaked"]).unwrap();
+/// The IPv4 service range routed to its dead end.
+fn route_the_range_to_a_counted_dead_end(cluster: &Cluster) {
+    route_to_a_counted_dead_end(cluster, &DEAD_END_V4);
+}
+
+/// Packets to the service range of `dead_end`'s family that left the node through its route.
+fn leaked_to(cluster: &Cluster, dead_end: &DeadEnd) -> u64 {
+    let family = dead_end.nft_family;
+    let out =
+        cluster.sandbox.node_exec(["nft", "-j", "list", "counter", family, "observe", "leaked"]).unwrap();
     let json: serde_json::Value = serde_json::from_str(&out).unwrap();
     json["nftables"]
         .as_array()
@@ -56,6 +70,10 @@ fn leaked(cluster: &Cluster) -> u64 {
         .iter()
         .find_map(|item| item["counter"]["packets"].as_u64())
         .unwrap_or_else(|| panic!("no counter in {out}"))
+}
+
+fn leaked(cluster: &Cluster) -> u64 {
+    leaked_to(cluster, &DEAD_END_V4)
 }
 
 /// curl's exit code for one request from the client pod (7: refused, 28: timed out).
@@ -132,56 +150,16 @@ except socket.timeout:
 
 const UNALLOCATED6: &str = "fd00:10:96::77";
 
-/// Routes the IPv6 service range to a dead end (a permanent neighbour behind the port-less node
-/// bridge) and counts what the node sends there, as [`route_the_range_to_a_counted_dead_end`].
-fn route_the_v6_range_to_a_counted_dead_end(cluster: &Cluster) {
-    let node = |args: &[&str]| cluster.sandbox.node_exec(args.iter().copied()).unwrap();
-    node(&["sysctl", "-qw", &format!("net.ipv6.conf.{NODE_DEVICE}.disable_ipv6=0")]);
-    node(&[
-        "ip",
-        "-6",
-        "neigh",
-        "replace",
-        "fe80::fe",
-        "lladdr",
-        "02:00:00:00:00:fe",
-        "dev",
-        NODE_DEVICE,
-        "nud",
-        "permanent",
-    ]);
-    node(&["ip", "-6", "route", "add", "fd00:10:96::/112", "via", "fe80::fe", "dev", NODE_DEVICE]);
-    let rules = format!(
-        "table ip6 observe {{\n  counter leaked {{}}\n  chain post {{\n    type filter hook postrouting priority 0; \
-         policy accept;\n    oifname \"{NODE_DEVICE}\" ip6 daddr fd00:10:96::/112 counter name leaked\n  }}\n}}\n"
-    );
-    let file = cluster.sandbox.dir().join("observe6.nft");
-    std::fs::write(&file, rules).unwrap();
-    cluster.sandbox.node_exec(["nft".as_ref(), "-f".as_ref(), file.as_os_str()]).unwrap();
-}
-
-fn leaked6(cluster: &Cluster) -> u64 {
-    let out =
-        cluster.sandbox.node_exec(["nft", "-j", "list", "counter", "ip6", "observe", "leaked"]).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
-    json["nftables"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find_map(|item| item["counter"]["packets"].as_u64())
-        .unwrap_or_else(|| panic!("no counter in {out}"))
-}
-
 /// One `ping -6` from the client pod to [`UNALLOCATED6`], its neighbour cache flushed first (so that
 /// the echo request goes out only once neighbour discovery with the node has worked): the packets
 /// kproxy dropped as unallocated (when it runs) and those that left the node, meanwhile.
 fn ping6_unallocated(cluster: &Cluster, agent_running: bool) -> (u64, u64) {
     let drops = || if agent_running { cluster.stat("drop_unallocated_service_ip") } else { 0 };
-    let (before, leaks) = (drops(), leaked6(cluster));
+    let (before, leaks) = (drops(), leaked_to(cluster, &DEAD_END_V6));
     cluster.client.exec(["ip", "-6", "neigh", "flush", "dev", "eth0"]).unwrap();
     let out = cluster.client.exec_output(["python3", "-c", PING6, UNALLOCATED6]).unwrap();
     assert_eq!(out.status.code(), Some(1), "no reply: {}", String::from_utf8_lossy(&out.stderr));
-    (drops() - before, leaked6(cluster) - leaks)
+    (drops() - before, leaked_to(cluster, &DEAD_END_V6) - leaks)
 }
 
 const SERVICE_CIDR: &str = "apiVersion: networking.k8s.io/v1
@@ -328,7 +306,7 @@ fn an_api_server_without_service_cidrs_is_told_once_and_the_flag_still_drops() {
 fn an_ipv6_echo_request_to_an_unallocated_address_is_dropped_and_neighbour_discovery_goes_on() {
     let mut cluster = Cluster::prepared("svc-cidr-ping6", Mode::Files);
     cluster.client.add_ipv6(common::dual_stack::ipv6_of(common::cluster::CLIENT_IP)).unwrap();
-    route_the_v6_range_to_a_counted_dead_end(&cluster);
+    route_to_a_counted_dead_end(&cluster, &DEAD_END_V6);
     assert_eq!(
         ping6_unallocated(&cluster, false),
         (0, 1),
