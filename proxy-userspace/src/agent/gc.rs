@@ -4,16 +4,17 @@
 //! entry whose flow never sends again would otherwise stay until the LRU
 //! evicts it. The agent scans CONNTRACK_V4 and CONNTRACK_V6 every [`Interval::current`] and
 //! deletes pairs idle for longer than their state's timeout (CONFIG[0], one set for both families),
-//! orphan reply entries (their forward entry was evicted) and expired
-//! sessionAffinity entries.
+//! orphan reply entries (their forward entry was evicted), SNAT translations whose flow is gone,
+//! and expired sessionAffinity entries.
 //!
-//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`], [`Interval::next`]) are pure and unit-tested; [`run`],
+//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`], [`plan_stale_snat6`],
+//! [`Interval::next`]) are pure and unit-tested; [`run`],
 //! [`purge_backends`] do the map I/O. All times are
 //! CLOCK_MONOTONIC nanoseconds ([`monotonic_ns`](crate::bpf::conntrack::monotonic_ns)), the clock of
 //! `bpf_ktime_get_ns`.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     time::Duration,
 };
 
@@ -21,19 +22,19 @@ use anyhow::{Context as _, Result};
 use proxy_common::{
     conntrack::Timeouts,
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CtEntryV4, CtKeyV4,
-        RevNatId, SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, RevNatId,
+        SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
     },
-    maps_v6::{AffinityKeyV6, CtEntryV6, CtKeyV6},
+    maps_v6::{AffinityKeyV6, CtEntryV6, CtKeyV6, SnatEntryV6},
 };
 
 use crate::bpf::{
     Maps,
     conntrack::{
         CtEntry, CtKey, Snat6Index, SnatIndex, capacity, capacity6, count6, delete, delete_snat,
-        delete_snat6, delete6, delete6_flows, get6, hairpin_addr, monotonic_ns, pair_expired, read_config,
-        read_conntrack, read_conntrack6, reply_key, reply_key6, select, select_pairs, snat_index,
-        snat6_index, state_name,
+        delete_snat6, delete6, delete6_flows, get6, hairpin_addr, monotonic_ns, owns_snat6, pair_expired,
+        read_config, read_conntrack, read_conntrack6, reply_key, reply_key6, select, select_pairs,
+        snat_index, snat6_index, state_name,
     },
     remove_present,
 };
@@ -180,6 +181,26 @@ pub fn plan_purge6(
     snat6: &Snat6Index,
 ) -> Vec<CtKeyV6> {
     select_pairs(entries, |k, e| reply_key6(k, e, snat6), |_, entry| backend_ids.contains(&entry.backend_id))
+}
+
+/// How long a fresh SNAT_V6 entry is kept without its conntrack entry: the datapath takes a flow's
+/// port (both SNAT_V6 entries) before it records the flow in CONNTRACK_V6.
+pub const SNAT_RECORD_GRACE_NS: u64 = SECOND_NS;
+
+/// The SNAT_V6 entries whose flow is gone: a forward entry (keyed as its flow's conntrack forward
+/// entry) or a reverse one (keyed as its reply entry) whose conntrack entry `tracked` no longer has
+/// — evicted by the LRU, or deleted apart from its translation. Each direction is judged on its
+/// own: a reverse entry names only the client, not the frontend its forward key holds.
+pub fn plan_stale_snat6(
+    translations: &[(CtKeyV6, SnatEntryV6)],
+    tracked: impl Fn(&CtKeyV6) -> bool,
+    now: u64,
+) -> Vec<CtKeyV6> {
+    translations
+        .iter()
+        .filter(|(key, entry)| now.saturating_sub(entry.created_ns) >= SNAT_RECORD_GRACE_NS && !tracked(key))
+        .map(|(key, _)| *key)
+        .collect()
 }
 
 /// Cilium-style adaptive GC interval.
@@ -365,7 +386,8 @@ pub fn fuller(v4: (u64, u64), v6: (u64, u64)) -> (u64, u64) {
 }
 
 /// The IPv6 half of [`run`]: CONNTRACK_V6's expired pairs and orphans, each re-read before it is
-/// deleted. A remapped flow (port reuse) is paired through SNAT_V6, whose two entries go with it.
+/// deleted. A remapped (port reuse) or source-NATed flow is paired through SNAT_V6, whose two entries
+/// go with it.
 fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcReport) -> Result<()> {
     let entries = read_conntrack6(maps)?;
     let snat6 = snat6_index(maps);
@@ -381,7 +403,7 @@ fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcR
         if let Some(rkey) = rkey {
             n += u64::from(delete6(maps, rkey)?);
         }
-        if fwd.flags & CT_FLAG_REMAP != 0 && snat6.contains_key(fkey) {
+        if owns_snat6(fkey, &fwd, &snat6) {
             delete_snat6(maps, fkey, &reply_key6(fkey, &fwd, &snat6))?;
         }
         *report.deleted.entry(state_name(fwd.state)).or_default() += n;
@@ -390,6 +412,15 @@ fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcR
         let Some(entry) = get6(maps, key) else { continue };
         if timeouts.expired(entry.state, entry.last_seen_ns, monotonic_ns()) && delete6(maps, key)? {
             *report.deleted.entry(state_name(entry.state)).or_default() += 1;
+        }
+    }
+    let translations: Vec<(CtKeyV6, SnatEntryV6)> = maps.snat_v6.iter().filter_map(|e| e.ok()).collect();
+    let tracked: HashSet<CtKeyV6> = maps.conntrack_v6.keys().filter_map(|k| k.ok()).collect();
+    for key in plan_stale_snat6(&translations, |k| tracked.contains(k), monotonic_ns()) {
+        if remove_present(&mut maps.snat_v6, &key).context("deleting a stale SNAT_V6 entry")?
+            && key.direction == CT_DIR_REPLY
+        {
+            report.snat_deleted += 1;
         }
     }
     Ok(())
@@ -447,7 +478,7 @@ mod tests {
     use crate::bpf::conntrack::*;
     use crate::testutil::conntrack::*;
     use proxy_common::conntrack::CtState;
-    use proxy_common::maps::{CT_FLAG_HAIRPIN, ConfigV4, DEFAULT_HAIRPIN_ADDR};
+    use proxy_common::maps::{CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, ConfigV4, DEFAULT_HAIRPIN_ADDR};
 
     #[test]
     fn hairpin_reply_key_uses_the_hairpin_address() {
@@ -677,7 +708,8 @@ mod tests {
         reply.last_seen_ns = now - 5 * S;
         let remapped = CtKeyV6 { dport: 61_234u16.to_be_bytes(), ..rkey };
         let entries = [(fkey, fwd), (remapped, reply)];
-        let snat6 = Snat6Index::from([(fkey, remapped.dport)]);
+        let to_client = SnatEntryV6 { created_ns: 0, addr: fkey.saddr, port: remapped.dport, _pad: [0; 6] };
+        let snat6 = Snat6Index::from([(fkey, to_client)]);
         let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &snat6), now);
         assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "{plan:?}");
         // Idle on both sides: the pair goes together.
@@ -688,6 +720,60 @@ mod tests {
         let none = Snat6Index::new();
         let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &none), now);
         assert_eq!(plan.pairs, vec![(fkey, None)]);
+    }
+
+    /// A north–south flow source-NATed to a remote backend has its reply entry under the node
+    /// address and port it took (SNAT_V6 names both): paired through them, as the datapath pairs
+    /// it, and the purge of its backend takes both entries.
+    #[test]
+    fn a_source_nated_ipv6_flow_is_paired_through_snat_v6() {
+        let t = Timeouts::DEFAULT;
+        let now = 10_000 * S;
+        let [(fkey, mut fwd), (rkey, mut reply)] = flow6(5006, IPPROTO_UDP, 3);
+        fwd.flags |= CT_FLAG_SNAT;
+        fwd.last_seen_ns = now - 100 * S;
+        reply.last_seen_ns = now - 5 * S;
+        let node = [0xfd, 0, 0, 0x72, 0, 0x18, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        let nated = CtKeyV6 { daddr: node, dport: 31_000u16.to_be_bytes(), ..rkey };
+        let entries = [(fkey, fwd), (nated, reply)];
+        let to_node = SnatEntryV6 { created_ns: 0, addr: node, port: nated.dport, _pad: [0; 6] };
+        let snat6 = Snat6Index::from([(fkey, to_node)]);
+        assert_eq!(reply_key6(&fkey, &fwd, &snat6), nated);
+        assert!(owns_snat6(&fkey, &fwd, &snat6));
+        let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &snat6), now);
+        assert!(plan.pairs.is_empty() && plan.orphans.is_empty(), "the backend still answers: {plan:?}");
+        let plan = plan_conntrack_pairs(&entries, &t, |k, e| reply_key6(k, e, &snat6), now + 61 * S);
+        assert_eq!((plan.pairs, plan.orphans), (vec![(fkey, Some(nated))], vec![]));
+        let purged = plan_purge6(&entries, &[fwd.backend_id].into(), &snat6);
+        assert_eq!(purged, vec![fkey, nated]);
+    }
+
+    /// SNAT_V6 translations outlive their flow when the LRU evicts its conntrack entries: each
+    /// direction goes once its own conntrack entry is gone, but not in the moment between the
+    /// datapath taking the port and recording the flow.
+    #[test]
+    fn stale_snat_v6_translations_go_each_direction_on_its_own_but_not_while_being_recorded() {
+        let now = 1_000 * S;
+        let [(fkey, _), (rkey, _)] = flow6(5007, IPPROTO_TCP, 3);
+        let [(gone_fkey, _), (gone_rkey, _)] = flow6(5008, IPPROTO_TCP, 3);
+        let [(fresh_fkey, _), (fresh_rkey, _)] = flow6(5009, IPPROTO_TCP, 3);
+        let at = |created_ns: u64| SnatEntryV6 { created_ns, addr: [0; 16], port: [0; 2], _pad: [0; 6] };
+        let translations = [
+            (fkey, at(now - 60 * S)),
+            (rkey, at(now - 60 * S)),
+            (gone_fkey, at(now - 60 * S)),
+            (gone_rkey, at(now - 60 * S)),
+            (fresh_fkey, at(now - S / 10)),
+            (fresh_rkey, at(now - S / 10)),
+        ];
+        // The live flow's two entries and, of another, only the reply entry are left.
+        let tracked: HashSet<CtKeyV6> = [fkey, rkey, gone_rkey].into();
+        let stale = plan_stale_snat6(&translations, |k| tracked.contains(k), now);
+        assert_eq!(stale, vec![gone_fkey], "the reverse entry stays while its reply entry does");
+        let stale = plan_stale_snat6(&translations, |k| [fkey, rkey].contains(k), now);
+        assert_eq!(stale, vec![gone_fkey, gone_rkey]);
+        let stale = plan_stale_snat6(&translations, |k| [fkey, rkey].contains(k), now + S);
+        assert_eq!(stale, vec![gone_fkey, gone_rkey, fresh_fkey, fresh_rkey], "then a second later");
     }
 
     #[test]

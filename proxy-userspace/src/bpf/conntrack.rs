@@ -1,7 +1,7 @@
 //! The conntrack view shared by the agent's garbage collection and the operator commands: the pairs of
 //! CONNTRACK_V4 (a forward entry and its reply, found through SNAT_V4 for source-NATed flows) and of
-//! CONNTRACK_V6 (a remapped flow's reply found through SNAT_V6), their age and time left, reading and deleting them. The decisions are
-//! generic over the family ([`CtKey`], [`CtEntry`]); the families differ only in how a forward entry
+//! CONNTRACK_V6 (a remapped or source-NATed flow's reply found through SNAT_V6), their age and time
+//! left, reading and deleting them. The decisions are generic over the family ([`CtKey`], [`CtEntry`]); the families differ only in how a forward entry
 //! names its reply ([`reply_key`], [`reply_key6`]). Times are CLOCK_MONOTONIC nanoseconds
 //! ([`monotonic_ns`]), the clock of `bpf_ktime_get_ns`.
 
@@ -15,10 +15,10 @@ use aya::maps::{IterableMap as _, MapError};
 use proxy_common::{
     conntrack::{CtState, Timeouts},
     maps::{
-        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, CT_FLAG_REMAP, ConfigV4, CtEntryV4, CtKeyV4,
-        DEFAULT_HAIRPIN_ADDR, RevNatId, SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
+        CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4, CtEntryV4, CtKeyV4, DEFAULT_HAIRPIN_ADDR,
+        RevNatId, SnatEntryV4, reply_key_in_snat, snat_forward_key, snat_reply_key,
     },
-    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6},
+    maps_v6::{CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, SnatEntryV6},
 };
 
 use super::{Maps, remove_present};
@@ -96,45 +96,48 @@ pub fn reply_key(forward: &CtKeyV4, entry: &CtEntryV4, hairpin_addr: [u8; 4], sn
     key
 }
 
-/// SNAT_V6's forward entries: a remapped IPv6 flow's own key → the port it was remapped to.
-pub type Snat6Index = HashMap<CtKeyV6, [u8; 2]>;
+/// SNAT_V6's forward entries: a remapped or source-NATed IPv6 flow's own key → the address and
+/// port it became (the client's own address for a remapped port, a node address for source NAT).
+pub type Snat6Index = HashMap<CtKeyV6, SnatEntryV6>;
 
 /// The forward entries of SNAT_V6, for [`reply_key6`].
 pub fn snat6_index(maps: &Maps) -> Snat6Index {
-    maps.snat_v6
-        .iter()
-        .filter_map(|e| e.ok())
-        .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
-        .map(|(k, v)| (k, v.port))
-        .collect()
+    maps.snat_v6.iter().filter_map(|e| e.ok()).filter(|(k, _)| k.direction == CT_DIR_FORWARD).collect()
 }
 
 /// The reply key of an IPv6 forward entry: `backend → client`, or `backend → HAIRPIN_ADDR_V6` for a
-/// hairpin flow, with the client's port — or, for a flow whose source port was remapped (port
-/// reuse, `CT_FLAG_REMAP`), the remapped port from `snat6`. The IPv6 datapath source-NATs nothing
-/// else.
+/// hairpin flow, with the client's port — or, for a flow whose source was rewritten (a remapped
+/// port, `CT_FLAG_REMAP`, or source NAT to a node address, `CT_FLAG_SNAT`), the address and port
+/// it became, from `snat6`, as the datapath's `conntrack6::reply_key`.
 pub fn reply_key6(forward: &CtKeyV6, entry: &CtEntryV6, snat6: &Snat6Index) -> CtKeyV6 {
     let mut key = forward.reply_of(entry.nat_addr, entry.nat_port);
     if entry.flags & CT_FLAG_HAIRPIN != 0 {
         key.daddr = HAIRPIN_ADDR_V6;
     }
-    if entry.flags & CT_FLAG_REMAP != 0
-        && let Some(port) = snat6.get(forward)
+    if reply_key_in_snat(entry.flags)
+        && let Some(to) = snat6.get(forward)
     {
-        key.dport = *port;
+        key.daddr = to.addr;
+        key.dport = to.port;
     }
     key
 }
 
-/// Forgets both SNAT_V6 entries of a remapped IPv6 flow: its own key and its reply key.
+/// Whether a forward entry's flow owns SNAT_V6 entries (its source was rewritten and `snat6` has it).
+pub fn owns_snat6(forward: &CtKeyV6, entry: &CtEntryV6, snat6: &Snat6Index) -> bool {
+    forward.direction == CT_DIR_FORWARD && reply_key_in_snat(entry.flags) && snat6.contains_key(forward)
+}
+
+/// Forgets both SNAT_V6 entries of a remapped or source-NATed IPv6 flow: its own key and its reply key.
 pub fn delete_snat6(maps: &mut Maps, forward: &CtKeyV6, reply: &CtKeyV6) -> Result<()> {
     remove_present(&mut maps.snat_v6, forward).context("deleting an SNAT_V6 entry")?;
     remove_present(&mut maps.snat_v6, reply).context("deleting an SNAT_V6 entry")?;
     Ok(())
 }
 
-/// Deletes the IPv6 conntrack entries `keys` (read as `entries`), and with a remapped flow's forward
-/// entry its two SNAT_V6 entries. Returns the conntrack entries deleted.
+/// Deletes the IPv6 conntrack entries `keys` (read as `entries`), and with a remapped or source-NATed
+/// flow's forward entry its two SNAT_V6 entries. Returns the conntrack entries
+/// deleted.
 pub fn delete6_flows(
     maps: &mut Maps,
     entries: &[(CtKeyV6, CtEntryV6)],
@@ -143,9 +146,7 @@ pub fn delete6_flows(
 ) -> Result<u64> {
     let remapped: HashMap<CtKeyV6, CtKeyV6> = entries
         .iter()
-        .filter(|(k, e)| {
-            k.direction == CT_DIR_FORWARD && e.flags & CT_FLAG_REMAP != 0 && snat6.contains_key(k)
-        })
+        .filter(|(k, e)| owns_snat6(k, e, snat6))
         .map(|(k, e)| (*k, reply_key6(k, e, snat6)))
         .collect();
     let mut deleted = 0;

@@ -35,15 +35,13 @@ pub fn plan_flush(
 pub fn plan_flush6(
     entries: &[(CtKeyV6, CtEntryV6)],
     rev_nat_ids: Option<&BTreeSet<RevNatId>>,
+    snat6: &Snat6Index,
 ) -> Vec<CtKeyV6> {
     match rev_nat_ids {
         None => entries.iter().map(|(k, _)| *k).collect(),
-        // A remapped flow's reply entry is taken by its own rev-NAT id: no SNAT_V6 index needed.
-        Some(ids) => select_pairs(
-            entries,
-            |k, e| reply_key6(k, e, &Snat6Index::new()),
-            |_, entry| ids.contains(&entry.rev_nat_id),
-        ),
+        Some(ids) => {
+            select_pairs(entries, |k, e| reply_key6(k, e, snat6), |_, entry| ids.contains(&entry.rev_nat_id))
+        }
     }
 }
 
@@ -83,8 +81,9 @@ pub fn flush(maps: &mut Maps, service: Option<&str>) -> Result<u64> {
         deleted += u64::from(delete(maps, &key)?);
     }
     let entries6 = read_conntrack6(maps)?;
-    let keys6 = plan_flush6(&entries6, ids.as_ref());
-    deleted += delete6_flows(maps, &entries6, &keys6, &snat6_index(maps))?;
+    let snat6 = snat6_index(maps);
+    let keys6 = plan_flush6(&entries6, ids.as_ref(), &snat6);
+    deleted += delete6_flows(maps, &entries6, &keys6, &snat6)?;
     Ok(deleted)
 }
 
@@ -126,9 +125,12 @@ mod tests {
         // An orphan reply of Service 4 (its forward entry was evicted).
         let [_, orphan] = flow6(5002, IPPROTO_UDP, 4);
         let entries = [a[0], a[1], b[0], b[1], orphan];
-        assert_eq!(plan_flush6(&entries, None).len(), 5);
-        assert_eq!(plan_flush6(&entries, Some(&[4].into())), vec![b[0].0, b[1].0, orphan.0]);
-        assert_eq!(plan_flush6(&entries, Some(&[3].into())), vec![a[0].0, a[1].0]);
-        assert!(plan_flush6(&entries, Some(&BTreeSet::new())).is_empty());
+        assert_eq!(plan_flush6(&entries, None, &Snat6Index::new()).len(), 5);
+        assert_eq!(
+            plan_flush6(&entries, Some(&[4].into()), &Snat6Index::new()),
+            vec![b[0].0, b[1].0, orphan.0]
+        );
+        assert_eq!(plan_flush6(&entries, Some(&[3].into()), &Snat6Index::new()), vec![a[0].0, a[1].0]);
+        assert!(plan_flush6(&entries, Some(&BTreeSet::new()), &Snat6Index::new()).is_empty());
     }
 }

@@ -13,7 +13,7 @@ use proxy_common::{
         AffinityKeyV4, AffinityValueV4, BackendV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_HAIRPIN, ConfigV4,
         CtEntryV4, CtKeyV4, RevNatId, RevNatV4, SVC_FLAG_AFFINITY, ServiceValueV4,
     },
-    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, CtKeyV6, HAIRPIN_ADDR_V6, RevNatV6},
+    maps_v6::{AffinityKeyV6, BackendV6, CtEntryV6, CtKeyV6, RevNatV6},
 };
 use serde::Serialize;
 
@@ -248,11 +248,11 @@ pub fn conntrack_rows6(
         .iter()
         .filter(|(k, _)| k.direction == CT_DIR_FORWARD)
         .map(|(key, fwd)| {
-            // A remapped flow (port reuse) sends from the port its reply key has.
+            // The flow sends from its reply key's destination: the client, the hairpin address,
+            // the client at a remapped port (port reuse), or a node address (source NAT).
             let reply_key = crate::bpf::conntrack::reply_key6(key, fwd, snat6);
             let back = reply.get(&reply_key).copied();
             let hairpin = fwd.flags & CT_FLAG_HAIRPIN != 0;
-            let source = if hairpin { HAIRPIN_ADDR_V6 } else { key.saddr };
             ConntrackRow {
                 original: format!(
                     "{} -> {}",
@@ -261,7 +261,7 @@ pub fn conntrack_rows6(
                 ),
                 translated: format!(
                     "{} -> {}",
-                    endpoint6(source, reply_key.dport),
+                    endpoint6(reply_key.daddr, reply_key.dport),
                     endpoint6(fwd.nat_addr, fwd.nat_port)
                 ),
                 protocol: proto_name(key.proto),
@@ -655,6 +655,8 @@ pub fn stats_table(rows: &[StatRow]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use proxy_common::maps_v6::{HAIRPIN_ADDR_V6, SnatEntryV6};
+
     use super::*;
 
     #[test]
@@ -806,7 +808,9 @@ mod tests {
         // named by SNAT_V6) paired for the counters.
         let remapped = CtEntryV6 { flags: proxy_common::maps::CT_FLAG_REMAP, ..fwd };
         let remapped_reply_key = CtKeyV6 { dport: 61_234u16.to_be_bytes(), ..reply_key };
-        let snat6 = crate::bpf::conntrack::Snat6Index::from([(forward, remapped_reply_key.dport)]);
+        let to = |addr: [u8; 16], port: [u8; 2]| SnatEntryV6 { created_ns: 0, addr, port, _pad: [0; 6] };
+        let snat6 =
+            crate::bpf::conntrack::Snat6Index::from([(forward, to(client, remapped_reply_key.dport))]);
         let rows = conntrack_rows6(
             &[(forward, remapped), (remapped_reply_key, reply)],
             &names,
@@ -815,6 +819,16 @@ mod tests {
             now,
         );
         assert_eq!(rows[0].translated, "[fd00:10:244::5]:61234 -> [fd00:10:244::9]:8080");
+        assert_eq!((rows[0].packets_reply, rows[0].idle_seconds), (5, 1.0));
+        // A source-NATed north–south flow: shown from the node address and port it took, its reply
+        // (addressed to them) paired for the counters.
+        let node: [u8; 16] = "fd00:172:18::2".parse::<std::net::Ipv6Addr>().unwrap().octets();
+        let nated = CtEntryV6 { flags: proxy_common::maps::CT_FLAG_SNAT, ..fwd };
+        let nated_reply_key = CtKeyV6 { daddr: node, dport: 32_001u16.to_be_bytes(), ..reply_key };
+        let snat6 = crate::bpf::conntrack::Snat6Index::from([(forward, to(node, nated_reply_key.dport))]);
+        let rows =
+            conntrack_rows6(&[(forward, nated), (nated_reply_key, reply)], &names, &config, &snat6, now);
+        assert_eq!(rows[0].translated, "[fd00:172:18::2]:32001 -> [fd00:10:244::9]:8080");
         assert_eq!((rows[0].packets_reply, rows[0].idle_seconds), (5, 1.0));
     }
 
