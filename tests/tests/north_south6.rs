@@ -179,6 +179,11 @@ impl Drop for NorthSouth6 {
 
 impl NorthSouth6 {
     fn start(tag: &str) -> Self {
+        Self::start_with(tag, &[])
+    }
+
+    /// [`Self::start`] with more agent flags.
+    fn start_with(tag: &str, agent_flags: &[&str]) -> Self {
         let multi = MultiNode::new(tag, 2).expect("building the two-node sandbox (needs root)");
         add_ipv6_underlay(&multi);
         let mut pods = Vec::new();
@@ -198,7 +203,7 @@ impl NorthSouth6 {
         for node in 0..multi.node_count() {
             let pin_dir = unique_pin_dir();
             let cgroup = sandbox::cgroup::ChildCgroup::new("kproxy-test").unwrap();
-            let args: Vec<String> = vec![
+            let mut args: Vec<String> = vec![
                 kproxy_bin().display().to_string(),
                 "--pin-dir".into(),
                 pin_dir.display().to_string(),
@@ -218,6 +223,7 @@ impl NorthSouth6 {
                 "--cgroup-root".into(),
                 cgroup.path().display().to_string(),
             ];
+            args.extend(agent_flags.iter().map(|f| f.to_string()));
             agents.push(multi.node(node).node_spawn(&args).unwrap());
             pins.push(pin_dir);
             cgroups.push(cgroup);
@@ -548,5 +554,91 @@ fn trace_shows_a_v6_node_port_flow_with_its_snat_and_without_it() {
         assert_eq!(steps[2]["destination"], translated_source, "{steps:#?}");
         assert_eq!(steps[3]["source"], node_port, "un-NATed back to the NodePort: {steps:#?}");
         assert_eq!(steps[3]["destination"], client_end, "{steps:#?}");
+    }
+}
+
+/// The number of entries in node `node`'s SNAT_V6 map.
+fn snat6_entries(cluster: &NorthSouth6, node: usize) -> usize {
+    let pin = cluster.pins[node].join("maps").join("snat_v6");
+    let data = aya::maps::MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    let map: aya::maps::HashMap<_, proxy_common::maps_v6::CtKeyV6, proxy_common::maps_v6::SnatEntryV6> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).unwrap();
+    map.keys().filter_map(|k| k.ok()).count()
+}
+
+/// Opens a kept-alive HTTP connection from the external client to node 0's NodePort 30082 (web-b,
+/// on node 1: source-NATed), asks once, and holds it open: the client's own port, once answered.
+fn hold_a_connection_through_node_0(cluster: &NorthSouth6) -> (Spawned, u16) {
+    let script = format!(
+        "import socket, time\n\
+         s = socket.create_connection(('{}', 30082), timeout=5)\n\
+         s.sendall(b'GET /whoami HTTP/1.1\\r\\nHost: web\\r\\n\\r\\n')\n\
+         assert b' 200 ' in s.recv(4096)\n\
+         print(s.getsockname()[1], flush=True)\n\
+         time.sleep(120)\n",
+        node_ip6(0)
+    );
+    let client = cluster.multi.external_spawn(["python3", "-c", &script]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(port) = client.log().lines().next().and_then(|l| l.trim().parse().ok()) {
+            return (client, port);
+        }
+        assert!(client.is_running(), "the client failed: {}\n{}", client.log(), cluster.agent_logs());
+        assert!(Instant::now() < deadline, "no answer through node 0: {}", client.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The `kproxy dump conntrack` row on node 0 of the client's flow from `port`, if there is one.
+fn conntrack_row(cluster: &NorthSouth6, port: u16) -> Option<serde_json::Value> {
+    let out = cluster.kproxy(0, &["dump", "conntrack", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let original = format!("[{CLIENT6}]:{port} -> [{}]:30082", node_ip6(0));
+    rows.into_iter().find(|r| r["original"] == original)
+}
+
+/// A source-NATed IPv6 flow as an operator reads and clears it on the node that translated it:
+/// `kproxy dump conntrack` shows it leaving from the node's address and a SNAT port, with its
+/// reply counted (the reply entry, keyed by that address and port, is paired with it);
+/// `kproxy conntrack flush --service` takes it and its two SNAT_V6 translations; and the agent's
+/// garbage collection, once a second such flow idles past the established timeout, takes that
+/// flow and its translations too, leaving nothing behind in SNAT_V6.
+#[test]
+fn a_source_nated_v6_flow_is_dumped_from_the_node_address_and_flush_and_gc_take_its_translations() {
+    let cluster = NorthSouth6::start_with(
+        "ns6-snatct",
+        &["--conntrack-tcp-timeout-established", "5s", "--conntrack-gc-interval", "1s"],
+    );
+    let (client, port) = hold_a_connection_through_node_0(&cluster);
+    let row = conntrack_row(&cluster, port).unwrap_or_else(|| panic!("no row for :{port}"));
+    let translated = row["translated"].as_str().unwrap();
+    let (from, to) = translated.split_once(" -> ").unwrap();
+    assert!(from.starts_with(&format!("[{}]:", node_ip6(0))), "source NAT to node 0: {row}");
+    assert_ne!(from, format!("[{}]:{port}", node_ip6(0)), "{row}");
+    assert_eq!(to, format!("[{WEB_B6}]:80"), "{row}");
+    assert!(row["packets_reply"].as_u64().unwrap() >= 1, "the reply entry paired with it: {row}");
+    assert_eq!(snat6_entries(&cluster, 0), 2, "the flow's forward and reverse translations");
+
+    let out = cluster.kproxy(0, &["conntrack", "flush", "--service", "default/web6-b"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(conntrack_row(&cluster, port).is_none(), "flushed");
+    assert_eq!(snat6_entries(&cluster, 0), 0, "the flush took the translations with the flow");
+    client.kill().unwrap();
+
+    let (_idle, port) = hold_a_connection_through_node_0(&cluster);
+    assert!(conntrack_row(&cluster, port).is_some());
+    assert_eq!(snat6_entries(&cluster, 0), 2);
+    let deadline = Instant::now() + Duration::from_secs(45);
+    while conntrack_row(&cluster, port).is_some() || snat6_entries(&cluster, 0) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the idle flow or its translations outlived the gc: {:?}, {} SNAT_V6 entries\n{}",
+            conntrack_row(&cluster, port),
+            snat6_entries(&cluster, 0),
+            cluster.agent_logs()
+        );
+        std::thread::sleep(Duration::from_millis(500));
     }
 }
