@@ -49,7 +49,8 @@ pub struct TraceEvent<A> {
     pub after_sport: [u8; 2],
     pub after_dport: [u8; 2],
     pub rev_nat_id: crate::maps::RevNatId,
-    /// 1-based slot the backend was picked from (new flows), else 0.
+    /// 1-based slot the backend was picked from (new flows); [`SLOT_BY_AFFINITY`] or
+    /// [`SLOT_BY_MAGLEV`] when no slot was drawn; 0 for other events.
     pub backend_slot: u16,
     /// Active backends of the frontend when the slot was picked.
     pub backend_count: u16,
@@ -58,6 +59,12 @@ pub struct TraceEvent<A> {
     pub ct_flags: u8,
     pub _pad: [u8; 5],
 }
+
+/// `backend_slot` of a new flow whose backend the client's session affinity kept.
+pub const SLOT_BY_AFFINITY: u16 = 0;
+/// `backend_slot` of a new flow whose backend the frontend's Maglev table gave (no slot is drawn;
+/// 1-based slots stop below it, as a frontend has fewer backends than a u16 counts).
+pub const SLOT_BY_MAGLEV: u16 = u16::MAX;
 
 pub type TraceEventV4 = TraceEvent<[u8; 4]>;
 pub type TraceEventV6 = TraceEvent<[u8; 16]>;

@@ -11,6 +11,7 @@ use proxy_common::{
     service_cidr::drops_other_protocol,
     slots::select_slot,
     stats::Stat,
+    trace::{SLOT_BY_AFFINITY, SLOT_BY_MAGLEV},
 };
 
 use crate::{
@@ -163,7 +164,7 @@ fn slot_of(flow: &Flow, found: &Frontend, backend_id: u32, hint: u32) -> Option<
 pub struct Choice {
     pub backend_id: u32,
     pub backend: BackendV4,
-    /// The slot it was picked from; 0 when session affinity chose it.
+    /// The slot it was picked from, or `SLOT_BY_AFFINITY` / `SLOT_BY_MAGLEV` (what the trace says).
     pub slot: u16,
 }
 
@@ -181,7 +182,7 @@ fn maglev_backend(flow: &Flow, table: u32) -> Option<Choice> {
         return None;
     }
     stats::count(Stat::MaglevPick);
-    Some(Choice { backend_id, backend, slot: 0 })
+    Some(Choice { backend_id, backend, slot: SLOT_BY_MAGLEV })
 }
 
 /// The backend for a new flow: the client's sticky one while its affinity
@@ -214,7 +215,7 @@ pub fn select_backend_by(flow: &Flow, found: &Frontend, now: u64, pick: u32) -> 
                 (*sticky).last_used_ns = now;
                 (*sticky).slot = u32::from(slot);
                 stats::count(Stat::AffinityHit);
-                return Ok(Choice { backend_id, backend: *backend, slot: 0 });
+                return Ok(Choice { backend_id, backend: *backend, slot: SLOT_BY_AFFINITY });
             }
         }
     }

@@ -15,6 +15,7 @@ use proxy_common::{
     service_cidr::drops_other_protocol6,
     slots::select_slot,
     stats::Stat,
+    trace::{SLOT_BY_AFFINITY, SLOT_BY_MAGLEV},
 };
 
 use crate::{
@@ -112,7 +113,7 @@ pub fn keeps_backend(entry: &CtEntryV6, proto: u8) -> bool {
 pub struct Choice6 {
     pub backend_id: u32,
     pub backend: BackendV6,
-    /// The slot it was picked from; 0 when session affinity or Maglev chose it (as `lb::Choice`).
+    /// The slot it was picked from, or `SLOT_BY_AFFINITY` / `SLOT_BY_MAGLEV` (as `lb::Choice`).
     pub slot: u16,
 }
 
@@ -187,7 +188,7 @@ pub fn select_backend_in(
                 stats::count(Stat::AffinityHit);
                 choice.backend_id = backend_id;
                 choice.backend = *backend;
-                choice.slot = 0;
+                choice.slot = SLOT_BY_AFFINITY;
                 return Ok(());
             }
         }
@@ -239,6 +240,6 @@ fn maglev_backend(flow: &Flow6, table: u32, choice: &mut Choice6) -> bool {
     stats::count(Stat::MaglevPick);
     choice.backend_id = backend_id;
     choice.backend = backend;
-    choice.slot = 0;
+    choice.slot = SLOT_BY_MAGLEV;
     true
 }

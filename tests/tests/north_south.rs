@@ -809,6 +809,34 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
     assert_eq!(steps[3]["destination"], client_end);
 }
 
+/// With `--lb-algorithm maglev`, `kproxy trace` says the frontend's Maglev table chose a NodePort
+/// flow's backend — not session affinity, which the Service does not have (the trace said
+/// "by session affinity" for every pick that drew no slot).
+#[test]
+fn trace_names_maglev_as_what_chose_a_nodeport_flows_backend() {
+    let cluster = NorthSouth::start_with("ns-maglev", &["--lb-algorithm", "maglev"]);
+    let node0 = cluster.multi.node_ip(0);
+    let trace = Trace::start(cluster.multi.node(0), &cluster.pins[0], &["--client", &CLIENT.to_string()]);
+    let answer = cluster
+        .multi
+        .external_exec([
+            "dig",
+            "+short",
+            "+time=2",
+            "+tries=3",
+            &format!("@{node0}"),
+            "-p",
+            "30053",
+            "ip.kproxy.test",
+        ])
+        .unwrap();
+    assert_eq!(answer.trim(), DNS_B.to_string());
+    let steps = trace.steps();
+    let note = steps[1]["note"].as_str().unwrap();
+    assert!(note.contains(" by Maglev, new flow"), "{steps:#?}");
+    assert!(!note.contains("affinity"), "{steps:#?}");
+}
+
 /// `--socket-lb on` with every pod covered by its node's socket hooks (the pods' processes moved
 /// into the node's cgroup), so no pod veth has a tc program (`--pod-veth-tc auto`): NodePorts and
 /// ExternalIPs from outside still reach local backends un-NATed (their replies are un-NATed by

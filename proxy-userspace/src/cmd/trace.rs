@@ -16,7 +16,8 @@ use anyhow::{Context as _, Result, bail};
 use proxy_common::{
     maps::{CT_FLAG_HAIRPIN, IPPROTO_TCP, IPPROTO_UDP, RevNatId},
     trace::{
-        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT, TraceEvent,
+        EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_DROP_INVALID, EV_ICMP_UNNAT, EV_REJECT, EV_UNNAT,
+        SLOT_BY_AFFINITY, SLOT_BY_MAGLEV, TraceEvent,
     },
 };
 use serde::Serialize;
@@ -106,10 +107,10 @@ pub fn steps(event: &TraceEvent<IpAddr>, service: &str, now_mono: u64, now_wall:
     match event.kind {
         EV_DNAT_NEW | EV_DNAT_ESTABLISHED => {
             let which = if event.kind == EV_DNAT_NEW {
-                if event.backend_slot == 0 {
-                    format!("backend {} by session affinity, new flow", event.backend_id)
-                } else {
-                    format!("backend {} of {}, new flow", event.backend_slot, event.backend_count)
+                match event.backend_slot {
+                    SLOT_BY_AFFINITY => format!("backend {} by session affinity, new flow", event.backend_id),
+                    SLOT_BY_MAGLEV => format!("backend {} by Maglev, new flow", event.backend_id),
+                    slot => format!("backend {slot} of {}, new flow", event.backend_count),
                 }
             } else {
                 format!(
@@ -371,6 +372,20 @@ mod tests {
                 "2026-11-29T14:00:00Z un-NAT    10.96.0.10:53 > 10.244.0.2:56340 udp (kube-system/kube-dns:dns, conntrack entry created 0.4 ms ago)",
             ]
         );
+    }
+
+    /// A new flow's backend is named by how it was chosen: a drawn slot, the client's session
+    /// affinity, or the frontend's Maglev table (which draws no slot either).
+    #[test]
+    fn a_new_flow_says_how_its_backend_was_chosen() {
+        let now_wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_960_800);
+        let note = |backend_slot: u16| {
+            let event = TraceEvent { backend_slot, ..dns_event(EV_DNAT_NEW) };
+            steps(&event, "default/web:http", 2_000_400_000, now_wall)[1].note.clone()
+        };
+        assert_eq!(note(2), "default/web:http, backend 2 of 3, new flow");
+        assert_eq!(note(SLOT_BY_AFFINITY), "default/web:http, backend 7 by session affinity, new flow");
+        assert_eq!(note(SLOT_BY_MAGLEV), "default/web:http, backend 7 by Maglev, new flow");
     }
 
     #[test]
