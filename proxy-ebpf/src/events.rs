@@ -5,9 +5,11 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     icmp::Quote,
+    icmp6::{QUOTE6_OFF_DADDR, QUOTE6_OFF_DPORT, QUOTE6_OFF_SADDR, QUOTE6_OFF_SPORT},
     maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, ServiceValueV4},
+    maps_v6::{CtEntryV6, CtKeyV6},
     packet::ETH_HLEN,
-    packet6::{IP6_OFF_DADDR, IP6_OFF_SADDR},
+    packet6::{IP6_OFF_DADDR, IP6_OFF_SADDR, IPV6_HLEN},
     stats::Stat,
     trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_ICMP_UNNAT, EV_UNNAT, TraceEventV4},
 };
@@ -232,4 +234,48 @@ fn emit6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV
         event.backend_slot = unsafe { (*choice).slot };
     }
     emit(event);
+}
+
+/// An ICMPv6 error whose quote of a translated flow was rewritten for the client (`icmp6`), emitted
+/// after the rewrite as [`step6`] is: "before" is the quote as it arrived — `quoted`, the flow's
+/// reply key, is the quoted packet seen from the other side — and "after" the quote read back from
+/// the packet; the conntrack fields are `entry`'s (the reply entry the quote named).
+#[inline(always)]
+pub fn icmp_step6(ctx: &TcContext, quoted: &CtKeyV6, entry: *const CtEntryV6) {
+    if enabled() {
+        emit_icmp6(ctx, quoted, entry);
+    }
+}
+
+#[inline(never)]
+fn emit_icmp6(ctx: &TcContext, quoted: &CtKeyV6, entry: *const CtEntryV6) {
+    let Some(event) = EVENT_SCRATCH_V6.get_ptr_mut(0) else { return };
+    // SAFETY: this CPU's entry; a program runs to completion on its CPU.
+    let event = unsafe { &mut *event };
+    event.timestamp_ns = conntrack::now();
+    event.ifindex = 0;
+    event.before_saddr = quoted.daddr;
+    event.before_sport = quoted.dport;
+    event.before_daddr = quoted.saddr;
+    event.before_dport = quoted.sport;
+    event.backend_slot = 0;
+    event.backend_count = 0;
+    event.kind = EV_ICMP_UNNAT;
+    event.proto = quoted.proto;
+    event._pad = [0; 5];
+    // SAFETY: a map value valid for this program run, read in place.
+    unsafe {
+        event.ct_created_ns = (*entry).created_ns;
+        event.ct_flags = (*entry).flags;
+        event.backend_id = (*entry).backend_id;
+        event.rev_nat_id = (*entry).rev_nat_id;
+    }
+    let quote = ETH_HLEN + IPV6_HLEN;
+    if parse6::load_into(ctx, quote + QUOTE6_OFF_SADDR, &mut event.after_saddr).is_ok()
+        && parse6::load_into(ctx, quote + QUOTE6_OFF_SPORT, &mut event.after_sport).is_ok()
+        && parse6::load_into(ctx, quote + QUOTE6_OFF_DADDR, &mut event.after_daddr).is_ok()
+        && parse6::load_into(ctx, quote + QUOTE6_OFF_DPORT, &mut event.after_dport).is_ok()
+    {
+        emit(event);
+    }
 }

@@ -22,7 +22,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack6,
+    conntrack6, events,
     fib::{self, ingress_ifindex},
     fib6,
     maps::ICMP6_SCRATCH,
@@ -71,6 +71,7 @@ pub fn unnat_error(ctx: &TcContext) -> Result<Verdict, Verdict> {
         replace_addr(ctx, check, ETH_HLEN + IP6_OFF_SADDR, &key.saddr, vip, flags)?;
     }
     stats::count(Stat::IcmpErrorUnnat);
+    events::icmp_step6(ctx, &key, entry);
     Ok(Verdict::NEXT)
 }
 
@@ -120,6 +121,7 @@ pub fn unnat_snat_error(ctx: &TcContext, route: *mut fib::Route) -> Result<Verdi
     }
     let source: &[u8; 16] = source.try_into().map_err(|_| not_ours)?;
     stats::count(Stat::IcmpErrorUnnat);
+    events::icmp_step6(ctx, &key, entry);
     // SAFETY: the caller's per-CPU route, written here alone.
     fib6::route(ctx, ingress_ifindex(ctx), source, client, unsafe { &mut *route })?;
     Ok(Verdict::REDIRECT)

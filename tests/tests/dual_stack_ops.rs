@@ -4,7 +4,8 @@
 //! deletes a Service's flows of both families, the agent purges the IPv6 UDP flows of a backend that
 //! left its slice at once (kube-proxy's conntrack clean-up), and its GC expires idle IPv6 flows;
 //! `kproxy dump affinity` lists an IPv6 client's sessionAffinity entry, which the GC deletes once its
-//! Service has no affinity; `kproxy trace` shows an IPv6 DNS query's and an IPv6 curl's NAT steps.
+//! Service has no affinity; `kproxy trace` shows an IPv6 DNS query's and an IPv6 curl's NAT steps, and an ICMPv6
+//! port unreachable's quote un-NATed for the client.
 //! The cluster is dual_stack.rs's, cut down. Needs root.
 
 mod common;
@@ -22,6 +23,8 @@ use serde_json::Value;
 const WEB_VIP4: &str = "10.96.0.210";
 const WEB_VIP6: &str = "fd00:10:96::210";
 const DNS_VIP6: &str = "fd00:10:96::253";
+/// `ops-closed`: 9999/UDP to port 9998 of ops-dns-a, where nothing listens.
+const CLOSED_VIP6: &str = "fd00:10:96::254";
 const WEB: (&str, Ipv4Addr) = ("ops-web", Ipv4Addr::new(10, 244, 0, 51));
 const DNS: [(&str, Ipv4Addr); 2] =
     [("ops-dns-a", Ipv4Addr::new(10, 244, 0, 61)), ("ops-dns-b", Ipv4Addr::new(10, 244, 0, 62))];
@@ -419,4 +422,62 @@ fn trace_shows_the_nat_steps_of_ipv6_flows() {
     assert_eq!(cluster.client.curl(&format!("http://{WEB_VIP4}/")).unwrap(), format!("{}\n", WEB.0));
     let steps = trace.steps();
     assert_eq!(steps[0]["destination"], format!("{WEB_VIP4}:80"), "{steps:#?}");
+}
+
+/// An ICMPv6 port unreachable from the backend about an IPv6 UDP flow reaches the client's socket
+/// as a refusal at once — its quote rewritten back to the cluster IP, which it comes from — and
+/// `kproxy trace` shows the quote as it arrived and as the client got it, as IPv4's in
+/// service_semantics.rs.
+#[test]
+fn trace_shows_an_icmpv6_errors_quote_un_nated_for_the_client() {
+    let closed = [
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: ops-closed\n  namespace: default\nspec:\n  clusterIP: \"{CLOSED_VIP6}\"\n  clusterIPs: [\"{CLOSED_VIP6}\"]\n  ipFamilies: [IPv6]\n  ipFamilyPolicy: SingleStack\n  ports:\n  - name: closed\n    port: 9999\n    protocol: UDP\n    targetPort: 9998\n"
+        ),
+        slice(
+            "ops-closed-v6",
+            "ops-closed",
+            "IPv6",
+            endpoints(&[DNS[0]], true),
+            "- name: closed\n  port: 9998\n  protocol: UDP\n",
+        ),
+    ];
+    let yaml = [manifests(DNS[0]), closed.join("---\n")].join("---\n");
+    let ds = start_on("dsops-icmp6", &[], &yaml);
+    let cluster = &ds.cluster;
+    cluster.wait_for_frontends(&[(&format!("[{CLOSED_VIP6}]:9999"), "UDP", 1)]);
+    let before = cluster.stat("icmp_error_unnat");
+    let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--port", "9999"]);
+    let script = format!(
+        "import socket, time\n\
+         s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
+         s.connect(('{CLOSED_VIP6}', 9999))\n\
+         s.settimeout(5)\n\
+         started = time.time()\n\
+         s.send(b'hello')\n\
+         try:\n    s.recv(512)\n    print('answered')\n\
+         except ConnectionRefusedError:\n    print('refused', round(time.time() - started, 3))\n\
+         except socket.timeout:\n    print('timeout')\n"
+    );
+    let out = cluster.client.exec(["python3", "-c", &script]).unwrap();
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(fields.first(), Some(&"refused"), "{out}");
+    assert!(fields[1].parse::<f64>().unwrap() < 1.0, "{out}");
+    assert_eq!(cluster.stat("icmp_error_unnat"), before + 1);
+
+    let steps = trace.steps();
+    let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pre-DNAT", "post-DNAT", "ICMP", "un-NAT"], "{steps:#?}");
+    let client_end = steps[0]["source"].as_str().unwrap();
+    assert!(client_end.starts_with(&format!("[{}]:", ipv6_of(CLIENT_IP))), "{steps:#?}");
+    let backend = format!("[{}]:9998", ipv6_of(DNS[0].1));
+    assert_eq!(steps[2]["source"], client_end, "the quote as it arrived: {steps:#?}");
+    assert_eq!(steps[2]["destination"], backend, "{steps:#?}");
+    assert_eq!(steps[3]["source"], client_end, "{steps:#?}");
+    assert_eq!(steps[3]["destination"], format!("[{CLOSED_VIP6}]:9999"), "as the client got it: {steps:#?}");
+    assert!(steps.iter().all(|s| s["protocol"] == "udp"), "{steps:#?}");
+    assert!(
+        steps[3]["note"].as_str().unwrap().starts_with("default/ops-closed:closed: the quote rewritten"),
+        "{steps:#?}"
+    );
 }
