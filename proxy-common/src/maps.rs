@@ -451,7 +451,8 @@ pub struct NodePortConfigV4 {
     pub snat_port_max: u16,
     /// `--cluster-cidr`: clients outside it reaching a cluster IP through an
     /// external interface are masqueraded. Prefix 0 with a zero address: no
-    /// cluster CIDR known, every such client is masqueraded.
+    /// cluster CIDR known, no client is taken for an outside one (kube-proxy's
+    /// no-op local detector: it then writes no masquerade rule).
     pub cluster_cidr: [u8; 4],
     pub cluster_cidr_prefix: u8,
     pub _pad: [u8; 3],
@@ -472,6 +473,12 @@ impl NodePortConfigV4 {
         } else {
             (self.snat_port_min, self.snat_port_max)
         }
+    }
+
+    /// Whether `addr` is known to be outside `--cluster-cidr` (none known: no address is), so that
+    /// its flows to a cluster IP are masqueraded.
+    pub const fn outside_cluster_cidr(&self, addr: [u8; 4]) -> bool {
+        self.cluster_cidr_prefix != 0 && !self.in_cluster_cidr(addr)
     }
 
     /// Whether `addr` is inside `--cluster-cidr`.
@@ -771,6 +778,12 @@ mod tests {
         assert!(!config.in_cluster_cidr([10, 245, 0, 1]));
         assert!(!config.in_cluster_cidr([192, 168, 100, 200]));
         assert!(!NodePortConfigV4::default().in_cluster_cidr([10, 244, 3, 7]));
+        assert!(config.outside_cluster_cidr([192, 168, 100, 200]));
+        assert!(!config.outside_cluster_cidr([10, 244, 3, 7]));
+        assert!(
+            !NodePortConfigV4::default().outside_cluster_cidr([192, 168, 100, 200]),
+            "no cluster CIDR known: nobody is outside it"
+        );
         let host =
             NodePortConfigV4 { cluster_cidr: [10, 0, 0, 1], cluster_cidr_prefix: 32, ..Default::default() };
         assert!(host.in_cluster_cidr([10, 0, 0, 1]));

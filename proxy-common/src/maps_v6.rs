@@ -18,6 +18,7 @@ pub const MAP_SNAT_V6: &str = "SNAT_V6";
 pub const MAP_EXTERNAL_IFACES_V6: &str = "EXTERNAL_IFACES_V6";
 pub const MAP_SOURCE_RANGES_V6: &str = "SOURCE_RANGES_V6";
 pub const MAP_SERVICE_CIDRS_V6: &str = "SERVICE_CIDRS_V6";
+pub const MAP_NODEPORT_CONFIG_V6: &str = "NODEPORT_CONFIG_V6";
 
 pub const SERVICES_V6_CAPACITY: u32 = 65_536;
 pub const BACKENDS_V6_CAPACITY: u32 = 65_536;
@@ -198,6 +199,46 @@ pub struct SnatEntryV6 {
     pub _pad: [u8; 6],
 }
 
+/// The one entry of NODEPORT_CONFIG_V6: IPv6's north–south settings beside NODEPORT_CONFIG's (whose
+/// SNAT port range and Maglev seed serve both families).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct NodePortConfigV6 {
+    /// `--cluster-cidr`'s IPv6 prefix: clients outside it reaching a cluster IP through an external
+    /// interface are masqueraded, as IPv4's.
+    pub cluster_cidr: crate::service_cidr::ServiceCidrV6,
+    /// 1 when `cluster_cidr` holds a prefix (its zero value is `::/0`, which holds every address):
+    /// with none known, no client is taken for an outside one, as IPv4's.
+    pub has_cluster_cidr: u32,
+    pub _pad: u32,
+}
+
+impl NodePortConfigV6 {
+    pub fn new(cluster_cidr: Option<([u8; 16], u8)>) -> Self {
+        match cluster_cidr {
+            Some((addr, prefix_len)) => Self {
+                cluster_cidr: crate::service_cidr::ServiceCidrV6::new(addr, prefix_len),
+                has_cluster_cidr: 1,
+                _pad: 0,
+            },
+            None => Self::default(),
+        }
+    }
+
+    /// Whether `addr` is inside `--cluster-cidr`'s IPv6 prefix.
+    #[inline(always)]
+    pub fn in_cluster_cidr(&self, addr: &[u8; 16]) -> bool {
+        self.has_cluster_cidr != 0 && self.cluster_cidr.contains(addr)
+    }
+
+    /// Whether `addr` is known to be outside `--cluster-cidr`'s IPv6 prefix (none known: no address
+    /// is), so that its flows to a cluster IP are masqueraded.
+    #[inline(always)]
+    pub fn outside_cluster_cidr(&self, addr: &[u8; 16]) -> bool {
+        self.has_cluster_cidr != 0 && !self.cluster_cidr.contains(addr)
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -212,6 +253,7 @@ mod pod {
     unsafe impl aya::Pod for SnatEntryV6 {}
     unsafe impl aya::Pod for ExternalIfaceV6 {}
     unsafe impl aya::Pod for SourceRangeV6 {}
+    unsafe impl aya::Pod for NodePortConfigV6 {}
 }
 
 #[cfg(test)]
@@ -230,6 +272,7 @@ mod tests {
         assert_eq!(size_of::<AffinityKeyV6>(), 16 + 4);
         assert_eq!(size_of::<SnatEntryV6>(), 8 + 16 + 2 + 6);
         assert_eq!(size_of::<ExternalIfaceV6>(), 16);
+        assert_eq!(size_of::<NodePortConfigV6>(), 32 + 4 + 4);
         assert_eq!(size_of::<SourceRangeV6>(), 4 + 16);
     }
 
@@ -250,5 +293,33 @@ mod tests {
         assert_eq!((reply.saddr, reply.daddr), (backend, client));
         assert_eq!((reply.sport, reply.dport), ([0x14, 0xe9], [0x9c, 0x40]));
         assert_eq!(reply.direction, CT_DIR_REPLY);
+    }
+
+    #[test]
+    fn the_ipv6_cluster_cidr_holds_its_prefix_and_none_decides_nothing() {
+        let v6 = |a: [u16; 8]| {
+            let mut out = [0u8; 16];
+            for (i, w) in a.iter().enumerate() {
+                out[2 * i..2 * i + 2].copy_from_slice(&w.to_be_bytes());
+            }
+            out
+        };
+        let config = NodePortConfigV6::new(Some((v6([0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0]), 56)));
+        assert!(config.in_cluster_cidr(&v6([0xfd00, 0x10, 0x244, 0x1, 0, 0, 0, 0x11])));
+        assert!(config.in_cluster_cidr(&v6([0xfd00, 0x10, 0x244, 0xff, 0xffff, 0, 0, 1])));
+        assert!(!config.in_cluster_cidr(&v6([0xfd00, 0x10, 0x244, 0x100, 0, 0, 0, 1])), "past the /56");
+        assert!(!config.in_cluster_cidr(&v6([0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x200])));
+        assert!(config.outside_cluster_cidr(&v6([0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x200])));
+        assert!(!config.outside_cluster_cidr(&v6([0xfd00, 0x10, 0x244, 0x1, 0, 0, 0, 0x11])));
+        let none = NodePortConfigV6::new(None);
+        assert!(
+            !none.in_cluster_cidr(&v6([0xfd00, 0x10, 0x244, 0x1, 0, 0, 0, 0x11])),
+            "no prefix: nobody inside"
+        );
+        assert!(!none.in_cluster_cidr(&[0; 16]));
+        assert!(
+            !none.outside_cluster_cidr(&v6([0xfd00, 0x192, 0x168, 0x100, 0, 0, 0, 0x200])),
+            "nor outside it"
+        );
     }
 }

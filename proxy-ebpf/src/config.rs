@@ -3,7 +3,7 @@ use proxy_common::{
     maps::{ConfigV4, DEFAULT_HAIRPIN_ADDR, NodePortConfigV4, SOCKET_LB_BARE_COVERED_VETHS},
 };
 
-use crate::maps::{CONFIG, NODEPORT_CONFIG, SOCKET_LB_CONFIG};
+use crate::maps::{CONFIG, NODEPORT_CONFIG, NODEPORT_CONFIG_V6, SOCKET_LB_CONFIG};
 
 /// The agent's settings, with defaults where it wrote none (a datapath
 /// loaded by `kproxy load` before any agent ran).
@@ -34,6 +34,12 @@ fn hairpin_or_default(stored: [u8; 4]) -> [u8; 4] {
 #[inline(always)]
 pub fn nodeport() -> NodePortConfigV4 {
     NODEPORT_CONFIG.get(0).copied().unwrap_or(NodePortConfigV4::default())
+}
+
+/// Whether `addr` is known to be outside `--cluster-cidr`'s IPv6 prefix (none known: nobody is).
+#[inline(always)]
+pub fn outside_cluster_cidr6(addr: &[u8; 16]) -> bool {
+    NODEPORT_CONFIG_V6.get(0).is_some_and(|config| config.outside_cluster_cidr(addr))
 }
 
 /// Whether the veths of covered pods may carry no tc program, so a local

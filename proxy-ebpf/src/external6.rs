@@ -19,16 +19,17 @@
 //!
 //! A chain of its own, as `ingress6`: `run` is not inlined, so its stages never share a call chain
 //! with IPv4's. The packet (`FLOW6_SCRATCH`), a new flow's backend (`CHOICE6_SCRATCH`) and the
-//! route and node address (`EXTERNAL6_SCRATCH`) live in per-CPU maps. Not built: masquerading of
-//! cluster IPs reached from outside (no IPv6 cluster CIDR yet; they are DNATed, and source-NATed
-//! to a remote backend). Source ranges are SOURCE_RANGES_V6's (`lb6::source_allowed`), Maglev tables
+//! route and node address (`EXTERNAL6_SCRATCH`) live in per-CPU maps. A client outside
+//! `--cluster-cidr`'s IPv6 prefix reaching a cluster IP is masqueraded to a local backend too
+//! (`source_nated`; the backend's reply is turned back on its veth, `ingress6`). Source ranges are SOURCE_RANGES_V6's (`lb6::source_allowed`), Maglev tables
 //! MAGLEV_V4's (`lb6::select_backend_in`).
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     conntrack::{Clash, direct_may_clash, starts_tcp_flow},
     maps::{
         CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CT_FLAG_SNAT, IPPROTO_TCP, SCOPE_EXTERNAL,
-        SCOPE_INTERNAL, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES, ServiceValueV4,
+        SCOPE_INTERNAL, SVC_FLAG_EXTERNAL_ADDR, SVC_FLAG_NO_LOCAL_ENDPOINTS, SVC_FLAG_SOURCE_RANGES,
+        ServiceValueV4,
     },
     maps_v6::CtEntryV6,
     stats::Stat,
@@ -103,14 +104,21 @@ fn shared_ptr() -> *mut External6 {
     EXTERNAL6_SCRATCH.get_ptr_mut(0).unwrap_or_default()
 }
 
+/// Where this CPU's redirected packet goes: the route the stage that redirected it wrote (none when
+/// the map has no entry).
+#[inline(always)]
+pub(crate) fn redirect_route() -> &'static fib::Route {
+    match shared() {
+        Ok(shared) => &shared.route,
+        Err(_) => &fib::Route::NONE,
+    }
+}
+
 /// An IPv6 packet arriving on an external interface, carried out to the end: the kernel's action.
 #[inline(never)]
 pub fn run(ctx: &TcContext) -> i32 {
     let result = ingress(ctx);
-    match shared() {
-        Ok(shared) => finish(ctx, result, &shared.route),
-        Err(_) => finish(ctx, result, &fib::Route::NONE),
-    }
+    finish(ctx, result, redirect_route())
 }
 
 #[inline(always)]
@@ -189,7 +197,7 @@ fn take_step(
             lb6::select_backend_in(flow, frontend, found.now, choice, found.scope)?;
             let backend = &choice.backend;
             // Policy Local's backends are this node's: never source-NATed.
-            if found.scope != SCOPE_EXTERNAL && routed_back_out(ctx, flow, &backend.addr)? {
+            if found.scope != SCOPE_EXTERNAL && source_nated(ctx, flow, &backend.addr, frontend.flags)? {
                 let node_addr = &shared()?.node_addr;
                 let port = snat6::remap(flow, &backend.addr, backend.port, node_addr, found.now)?;
                 found.reply_to = ReplyTo6::snat(port);
@@ -264,23 +272,38 @@ fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
 
 /// Whether a packet to a port of the SNAT range is a backend's reply to a source-NATed flow.
 #[inline(always)]
-fn is_snat_reply(flow: &parse6::Flow6) -> bool {
+pub(crate) fn is_snat_reply(flow: &parse6::Flow6) -> bool {
     // SAFETY: a map value valid for this program run.
     conntrack6::lookup(&flow.ct_key(CT_DIR_REPLY))
         .is_some_and(|entry| unsafe { (*entry).flags } & CT_FLAG_SNAT != 0)
 }
 
-/// Whether a new flow's `backend` is reached back out of the interface the client came in on
-/// (another node's pod): its replies would then not come back through this node unless it is
-/// source-NATed, to the interface's address, written into [`External6`] with the route. Not
-/// inlined: a stage of its own, called from the program.
+/// Whether a new flow to `backend` is source-NATed to the address of the interface it came in on,
+/// written into [`External6`] with the backend's route: when the backend is reached back out of
+/// that interface (another node's pod: its replies would not come back through this node
+/// otherwise), or — kube-proxy's masquerade, as IPv4's `plan_new_flow` — when a client outside
+/// `--cluster-cidr` reaches a cluster IP (`frontend_flags` without `SVC_FLAG_EXTERNAL_ADDR`), but
+/// not a local backend (on the interface's own link) when covered pods' veths may carry no program
+/// to turn its reply back (the external egress un-NATs it instead). Not inlined: a stage of its
+/// own, called from the program.
 #[inline(never)]
-fn routed_back_out(ctx: &TcContext, flow: &parse6::Flow6, backend: &[u8; 16]) -> Result<bool, Verdict> {
+fn source_nated(
+    ctx: &TcContext,
+    flow: &parse6::Flow6,
+    backend: &[u8; 16],
+    frontend_flags: u16,
+) -> Result<bool, Verdict> {
     let shared = shared()?;
     let ifindex = ingress_ifindex(ctx);
     fib6::route(ctx, ifindex, &flow.saddr, backend, &mut shared.route)?;
     if shared.route.ifindex != ifindex {
-        return Ok(false);
+        let local = fib6::last_route_was_direct(backend);
+        let masquerade = frontend_flags & SVC_FLAG_EXTERNAL_ADDR == 0
+            && config::outside_cluster_cidr6(&flow.saddr)
+            && !(local && config::bare_covered_veths());
+        if !masquerade {
+            return Ok(false);
+        }
     }
     // SAFETY: the value is copied out at once.
     let node = unsafe { EXTERNAL_IFACES_V6.get(ifindex) }.ok_or(Verdict::pass(Stat::PassNoNodeAddress))?;
@@ -320,7 +343,7 @@ fn established(ctx: &TcContext, flow: &parse6::Flow6, found: &Found) -> Result<V
 }
 
 /// The first packet of a flow, its backend picked and its reply tuple settled: the flow recorded
-/// (reply entry first, keyed by the node address `routed_back_out` chose when it is
+/// (reply entry first, keyed by the node address `source_nated` chose when it is
 /// source-NATed), DNAT. Four arguments at most: a fifth would go on the stack, which BPF has not.
 #[inline(never)]
 fn new_flow(
@@ -350,7 +373,7 @@ fn new_flow(
 }
 
 /// A new source-NATed flow: its source becomes the node address and SNAT port, and it is sent out
-/// along the route `routed_back_out` found (the stack would drop a packet from its own address).
+/// along the route `source_nated` found (the stack would drop a packet from its own address).
 #[inline(never)]
 fn snat_source(ctx: &TcContext, flow: &parse6::Flow6, port: [u8; 2]) -> Result<Verdict, Verdict> {
     nat6::rewrite_source(ctx, flow, &shared()?.node_addr, port)?;
@@ -367,9 +390,10 @@ fn remapped_source(ctx: &TcContext, flow: &parse6::Flow6, port: [u8; 2]) -> Resu
 }
 
 /// A backend's reply to a source-NATed flow (addressed to a node address and SNAT port): back to
-/// the frontend as source and the client as destination, and out of the node directly.
+/// the frontend as source and the client as destination, and out of the node directly — from an
+/// external interface (a remote backend's) or a pod veth (a local backend's, masqueraded).
 #[inline(never)]
-fn snat_reply(ctx: &TcContext, flow: &parse6::Flow6) -> Result<Verdict, Verdict> {
+pub(crate) fn snat_reply(ctx: &TcContext, flow: &parse6::Flow6) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     let client = snat6::reverse_entry(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?;

@@ -67,3 +67,16 @@ pub fn route<C: EbpfContext>(
         _ => Err(Verdict::drop(Stat::FibLookupFailed)),
     }
 }
+
+/// Whether the last [`route`] of this CPU found `daddr` on the interface's own link (no gateway), as
+/// `fib::last_route_was_direct`: a local pod on its veth, not a pod of another node behind a tunnel
+/// or a gateway. The helper replaces the destination with the route's gateway, when it has one.
+#[inline(always)]
+pub fn last_route_was_direct(daddr: &[u8; 16]) -> bool {
+    let Some(params) = FIB_SCRATCH.get(0) else { return false };
+    // SAFETY: this CPU's scratch entry, which `route` filled in on this run of the program.
+    let dst = unsafe { &params.__bindgen_anon_4.ipv6_dst };
+    (0..4).all(|i| {
+        dst[i] == u32::from_ne_bytes([daddr[4 * i], daddr[4 * i + 1], daddr[4 * i + 2], daddr[4 * i + 3]])
+    })
+}

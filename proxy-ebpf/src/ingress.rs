@@ -370,7 +370,7 @@ fn plan_new_flow<const EXTERNAL: bool>(
         let remote = backend_route.ifindex == ifindex;
         let local = !remote && fib::last_route_was_direct(choice.backend.addr);
         let masquerade = frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0
-            && !config::nodeport().in_cluster_cidr(flow.saddr)
+            && config::nodeport().outside_cluster_cidr(flow.saddr)
             && !(local && config::bare_covered_veths());
         if remote || masquerade {
             // SAFETY: the value is copied out at once.

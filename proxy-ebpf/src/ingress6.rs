@@ -1,7 +1,9 @@
 //! The IPv6 path of `kproxy_ingress` (packets leaving a pod): ClusterIP DNAT with the semantics of
 //! the IPv4 stages in `ingress.rs` — a known flow first (expired → a new flow; a UDP flow whose
 //! backend is gone → rebalanced), then the frontend; refusal for a VIP without endpoints or on a
-//! port it lacks; a TCP segment that is no SYN, with no flow, to a Service dropped. A chain of
+//! port it lacks; a TCP segment that is no SYN, with no flow, to a Service dropped; a local
+//! backend's reply to a client masqueraded to a node address (a cluster IP reached from outside
+//! `--cluster-cidr`) turned back and sent out to the client (`external6::snat_reply`). A chain of
 //! its own (`run` is not inlined): its stages never share a call chain with IPv4's, so each family
 //! has the 512-byte stack to itself beside the entry point's frame.
 use core::ptr::null;
@@ -19,9 +21,9 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack,
+    config, conntrack,
     conntrack6::{self, ReplyTo6},
-    events, fib, lb6,
+    events, external6, lb6,
     maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
@@ -35,6 +37,8 @@ enum Step {
     Drop(Stat),
     /// A pod's reply to its own hairpin connection.
     HairpinReply,
+    /// A local backend's reply to a flow masqueraded to a node address (`external6::source_nated`).
+    SnatReply,
     Refuse,
     Established,
     NewFlow,
@@ -54,7 +58,9 @@ struct Found {
 /// An IPv6 packet leaving a pod, carried out to the end: the kernel's action.
 #[inline(never)]
 pub fn run(ctx: &TcContext) -> i32 {
-    finish(ctx, ingress(ctx), &fib::Route::NONE)
+    let result = ingress(ctx);
+    // Only a masqueraded flow's reply is redirected, along the route `external6::snat_reply` wrote.
+    finish(ctx, result, external6::redirect_route())
 }
 
 #[inline(always)]
@@ -88,6 +94,9 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         Step::Refuse | Step::NewFlow if !flow.has_l4_header() => Err(Verdict::pass(Stat::PassFragment)),
         Step::HairpinReply => {
             hairpin_reply(ctx, flow).inspect(|_| events::step6(ctx, flow, EV_UNNAT, null()))
+        }
+        Step::SnatReply => {
+            external6::snat_reply(ctx, flow).inspect(|_| events::step6(ctx, flow, EV_UNNAT, null()))
         }
         Step::Refuse => {
             events::step6(ctx, flow, EV_REJECT, found.frontend);
@@ -144,6 +153,11 @@ fn new_flow_stages(ctx: &TcContext, flow: &parse6::Flow6, found: &mut Found) -> 
 fn classify(flow: &parse6::Flow6, found: &mut Found) -> Step {
     if flow.daddr == HAIRPIN_ADDR_V6 {
         return Step::HairpinReply;
+    }
+    let (snat_min, snat_max) = config::nodeport().port_range();
+    let dport = u16::from_be_bytes(flow.dport);
+    if dport >= snat_min && dport <= snat_max && external6::is_snat_reply(flow) {
+        return Step::SnatReply;
     }
     let key = flow.ct_key(CT_DIR_FORWARD);
     // A known flow before its frontend: it continues after its Service (or the port) is deleted.

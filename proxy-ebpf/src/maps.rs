@@ -85,6 +85,10 @@ pub static EXTERNAL_IFACES: HashMap<u32, ExternalIfaceV4> =
 #[map(name = "NODEPORT_CONFIG")]
 pub static NODEPORT_CONFIG: Array<NodePortConfigV4> = Array::with_max_entries(1, 0);
 
+/// IPv6's cluster CIDR (the SNAT range and Maglev seed are NODEPORT_CONFIG's).
+#[map(name = "NODEPORT_CONFIG_V6")]
+pub static NODEPORT_CONFIG_V6: Array<proxy_common::maps_v6::NodePortConfigV6> = Array::with_max_entries(1, 0);
+
 /// Scratch space for route lookups: the parameters would not fit on the BPF
 /// stack next to the rest of the external ingress program. Not pinned.
 #[map(name = "FIB_SCRATCH")]

@@ -350,6 +350,7 @@ fn agent_config(args: AgentArgs, pins: PinDir) -> Result<AgentConfig> {
         north_south: kproxy::agent::nodeport::NorthSouthOptions {
             nodeport_addresses,
             cluster_cidr: cluster_cidrs.ipv4,
+            cluster_cidr6: cluster_cidrs.ipv6,
             external_interfaces: args.external_interfaces,
             snat_ports: args.snat_port_range,
             xdp: args.xdp,
@@ -404,13 +405,7 @@ fn prepare_agent(cli: &mut Cli, matches: &ArgMatches) -> Result<Vec<String>> {
         notes.push(format!("{flag} is deprecated (as in kube-proxy): use {target}"));
         *address = with_port(address, port).map_err(|e| anyhow::anyhow!("{flag} {port}: {e}"))?;
     }
-    let cidrs = cluster_cidrs(args)?;
-    if let Some(ipv6) = &cidrs.ipv6 {
-        notes.push(format!(
-            "--cluster-cidr: IPv6 is not served yet, so {ipv6} is not used{}",
-            cidrs.ipv4.map(|v4| format!("; {v4} is")).unwrap_or_default()
-        ));
-    }
+    cluster_cidrs(args)?;
     NodePortAddresses::parse(&args.nodeport_addresses)
         .map_err(|e| anyhow::anyhow!("--nodeport-addresses {e}"))?;
     if let Some(path) = &args.write_config_to {

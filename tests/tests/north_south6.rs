@@ -642,3 +642,26 @@ fn a_source_nated_v6_flow_is_dumped_from_the_node_address_and_flush_and_gc_take_
         std::thread::sleep(Duration::from_millis(500));
     }
 }
+
+/// A router that sends the IPv6 service range to node 0: the external client is outside
+/// `--cluster-cidr`'s IPv6 prefix (fd00:10:244::/56), so both backends of web6's IPv6 cluster IP —
+/// web-a on node 0 itself as well as web-b on node 1 — see node 0's address, as kube-proxy's
+/// masquerade rule has it, and every request is answered (the local backend's answer is turned
+/// back on its veth).
+#[test]
+fn a_v6_cluster_ip_reached_from_outside_the_cluster_cidr_is_masqueraded_to_local_and_remote_backends() {
+    let cluster = NorthSouth6::start("ns6-masq");
+    let via = node_ip6(0).to_string();
+    cluster.multi.external_exec(["ip", "-6", "route", "add", "fd00:10:96::/112", "via", &via]).unwrap();
+    let cluster_ip: Ipv6Addr = "fd00:10:96::60".parse().unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let (backend, source) = cluster
+            .whoami_at(cluster_ip, 80)
+            .unwrap_or_else(|e| panic!("the cluster IP from outside: {e}\n{}", cluster.agent_logs()));
+        assert_eq!(source, IpAddr::V6(node_ip6(0)), "backend {backend} saw the client unmasqueraded");
+        seen.insert(backend);
+    }
+    assert_eq!(seen, [IpAddr::V6(WEB_A6), IpAddr::V6(WEB_B6)].into());
+    assert!(cluster.stat(0, "snat_reverse") > 0);
+}

@@ -1,8 +1,9 @@
 //! BPF_PROG_TEST_RUN of the external tc program (`kproxy_external_ingress`) on IPv6 frames (issue 19):
 //! byte-exact rewrites of a NodePort flow to a backend on another node (DNAT + SNAT to the node's
 //! IPv6 address, sent back out with the route's MACs) and of its reply, a NodePort flow to a local
-//! backend (DNAT only, its reply un-NATed by the egress program), and `externalTrafficPolicy: Local`
-//! without a local endpoint (dropped). Every expected frame is built from scratch here, its L4
+//! backend (DNAT only, its reply un-NATed by the egress program), a cluster IP reached from
+//! outside `--cluster-cidr` (masqueraded to a local backend too, its reply turned back on the pod's
+//! veth), and `externalTrafficPolicy: Local` without a local endpoint (dropped). Every expected frame is built from scratch here, its L4
 //! checksum computed over the IPv6 pseudo-header by proxy_common's reference math, and every
 //! output's checksum is verified the same way.
 //!
@@ -139,6 +140,7 @@ struct Node6 {
     snat: HashMap<MapData, CtKeyV6, SnatEntryV6>,
     stats: PerCpuArray<MapData, u64>,
     service_cidrs: aya::maps::Array<MapData, proxy_common::service_cidr::ServiceCidrsV6>,
+    nodeport_config6: aya::maps::Array<MapData, proxy_common::maps_v6::NodePortConfigV6>,
     ingress: u32,
 }
 
@@ -158,16 +160,22 @@ impl Node6 {
             snat: own.snat_v6,
             stats: own.stats,
             service_cidrs: own.service_cidrs_v6,
+            nodeport_config6: own.nodeport_config_v6,
             ingress,
         }
     }
 
     /// `program` on a frame that arrived on ext0.
     fn run(&self, program: &str, frame: &[u8]) -> (u32, Vec<u8>) {
+        self.run_on(program, self.ingress, frame)
+    }
+
+    /// `program` on a frame that arrived on interface `ifindex`.
+    fn run_on(&self, program: &str, ifindex: u32, frame: &[u8]) -> (u32, Vec<u8>) {
         let prog: &aya::programs::SchedClassifier = self.ebpf.program(program).unwrap().try_into().unwrap();
         // struct __sk_buff up to ifindex (offset 40), which picks the device the packet is on.
         let mut ctx = [0u8; 192];
-        ctx[40..44].copy_from_slice(&self.ingress.to_ne_bytes());
+        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
         test_run(prog, frame, Some(&ctx))
     }
 
@@ -564,5 +572,66 @@ fn a_v6_client_reaching_the_pod_directly_from_the_port_of_its_live_nodeport_flow
         let other = Packet6::tcp(CLIENT, 40005, LOCAL_BACKEND, 80, TCP_SYN, b"");
         let frame = other.frame(NODE_MAC, CLIENT_MAC);
         assert_eq!(node.external(&frame), (TCX_NEXT, frame.clone()));
+    });
+}
+
+/// A cluster IP (no NodePort) routed to the node, with its one backend on this node.
+const CLUSTER_IP: [u8; 16] = addr6(0x0010, 0x0096, 0x10);
+
+/// kube-proxy masquerades a client outside `--cluster-cidr` reaching a cluster IP (its
+/// `! -s clusterCIDR -d clusterIP` rule), even to a local backend: the SYN leaves for the pod from
+/// the node's address and a SNAT port, and the pod's answer — to that address and port, seen on
+/// its veth by the pod-side program — goes back to the client from the cluster IP, out of ext0.
+/// A client inside the cluster CIDR keeps its address (DNAT alone), so does every client when no
+/// cluster CIDR is known (kube-proxy's no-op local detector writes no masquerade rule), and so
+/// does anyone reaching a NodePort (`a_v6_nodeport_flow_to_a_local_backend_...`).
+#[test]
+fn a_v6_cluster_ip_reached_from_outside_the_cluster_cidr_is_masqueraded_even_to_a_local_backend() {
+    in_private_netns6(|ingress| {
+        let mut node =
+            Node6::new(ingress, vec![web(FrontendKind::ClusterIp, CLUSTER_IP, 80, &[LOCAL_BACKEND])]);
+        // The pods' prefix, fd00:244::/32: the outside client is not in it.
+        let cluster_cidr = proxy_common::maps_v6::NodePortConfigV6::new(Some((addr6(0x0244, 0, 0), 32)));
+        node.nodeport_config6.set(0, cluster_cidr, 0).unwrap();
+        let pod0 = bpf::interfaces().unwrap().into_iter().find(|i| i.name == "pod0").unwrap().index;
+
+        let syn = Packet6::tcp(CLIENT, 40002, CLUSTER_IP, 80, TCP_SYN, b"hello");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "straight to the pod's veth: {out:02x?}");
+        let port = source_port(&out);
+        assert!((61000..=65535).contains(&port), "SNAT port {port}");
+        let translated = Packet6 { src: NODE, sport: port, dst: LOCAL_BACKEND, dport: 80, ..syn.clone() };
+        assert_eq!(&out[..6], &LOCAL_POD_MAC, "to the pod's MAC");
+        assert_eq!(out[12..], translated.frame(LOCAL_POD_MAC, NODE_MAC)[12..], "DNAT + SNAT to the node");
+        assert!(l4_checksum_valid(&out));
+        let fwd = node.ct(&ct_key6(CLIENT, 40002, CLUSTER_IP, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+        assert_eq!(fwd.flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        assert_eq!(node.stat(Stat::SnatNew), 1);
+
+        let syn_ack = Packet6::tcp(LOCAL_BACKEND, 80, NODE, port, TCP_SYN | TCP_ACK, b"world!");
+        let (action, out) = node.run_on("kproxy_ingress", pod0, &syn_ack.frame(NODE_MAC, LOCAL_POD_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "{out:02x?}");
+        let back = Packet6 { src: CLUSTER_IP, sport: 80, dst: CLIENT, dport: 40002, ..syn_ack };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC), "from the cluster IP to the client, out of ext0");
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::SnatReverse), 1);
+
+        // A client inside the cluster CIDR (another node's pod, routed in) is not masqueraded.
+        let inside = addr6(0x0244, 0x0002, 0x07);
+        let syn = Packet6::tcp(inside, 40003, CLUSTER_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, PEER_MAC));
+        assert_eq!(action, TCX_NEXT, "{out:02x?}");
+        let translated = Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn };
+        assert_eq!(out, translated.frame(NODE_MAC, PEER_MAC), "DNAT alone: the backend sees the pod");
+        assert_eq!(node.stat(Stat::SnatNew), 1);
+
+        // With no cluster CIDR known, no client is taken for an outside one: kube-proxy's no-op local
+        // detector writes no masquerade rule, and the outside client keeps its address too.
+        node.nodeport_config6.set(0, proxy_common::maps_v6::NodePortConfigV6::new(None), 0).unwrap();
+        let syn = Packet6::tcp(CLIENT, 40004, CLUSTER_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.external(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TCX_NEXT, "{out:02x?}");
+        assert_eq!(out, Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn }.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(node.stat(Stat::SnatNew), 1);
     });
 }

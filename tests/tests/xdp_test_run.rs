@@ -60,6 +60,7 @@ struct Xdp0 {
     stats: aya::maps::PerCpuArray<aya::maps::MapData, u64>,
     snat:
         aya::maps::HashMap<aya::maps::MapData, proxy_common::maps::CtKeyV4, proxy_common::maps::SnatEntryV4>,
+    nodeport_config: aya::maps::Array<aya::maps::MapData, proxy_common::maps::NodePortConfigV4>,
     ingress: u32,
 }
 
@@ -68,13 +69,14 @@ impl Xdp0 {
         let mut ebpf = bpf::load_unpinned().expect("loading the datapath needs root");
         let mut maps = bpf::Maps::from_ebpf(&mut ebpf).unwrap();
         maps.external_ifaces.insert(ingress, ExternalIfaceV4 { addr: NODE, _pad: 0 }, 0).unwrap();
-        let (conntrack, stats, snat) = (maps.conntrack, maps.stats, maps.snat);
+        let (conntrack, stats, snat, nodeport_config) =
+            (maps.conntrack, maps.stats, maps.snat, maps.nodeport_config);
         let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);
         let mut syncer = Syncer::with_store(store).unwrap();
         let report = syncer.apply(&kproxy::model::Desired::new(frontends));
         assert!(report.errors.is_empty(), "{:?}", report.errors);
-        Self { ebpf, _syncer: syncer, conntrack, stats, snat, ingress }
+        Self { ebpf, _syncer: syncer, conntrack, stats, snat, nodeport_config, ingress }
     }
 
     fn xdp(&self, frame: &[u8]) -> (u32, Vec<u8>) {
@@ -304,5 +306,43 @@ fn a_remote_pick_with_the_neighbour_unknown_is_recorded_and_tc_sends_it_there() 
         );
         assert!(checksums_valid(&out));
         assert_eq!(x.stat(Stat::DnatNew), 1, "one pick for the flow, not a second one in tc");
+    });
+}
+
+/// kube-proxy masquerades off-cluster traffic to a cluster IP only where it knows the cluster CIDR
+/// (its local-traffic detector; with no cluster CIDR it writes no masquerade rule), and so does the
+/// external tc program: with none known, an outside client reaching a cluster IP routed to the
+/// node keeps its address on the way to a local backend (DNAT alone, to the stack); with
+/// `--cluster-cidr` 10.244.0.0/16 the client is outside it, and its flow is source-NATed to the
+/// node and sent to the pod's veth.
+#[test]
+fn a_cluster_ip_from_outside_is_masqueraded_to_a_local_backend_only_when_the_cluster_cidr_is_known() {
+    in_private_netns(|ingress| {
+        const CLUSTER_IP: [u8; 4] = [10, 96, 0, 10];
+        let mut x = Xdp0::new(ingress, vec![web(FrontendKind::ClusterIp, CLUSTER_IP, 80, &[LOCAL_BACKEND])]);
+        let syn = |port: u16| frame_to_node(&Packet::tcp(CLIENT, port, CLUSTER_IP, 80, TCP_SYN));
+        let flags = |x: &Xdp0, port: u16| {
+            let key = ct_key(CLIENT, port, CLUSTER_IP, 80, IPPROTO_TCP, CT_DIR_FORWARD);
+            x.conntrack.get(&key, 0).unwrap().flags & CT_FLAG_SNAT
+        };
+
+        let (action, out) = x.tc(&syn(40010));
+        assert_eq!(action, TCX_NEXT, "DNAT alone, to the stack: {out:02x?}");
+        assert_eq!(&out[26..30], &CLIENT, "the client's own address");
+        assert_eq!(&out[30..34], &LOCAL_BACKEND);
+        assert_eq!(flags(&x, 40010), 0);
+
+        let known = proxy_common::maps::NodePortConfigV4 {
+            cluster_cidr: [10, 244, 0, 0],
+            cluster_cidr_prefix: 16,
+            ..x.nodeport_config.get(&0, 0).unwrap()
+        };
+        x.nodeport_config.set(0, known, 0).unwrap();
+        let (action, out) = x.tc(&syn(40011));
+        assert_eq!(action, TC_ACT_REDIRECT, "to the pod's veth: {out:02x?}");
+        assert_eq!(&out[26..30], &NODE, "masqueraded to the node");
+        assert_eq!(&out[30..34], &LOCAL_BACKEND);
+        assert_eq!(flags(&x, 40011), CT_FLAG_SNAT);
+        assert!(checksums_valid(&out));
     });
 }

@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use proxy_common::maps::{DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, ExternalIfaceV4, NodePortConfigV4};
-use proxy_common::maps_v6::ExternalIfaceV6;
+use proxy_common::maps_v6::{ExternalIfaceV6, NodePortConfigV6};
 
 use crate::{
     bpf::{InterfaceSelector, Maps},
@@ -27,6 +27,8 @@ pub struct NorthSouthOptions {
     /// `--cluster-cidr`: clients outside it reaching a cluster IP through an
     /// external interface are masqueraded.
     pub cluster_cidr: Option<Cidr4>,
+    /// `--cluster-cidr`'s IPv6 prefix, the same for IPv6 clients.
+    pub cluster_cidr6: Option<Cidr6>,
     /// `--external-interfaces`: by name; empty: every interface holding a
     /// usable address that is not pod-facing.
     pub external_interfaces: Vec<String>,
@@ -43,6 +45,7 @@ impl Default for NorthSouthOptions {
         Self {
             nodeport_addresses: NodePortAddresses::All,
             cluster_cidr: None,
+            cluster_cidr6: None,
             external_interfaces: Vec::new(),
             snat_ports: (DEFAULT_SNAT_PORT_MIN, DEFAULT_SNAT_PORT_MAX),
             xdp: crate::bpf::XdpSetting::Native,
@@ -65,6 +68,11 @@ impl NorthSouthOptions {
             _pad: [0; 3],
             maglev_seed: self.maglev_seed,
         }
+    }
+
+    /// NODEPORT_CONFIG_V6's value.
+    pub fn config6(&self) -> NodePortConfigV6 {
+        NodePortConfigV6::new(self.cluster_cidr6.map(|cidr| (cidr.addr.octets(), cidr.prefix_len)))
     }
 }
 
@@ -174,10 +182,8 @@ fn parse_cidr6(text: &str) -> Result<Cidr6, String> {
 /// `--cluster-cidr` (kube-proxy's `clusterCIDR`): one CIDR, or a comma-separated dual-stack pair.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClusterCidrs {
-    /// The IPv4 one: the only one kproxy uses.
     pub ipv4: Option<Cidr4>,
-    /// The IPv6 one, as given: accepted, not served yet.
-    pub ipv6: Option<String>,
+    pub ipv6: Option<Cidr6>,
 }
 
 impl ClusterCidrs {
@@ -185,8 +191,7 @@ impl ClusterCidrs {
         let mut out = Self::default();
         for value in text.split(',').map(str::trim).filter(|v| !v.is_empty()) {
             if value.contains(':') {
-                parse_cidr6(value)?;
-                if out.ipv6.replace(value.to_string()).is_some() {
+                if out.ipv6.replace(parse_cidr6(value)?).is_some() {
                     return Err(format!("{text:?}: at most one CIDR per IP family (a dual-stack pair)"));
                 }
             } else {
@@ -202,7 +207,7 @@ impl ClusterCidrs {
     /// As a KubeProxyConfiguration writes `clusterCIDR`.
     pub fn to_config_string(&self) -> String {
         let v4 = self.ipv4.map(|c| c.to_string());
-        v4.into_iter().chain(self.ipv6.clone()).collect::<Vec<_>>().join(",")
+        v4.into_iter().chain(self.ipv6.map(|c| c.to_string())).collect::<Vec<_>>().join(",")
     }
 }
 
@@ -385,13 +390,18 @@ pub fn select(
     }
 }
 
-/// Writes NODEPORT_CONFIG and makes EXTERNAL_IFACES and EXTERNAL_IFACES_V6 hold
+/// Writes NODEPORT_CONFIG and NODEPORT_CONFIG_V6 and makes EXTERNAL_IFACES and EXTERNAL_IFACES_V6 hold
 /// exactly `addresses`'s interfaces. Returns whether anything changed.
 pub fn write_maps(maps: &mut Maps, options: &NorthSouthOptions, addresses: &NodeAddresses) -> Result<bool> {
     let mut changed = false;
     let config = options.config();
     if maps.nodeport_config.get(&0, 0).ok() != Some(config) {
         maps.nodeport_config.set(0, config, 0).context("writing NODEPORT_CONFIG[0]")?;
+        changed = true;
+    }
+    let config6 = options.config6();
+    if maps.nodeport_config_v6.get(&0, 0).ok() != Some(config6) {
+        maps.nodeport_config_v6.set(0, config6, 0).context("writing NODEPORT_CONFIG_V6[0]")?;
         changed = true;
     }
     let wanted: BTreeMap<u32, ExternalIfaceV4> = addresses
@@ -609,7 +619,7 @@ mod tests {
     fn cluster_cidr_takes_a_dual_stack_pair() {
         let dual = ClusterCidrs::parse("10.244.0.0/16,fd00:10:244::/56").unwrap();
         assert_eq!(dual.ipv4, Some("10.244.0.0/16".parse().unwrap()));
-        assert_eq!(dual.ipv6.as_deref(), Some("fd00:10:244::/56"));
+        assert_eq!(dual.ipv6.map(|c| c.to_string()).as_deref(), Some("fd00:10:244::/56"));
         assert_eq!(dual.to_config_string(), "10.244.0.0/16,fd00:10:244::/56");
         assert_eq!(ClusterCidrs::parse("fd00:10:244::/56").unwrap().ipv4, None);
         assert!(
@@ -662,5 +672,11 @@ mod tests {
         assert_eq!(config.port_range(), (40000, 40010));
         assert!(config.in_cluster_cidr([10, 244, 9, 9]));
         assert!(!config.in_cluster_cidr([192, 168, 100, 200]));
+        assert!(!options.config6().in_cluster_cidr(&"fd00:10:244::9".parse::<Ipv6Addr>().unwrap().octets()));
+        let dual = ClusterCidrs::parse("10.244.0.0/16,fd00:10:244::/56").unwrap();
+        let options = NorthSouthOptions { cluster_cidr: dual.ipv4, cluster_cidr6: dual.ipv6, ..options };
+        let config6 = options.config6();
+        assert!(config6.in_cluster_cidr(&"fd00:10:244:1::11".parse::<Ipv6Addr>().unwrap().octets()));
+        assert!(!config6.in_cluster_cidr(&"fd00:192:168:100::200".parse::<Ipv6Addr>().unwrap().octets()));
     }
 }

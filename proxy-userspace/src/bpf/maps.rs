@@ -119,6 +119,8 @@ map_table! {
         snat_v6: HashMap<MapData, CtKeyV6, SnatEntryV6> = MAP_SNAT_V6, LruHashMap, (CtKeyV6, SnatEntryV6);
         /// The IPv6 address each external interface source-NATs to, as `external_ifaces`.
         external_ifaces_v6: HashMap<MapData, u32, ExternalIfaceV6> = MAP_EXTERNAL_IFACES_V6, HashMap, (u32, ExternalIfaceV6);
+        /// IPv6's cluster CIDR (`nodeport_config` holds the rest of the north–south settings).
+        nodeport_config_v6: Array<MapData, NodePortConfigV6> = MAP_NODEPORT_CONFIG_V6, Array, (u32, NodePortConfigV6);
         /// The IPv6 service CIDRs, as `service_cidrs`.
         service_cidrs_v6: Array<MapData, ServiceCidrsV6> = MAP_SERVICE_CIDRS_V6, Array, (u32, ServiceCidrsV6);
         /// loadBalancerSourceRanges of IPv6 frontends, as `source_ranges`.
