@@ -665,3 +665,60 @@ fn a_v6_cluster_ip_reached_from_outside_the_cluster_cidr_is_masqueraded_to_local
     assert_eq!(seen, [IpAddr::V6(WEB_A6), IpAddr::V6(WEB_B6)].into());
     assert!(cluster.stat(0, "snat_reverse") > 0);
 }
+
+/// Two LoadBalancer Services with an IPv6 LB IP each (routed to node 0 by the client): web6-ranges
+/// lists the client's own IPv6 address in its `loadBalancerSourceRanges`, web6-ranges4 only an IPv4
+/// range. `curl -6` from the client reaches both; from a second address of the client, web6-ranges
+/// drops it (counted `drop_source_range`) while web6-ranges4 admits it — each family's LB IPs take
+/// the ranges of their own family only, as kube-proxy's per-family proxiers do — and a pod outside
+/// the ranges is dropped too (kube-proxy filters every source before DNAT).
+#[test]
+fn ipv6_load_balancer_source_ranges_admit_only_their_ipv6_clients_and_ipv4_ranges_leave_ipv6_open() {
+    let cluster = NorthSouth6::start("ns6-ranges");
+    let service = |name: &str, v4: &str, v6: &str, lb6: &str, ranges: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: {v4}\n  clusterIPs: [{v4}, \"{v6}\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  loadBalancerSourceRanges: [{ranges}]\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 80}}]\nstatus:\n  loadBalancer:\n    ingress: [{{ip: \"{lb6}\", ipMode: VIP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-v6\n  namespace: default\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv6\nendpoints:\n- addresses: [\"{WEB_A6}\"]\n  conditions: {{ready: true}}\n  nodeName: node-0\nports: [{{name: http, port: 80, protocol: TCP}}]\n"
+        )
+    };
+    const RANGED: &str = "fd00:192:168:200::31";
+    const OPEN: &str = "fd00:192:168:200::32";
+    let yaml = [
+        service("web6-ranges", "10.96.0.63", "fd00:10:96::63", RANGED, &format!("\"{CLIENT6}/128\"")),
+        service("web6-ranges4", "10.96.0.64", "fd00:10:96::64", OPEN, "192.168.100.200/32"),
+    ]
+    .join("---\n");
+    std::fs::write(cluster._manifest_dir.0.join("web6-ranges.yaml"), yaml).unwrap();
+    cluster.wait_for_frontend(0, &format!("[{RANGED}]:80"), 1);
+    cluster.wait_for_frontend(0, &format!("[{OPEN}]:80"), 1);
+    let other = "fd00:192:168:100::201";
+    cluster
+        .multi
+        .external_exec(["ip", "-6", "addr", "add", &format!("{other}/64"), "dev", "eth0", "nodad"])
+        .unwrap();
+    let curl = |addr: &str, source: &str| {
+        let url = format!("http://[{addr}]/whoami");
+        let args = ["curl", "-6", "-sS", "--max-time", "2", "--interface", source, &url];
+        let out = cluster.multi.external_exec_output(&args).unwrap();
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+
+    // Each request names its source: with two addresses on one prefix the kernel may pick either.
+    let client = CLIENT6.to_string();
+    for lb in [RANGED, OPEN] {
+        let page = curl(lb, &client)
+            .unwrap_or_else(|| panic!("the client in range, [{lb}]\n{}", cluster.agent_logs()));
+        assert!(page.starts_with(&WEB_A6.to_string()), "{page}");
+    }
+    let before = cluster.stat(0, "drop_source_range");
+    assert_eq!(curl(RANGED, other), None, "a client outside web6-ranges' IPv6 range got through");
+    assert!(cluster.stat(0, "drop_source_range") > before);
+    let page = curl(OPEN, other).expect("an IPv4 range alone leaves the IPv6 LB IP open");
+    assert!(page.starts_with(&WEB_A6.to_string()), "{page}");
+
+    // web-b's pod, on node 1 (fd00:10:244:1::11), is outside the range too: dropped on its own node.
+    let before = cluster.stat(1, "drop_source_range");
+    let from_pod =
+        cluster._pods[1].exec(["curl", "-6", "-sS", "--max-time", "2", &format!("http://[{RANGED}]/")]);
+    assert!(from_pod.is_err(), "a pod outside loadBalancerSourceRanges got through: {from_pod:?}");
+    assert!(cluster.stat(1, "drop_source_range") > before);
+}
