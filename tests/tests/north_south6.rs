@@ -698,7 +698,7 @@ fn ipv6_load_balancer_source_ranges_admit_only_their_ipv6_clients_and_ipv4_range
     let curl = |addr: &str, source: &str| {
         let url = format!("http://[{addr}]/whoami");
         let args = ["curl", "-6", "-sS", "--max-time", "2", "--interface", source, &url];
-        let out = cluster.multi.external_exec_output(&args).unwrap();
+        let out = cluster.multi.external_exec_output(args).unwrap();
         out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     };
 
