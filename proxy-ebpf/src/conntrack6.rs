@@ -329,11 +329,13 @@ impl ReplyTo6 {
 /// shared): `None` when no translated flow has it (one that had it but was over has just been
 /// removed: it yields), otherwise how the clash is resolved (`Remap`: this flow's source port must
 /// be remapped; `Leave`: a TCP segment that starts nothing). Not inlined: a stage of its own,
-/// called from the program, with its keys out of the other stages' frames. Hairpin reply tuples
-/// (`pod → HAIRPIN_ADDR_V6`) are never a pod's own, so only plain and remapped flows can clash.
+/// called from the program, with its keys out of the other stages' frames. A `hairpin` flow (the
+/// pod reaching itself) has `backend:backend_port → HAIRPIN_ADDR_V6:port` as its reply tuple, which
+/// only another hairpin flow of the pod from the same port can hold — to another of its Services
+/// on the same backend port — so the two kinds never clash with each other.
 #[inline(never)]
-pub fn claim(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2]) -> Option<Clash> {
-    let reply_key = CtKeyV6 {
+pub fn claim(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2], hairpin: bool) -> Option<Clash> {
+    let mut reply_key = CtKeyV6 {
         saddr: *backend,
         daddr: flow.saddr,
         sport: backend_port,
@@ -342,6 +344,9 @@ pub fn claim(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2]) -> Option<
         direction: CT_DIR_REPLY,
         _pad: [0; 2],
     };
+    if hairpin {
+        reply_key.daddr = HAIRPIN_ADDR_V6;
+    }
     let reply = lookup(&reply_key)?;
     // Read only now: most packets that get here clash with nothing.
     let now = conntrack::now();
@@ -352,6 +357,10 @@ pub fn claim(flow: &Flow6, backend: &[u8; 16], backend_port: [u8; 2]) -> Option<
     // flow's (pointing back at the reply's source); a remapped flow's forward key has the client's
     // own port, from its reverse SNAT entry.
     let mut forward_key = clashing_forward_key(&reply_key, reply_key.daddr, reply_key.dport, frontend);
+    // A hairpin flow's client is its backend: the reply's source.
+    if hairpin {
+        forward_key.saddr = reply_key.saddr;
+    }
     let remapped = reply_flags & CT_FLAG_REMAP != 0;
     let original = if remapped { snat6::reverse(&reply_key) } else { None };
     let mut forward: *mut CtEntryV6 = core::ptr::null_mut();

@@ -181,7 +181,7 @@ fn take_step(
         Step::Established => established(ctx, flow, found),
         // Untouched, unless a translated flow of this client already has its reply tuple: the
         // client reused a source port for a pod it had reached through a frontend.
-        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
+        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport, false) {
             Some(Clash::Remap) => {
                 let now = conntrack::now();
                 let port = snat6::remap(flow, &flow.daddr, flow.dport, &flow.saddr, now)?;
@@ -201,7 +201,7 @@ fn take_step(
                 let node_addr = &shared()?.node_addr;
                 let port = snat6::remap(flow, &backend.addr, backend.port, node_addr, found.now)?;
                 found.reply_to = ReplyTo6::snat(port);
-            } else if conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
+            } else if conntrack6::claim(flow, &backend.addr, backend.port, false).is_some() {
                 // A live flow of this client already has the reply tuple (the same backend
                 // through another frontend): this one's source port is remapped.
                 let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;

@@ -111,7 +111,7 @@ fn ingress(ctx: &TcContext) -> Result<Verdict, Verdict> {
         // client reused a source port for a pod it had reached through a Service. The translated
         // flow yields the tuple if it is over; otherwise this flow's source port is remapped, so
         // that the replies of each reach the right socket (netfilter's clash resolution).
-        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport) {
+        Step::Direct => match conntrack6::claim(flow, &flow.daddr, flow.dport, false) {
             Some(Clash::Remap) => {
                 let now = conntrack::now();
                 let port = snat6::remap(flow, &flow.daddr, flow.dport, &flow.saddr, now)?;
@@ -134,17 +134,20 @@ fn new_flow_stages(ctx: &TcContext, flow: &parse6::Flow6, found: &mut Found) -> 
     let (choice, frontend) = unsafe { (&mut *choice, &*found.frontend) };
     lb6::select_backend(flow, frontend, found.now, choice)?;
     // A live flow of this client may already have the reply tuple (the same backend through
-    // another Service, or directly from this port): this one's source port is then remapped. A
-    // hairpin flow's reply tuple is no pod's own.
+    // another Service, or directly from this port; for a pod reaching itself, its hairpin flow
+    // from this port to another of its Services): this one's source port is then remapped.
     let backend = &choice.backend;
-    if backend.addr != flow.saddr && conntrack6::claim(flow, &backend.addr, backend.port).is_some() {
-        let port = snat6::remap(flow, &backend.addr, backend.port, &flow.saddr, found.now)?;
+    let hairpin = backend.addr == flow.saddr;
+    if conntrack6::claim(flow, &backend.addr, backend.port, hairpin).is_some() {
+        let source = if hairpin { &HAIRPIN_ADDR_V6 } else { &flow.saddr };
+        let port = snat6::remap(flow, &backend.addr, backend.port, source, found.now)?;
         found.reply_to = ReplyTo6::remap(port, false);
     }
     let verdict = new_flow(ctx, flow, found, choice)?;
     if found.reply_to.is(CT_FLAG_REMAP) {
-        // In a stage of its own: `new_flow` has no room left for it.
-        return remapped_source(ctx, flow, found.reply_to.port);
+        // In a stage of its own: `new_flow` has no room left for it. A hairpin flow is still
+        // bounced back to the pod.
+        return remapped_source(ctx, flow, found.reply_to.port).map(|_| verdict);
     }
     Ok(verdict)
 }
@@ -282,25 +285,35 @@ pub fn direct(ctx: &TcContext, flow: &parse6::Flow6, now: u64, port: [u8; 2]) ->
 }
 
 /// A pod's reply to its own hairpin connection, addressed to the hairpin address: the source goes
-/// back to the Service and the destination back to the pod, and the packet returns to the pod.
+/// back to the Service and the destination back to the pod (at its own port, for a remapped
+/// flow), and the packet returns to the pod.
 #[inline(never)]
 fn hairpin_reply(ctx: &TcContext, flow: &parse6::Flow6) -> Result<Verdict, Verdict> {
     let key = flow.ct_key(CT_DIR_REPLY);
     let entry = conntrack6::lookup(&key).ok_or(Verdict::pass(Stat::PassNoService))?;
     let now = conntrack::now();
     // SAFETY: a map value valid for this program run, read in place.
+    // SAFETY: as below.
+    let remapped = unsafe { (*entry).flags } & CT_FLAG_REMAP != 0;
+    // A remapped hairpin flow (the pod reused a port for another of its Services): its own port
+    // back, from SNAT_V6.
+    let client_port = if remapped {
+        snat6::reverse(&key).ok_or(Verdict::pass(Stat::SnatEntryMissing))?
+    } else {
+        flow.dport
+    };
     let (vip, vip_port) = unsafe {
         conntrack6::touch(entry, flow, CT_DIR_REPLY, now);
         conntrack6::track_reply(
             entry,
             flow,
-            &(flow.saddr, flow.dport),
+            &(flow.saddr, client_port),
             &((*entry).nat_addr, (*entry).nat_port),
         );
         (&(*entry).nat_addr, (*entry).nat_port)
     };
     nat6::rewrite_source(ctx, flow, vip, vip_port)?;
-    nat6::rewrite_destination_addr(ctx, flow, &flow.saddr)?;
+    nat6::rewrite_destination(ctx, flow, &flow.saddr, client_port)?;
     stats::count(Stat::ReverseNat);
     Ok(Verdict::BOUNCE)
 }

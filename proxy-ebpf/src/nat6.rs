@@ -95,7 +95,7 @@ fn rewrite_port(
     ctx.store(flow.l4_offset + l4_field, &(new as u16), 0).map_err(failed)
 }
 
-/// DNAT: the destination becomes the backend.
+/// DNAT: the destination becomes the backend (or, for a hairpin reply, the pod at its own port).
 #[inline(always)]
 pub fn rewrite_destination(
     ctx: &TcContext,
@@ -118,12 +118,6 @@ pub fn rewrite_source(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16], port: [u8;
 #[inline(always)]
 pub fn rewrite_source_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Result<(), Verdict> {
     rewrite_addr(ctx, flow, IP6_OFF_SADDR, &flow.saddr, addr)
-}
-
-/// Hairpin reply: the destination address goes back to the pod.
-#[inline(always)]
-pub fn rewrite_destination_addr(ctx: &TcContext, flow: &Flow6, addr: &[u8; 16]) -> Result<(), Verdict> {
-    rewrite_addr(ctx, flow, IP6_OFF_DADDR, &flow.daddr, addr)
 }
 
 /// A remapped flow (port reuse): the client's source port becomes the remapped one.

@@ -957,3 +957,53 @@ fn packet_too_big_about_a_remapped_flow_quotes_the_clients_own_port() {
     assert_eq!((ret, out), (PASS, icmp6(&router, &CLIENT6, 2, 0, &[&mtu, &quote[..]].concat())));
     assert_eq!(v6.stat(Stat::IcmpErrorUnnat), 2);
 }
+
+/// A pod reaching itself through two of its Services from one source port, on one backend port:
+/// both flows are hairpin flows with the reply tuple `pod:8080 → HAIRPIN_ADDR_V6:port`, so the
+/// second one's port is remapped (as IPv4's) rather than its reply entry overwriting the first's;
+/// each answer comes back from the Service it was sent to, to the pod's own port.
+#[test]
+fn a_pod_reaching_itself_through_two_v6_services_from_one_port_gets_the_second_remapped() {
+    let mut v6 = V6::new();
+    let self_b = addr6(0x78, 0x0096);
+    v6.frontend(self_b, 80, IPPROTO_TCP, &[(CLIENT6, 8080)]);
+    let first = Packet6::tcp(CLIENT6, 40500, SELF6, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&first.frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(
+        out,
+        bounced(Packet6 { src: HAIRPIN_ADDR_V6, dst: CLIENT6, dport: 8080, ..first.clone() }.frame())
+    );
+    let second = Packet6::tcp(CLIENT6, 40500, self_b, 80, TCP_SYN);
+    let (ret, out) = v6.ingress(&second.frame());
+    assert_eq!(ret, BOUNCE, "still bounced back to the pod");
+    let (_, remapped) = source(&out);
+    assert!(REMAP_PORTS.contains(&remapped), "port {remapped}");
+    let hairpinned = Packet6 { src: HAIRPIN_ADDR_V6, sport: remapped, dst: CLIENT6, dport: 8080, ..second };
+    assert_eq!(out, bounced(hairpinned.frame()));
+    assert!(l4_checksum_valid(&out));
+    let fwd = v6.ct(&ct_key6(CLIENT6, 40500, self_b, 80, IPPROTO_TCP, CT_DIR_FORWARD)).unwrap();
+    assert_eq!(fwd.flags, CT_FLAG_REMAP | CT_FLAG_HAIRPIN);
+    let first_reply =
+        v6.ct(&ct_key6(CLIENT6, 8080, HAIRPIN_ADDR_V6, 40500, IPPROTO_TCP, CT_DIR_REPLY)).unwrap();
+    assert_eq!(first_reply.nat_addr, SELF6, "the first flow's reply entry is still its own");
+
+    let to_first = Packet6::tcp(CLIENT6, 8080, HAIRPIN_ADDR_V6, 40500, TCP_SYN | TCP_ACK);
+    let (ret, out) = v6.ingress(&to_first.frame());
+    assert_eq!(ret, BOUNCE);
+    assert_eq!(out, bounced(Packet6 { src: SELF6, sport: 80, dst: CLIENT6, ..to_first }.frame()));
+    let to_second = Packet6::tcp(CLIENT6, 8080, HAIRPIN_ADDR_V6, remapped, TCP_SYN | TCP_ACK);
+    let (ret, out) = v6.ingress(&to_second.frame());
+    assert_eq!(ret, BOUNCE);
+    let back = Packet6 { src: self_b, sport: 80, dst: CLIENT6, dport: 40500, ..to_second };
+    assert_eq!(out, bounced(back.frame()), "from the second Service, to the pod's own port");
+    assert!(l4_checksum_valid(&out));
+
+    // The second flow's next segment keeps its remapped port and the hairpin source.
+    let ack = Packet6::tcp(CLIENT6, 40500, self_b, 80, TCP_ACK);
+    let (ret, out) = v6.ingress(&ack.frame());
+    assert_eq!(ret, BOUNCE);
+    let hairpinned = Packet6 { src: HAIRPIN_ADDR_V6, sport: remapped, dst: CLIENT6, dport: 8080, ..ack };
+    assert_eq!(out, bounced(hairpinned.frame()));
+    assert_eq!(v6.stat(Stat::ReverseNat), 2);
+}

@@ -207,12 +207,15 @@ fn start(tag: &str) -> (Cluster, Vec<Pod>) {
 }
 
 fn run(cluster: &Cluster, scenario: &str, vip: &str, pods: &Value) -> Vec<Value> {
+    run_in(cluster, &cluster.client, scenario, vip, pods)
+}
+
+/// [`run`] with the client side in `pod`.
+fn run_in(cluster: &Cluster, pod: &Pod, scenario: &str, vip: &str, pods: &Value) -> Vec<Value> {
     let script = cluster.sandbox.dir().join("port_reuse6_client.py");
     std::fs::write(&script, CLIENT).unwrap();
-    let out = cluster
-        .client
-        .exec_output(["python3", script.to_str().unwrap(), scenario, vip, &pods.to_string()])
-        .unwrap();
+    let out =
+        pod.exec_output(["python3", script.to_str().unwrap(), scenario, vip, &pods.to_string()]).unwrap();
     assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
@@ -312,4 +315,23 @@ fn two_ipv6_services_with_one_backend_share_a_client_port() {
     assert!(snat_v6_entries() >= 10, "{} SNAT_V6 entries", snat_v6_entries());
     cluster.kproxy(&["conntrack", "flush"]);
     assert_eq!(snat_v6_entries(), 0, "SNAT_V6 after a flush");
+}
+
+/// The same from web6-a itself: the pod reaches itself through both Services from one port at
+/// once (hairpin), so both flows' reply tuples are `web6-a:80 → the hairpin address:port`; the
+/// second one's port is remapped and both connections work, each answered from its Service.
+#[test]
+fn a_pod_reaching_itself_through_two_ipv6_services_from_one_port_keeps_both_connections() {
+    let (cluster, pods) = start("reuse6-hairpin");
+    let web_a = &pods[0];
+    let rows = run_in(&cluster, web_a, "two-services", ONE_VIP6, &serde_json::json!({"other": TWO_VIP6}));
+    assert_eq!(rows.len(), 5);
+    for row in &rows {
+        for (which, vip) in [("first", ONE_VIP6), ("second", TWO_VIP6)] {
+            assert_eq!(row[which]["ok"], true, "{which}: {row}");
+            assert_eq!((&row[which]["pod"], &row[which]["peer"]), (&"web6-a".into(), &vip.into()), "{row}");
+        }
+    }
+    assert!(cluster.stat("hairpin") >= 10, "{:#}", cluster.dump_json("stats"));
+    assert!(cluster.stat("port_remapped") >= 5, "{:#}", cluster.dump_json("stats"));
 }
