@@ -624,15 +624,21 @@ fn control_section(doc: &mut Doc, dir: &Path, part: &Part<ControlResult>) {
         p99.map_or("–".into(), |v| format!("{v:.1} ms")),
         verdict(p99.map(|v| v <= 10.0)),
     ));
+    // Issue 18's aim is the agent fed by the API server; the manifests source keeps every object whole
+    // (its per-file last good versions), so it is judged on its own line rather than hidden in a max.
+    for (source, rss) in
+        [("from the API server", median(&c.rss_api)), ("from manifests", median(&c.rss_manifests))]
+    {
+        doc.aims.push((
+            format!("agent RSS ≤ 64 MiB ({} Services × 3 endpoints, {source})", size_label(c.services)),
+            rss.map_or("–".into(), |v| format!("{v:.1} MiB")),
+            verdict(rss.map(|v| v <= 64.0)),
+        ));
+    }
     let rss = [median(&c.rss_manifests), median(&c.rss_api)]
         .into_iter()
         .flatten()
         .fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
-    doc.aims.push((
-        format!("agent RSS ≤ 64 MiB ({} Services × 3 endpoints)", size_label(c.services)),
-        rss.map_or("–".into(), |v| format!("{v:.1} MiB")),
-        verdict(rss.map(|v| v <= 64.0)),
-    ));
     doc.summary.push(format!(
         "control plane ({} Services): sync {} s (manifests), {} s (API server), iptables-restore {} s; one change p99 {} ms; RSS {} MiB",
         size_label(c.services),
