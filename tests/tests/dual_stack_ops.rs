@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::cluster::{CLIENT_IP, Cluster, Mode, Trace};
+use common::cluster::{CLIENT_IP, Cluster, Mode, Trace, UdpOutcome, send_one_datagram};
 use common::dual_stack::{WEB_PORTS, dual_pod, endpoints, ipv6_of, slice};
 use sandbox::Pod;
 use serde_json::Value;
@@ -448,21 +448,8 @@ fn trace_shows_an_icmpv6_errors_quote_un_nated_for_the_client() {
     cluster.wait_for_frontends(&[(&format!("[{CLOSED_VIP6}]:9999"), "UDP", 1)]);
     let before = cluster.stat("icmp_error_unnat");
     let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--port", "9999"]);
-    let script = format!(
-        "import socket, time\n\
-         s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n\
-         s.connect(('{CLOSED_VIP6}', 9999))\n\
-         s.settimeout(5)\n\
-         started = time.time()\n\
-         s.send(b'hello')\n\
-         try:\n    s.recv(512)\n    print('answered')\n\
-         except ConnectionRefusedError:\n    print('refused', round(time.time() - started, 3))\n\
-         except socket.timeout:\n    print('timeout')\n"
-    );
-    let out = cluster.client.exec(["python3", "-c", &script]).unwrap();
-    let fields: Vec<&str> = out.split_whitespace().collect();
-    assert_eq!(fields.first(), Some(&"refused"), "{out}");
-    assert!(fields[1].parse::<f64>().unwrap() < 1.0, "{out}");
+    let outcome = send_one_datagram(&cluster.client, CLOSED_VIP6, 9999);
+    assert!(matches!(outcome, UdpOutcome::Refused(s) if s < 1.0), "{outcome:?}");
     assert_eq!(cluster.stat("icmp_error_unnat"), before + 1);
 
     let steps = trace.steps();

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::cluster::{Cluster, DNS_VIP, Trace, WEB_VIP};
+use common::cluster::{Cluster, DNS_VIP, Trace, UdpOutcome, WEB_VIP, send_one_datagram};
 
 fn edit(cluster: &Cluster, file: &str, from: &str, to: &str) {
     let path = cluster.manifest(file);
@@ -105,31 +105,8 @@ ports: [{name: udp, port: 9998, protocol: UDP}]
     cluster.wait_for_frontends(&[("10.96.0.150:9999", "UDP", 1)]);
     let before = cluster.stat("icmp_error_unnat");
     let trace = Trace::start(&cluster.sandbox, &cluster.pin_dir, &["--port", "9999"]);
-    let out = cluster
-        .client
-        .exec([
-            "python3",
-            "-c",
-            "
-import socket, time
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.connect(('10.96.0.150', 9999))
-s.settimeout(5)
-started = time.time()
-s.send(b'hello')
-try:
-    s.recv(512)
-    print('answered')
-except ConnectionRefusedError:
-    print('refused', round(time.time() - started, 3))
-except socket.timeout:
-    print('timeout')
-",
-        ])
-        .unwrap();
-    let fields: Vec<&str> = out.split_whitespace().collect();
-    assert_eq!(fields.first(), Some(&"refused"), "{out}");
-    assert!(fields[1].parse::<f64>().unwrap() < 1.0, "{out}");
+    let outcome = send_one_datagram(&cluster.client, "10.96.0.150", 9999);
+    assert!(matches!(outcome, UdpOutcome::Refused(s) if s < 1.0), "{outcome:?}");
     assert_eq!(cluster.stat("icmp_error_unnat"), before + 1);
 
     // `kproxy trace` shows the error's quote as it arrived and as the client got it.

@@ -448,3 +448,37 @@ impl Trace {
             .collect()
     }
 }
+
+/// What a client saw of one datagram sent on a connected UDP socket (5 s to answer).
+#[derive(Debug, PartialEq)]
+pub enum UdpOutcome {
+    Answered,
+    /// An ICMP port unreachable reached the socket, this many seconds after the send.
+    Refused(f64),
+    Timeout,
+}
+
+/// Sends one datagram from `pod` to `addr:port` (IPv4 or IPv6) with python on a connected socket,
+/// which the kernel tells of an ICMP error about it (ECONNREFUSED on the next receive).
+pub fn send_one_datagram(pod: &Pod, addr: &str, port: u16) -> UdpOutcome {
+    let family = if addr.contains(':') { "AF_INET6" } else { "AF_INET" };
+    let script = format!(
+        "import socket, time\n\
+         s = socket.socket(socket.{family}, socket.SOCK_DGRAM)\n\
+         s.connect(('{addr}', {port}))\n\
+         s.settimeout(5)\n\
+         started = time.time()\n\
+         s.send(b'hello')\n\
+         try:\n    s.recv(512)\n    print('answered')\n\
+         except ConnectionRefusedError:\n    print('refused', round(time.time() - started, 3))\n\
+         except socket.timeout:\n    print('timeout')\n"
+    );
+    let out = pod.exec(["python3", "-c", &script]).unwrap();
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    match fields.as_slice() {
+        ["answered"] => UdpOutcome::Answered,
+        ["refused", seconds] => UdpOutcome::Refused(seconds.parse().unwrap()),
+        ["timeout"] => UdpOutcome::Timeout,
+        _ => panic!("the UDP client printed {out:?}"),
+    }
+}
