@@ -28,7 +28,8 @@ pub type Endpoint = ([u8; 4], [u8; 2]);
 /// What a new flow's event tells of how its backend was chosen.
 pub struct Chosen {
     pub backend_id: u32,
-    /// 1-based slot the backend was picked from; 0 when affinity chose it.
+    /// 1-based slot the backend was picked from; `SLOT_BY_AFFINITY` or `SLOT_BY_MAGLEV` when no
+    /// slot was drawn.
     pub slot: u16,
     /// Active backends of the frontend when the slot was picked.
     pub count: u16,

@@ -238,7 +238,8 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
     }
     if found.scope == SCOPE_EXTERNAL || frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
         // externalTrafficPolicy: Local (local backends only) and cluster IPs
-        // reached from outside (masqueraded whatever the backend) are tc's.
+        // reached from outside (masqueraded from outside --cluster-cidr,
+        // whatever the backend) are tc's.
         return Err(Verdict::pass(Stat::XdpToTc));
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {

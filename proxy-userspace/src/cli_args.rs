@@ -133,8 +133,9 @@ pub(crate) struct AgentArgs {
     pub(crate) nodeport_addresses: Vec<String>,
     /// The pod CIDR of the cluster: clients outside it that reach a cluster
     /// IP through an external interface are masqueraded to the node address.
-    /// A dual-stack pair (10.244.0.0/16,fd00:10:244::/56) is accepted; its IPv6
-    /// part is not served yet.
+    /// A dual-stack pair (10.244.0.0/16,fd00:10:244::/56) gives each family its
+    /// own. Without one for a family no client of it is masqueraded for being
+    /// outside (kube-proxy's local-traffic detector then writes no such rule).
     #[arg(long)]
     pub(crate) cluster_cidr: Option<String>,
     /// Service IP ranges (CIDR[,CIDR]): a packet to an address inside one that is no Service's

@@ -159,6 +159,13 @@ impl World {
             ..Default::default()
         };
         maps.config.set(0, timeouts, 0).unwrap();
+        let (cluster_cidr, cluster_cidr_prefix) = topology::CLUSTER_CIDR;
+        let north_south = proxy_common::maps::NodePortConfigV4 {
+            cluster_cidr,
+            cluster_cidr_prefix,
+            ..maps.nodeport_config.get(&0, 0).unwrap()
+        };
+        maps.nodeport_config.set(0, north_south, 0).unwrap();
         let fragments = HashMap::try_from(ebpf.take_map("FRAGMENTS_V4").expect("FRAGMENTS_V4")).unwrap();
         let store = bpf::BpfStore::new(maps.services, maps.backends, maps.rev_nat, maps.names, maps.vips)
             .with_source_ranges(maps.source_ranges);

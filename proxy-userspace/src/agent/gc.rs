@@ -187,19 +187,40 @@ pub fn plan_purge6(
 /// port (both SNAT_V6 entries) before it records the flow in CONNTRACK_V6.
 pub const SNAT_RECORD_GRACE_NS: u64 = SECOND_NS;
 
-/// The SNAT_V6 entries whose flow is gone: a forward entry (keyed as its flow's conntrack forward
-/// entry) or a reverse one (keyed as its reply entry) whose conntrack entry `tracked` no longer has
-/// — evicted by the LRU, or deleted apart from its translation. Each direction is judged on its
-/// own: a reverse entry names only the client, not the frontend its forward key holds.
+/// The SNAT_V6 entries whose flow is gone, with the `created_ns` each had when read (so that one
+/// created again under the same key since is left alone). A flow's two translations — its forward
+/// entry, keyed as its conntrack forward entry, `→ {address, port it became}`, and its reverse one,
+/// keyed as its reply entry (`backend → that address:port`) `→ {client, client port}` — are told
+/// apart from other flows' by that address and port and the client's, and go only when neither of
+/// the flow's conntrack entries is left (`tracked`): the datapath puts an evicted half of a live
+/// pair back from the other on its next packet, and needs both translations for it. Entries younger
+/// than [`SNAT_RECORD_GRACE_NS`] stay: a flow takes its port before it is recorded.
 pub fn plan_stale_snat6(
     translations: &[(CtKeyV6, SnatEntryV6)],
     tracked: impl Fn(&CtKeyV6) -> bool,
     now: u64,
-) -> Vec<CtKeyV6> {
+) -> Vec<(CtKeyV6, u64)> {
+    // (proto, translated address, translated port, client address, client port) of a flow.
+    type Link = (u8, [u8; 16], [u8; 2], [u8; 16], [u8; 2]);
+    let link = |key: &CtKeyV6, to: &SnatEntryV6| -> Link {
+        if key.direction == CT_DIR_FORWARD {
+            (key.proto, to.addr, to.port, key.saddr, key.sport)
+        } else {
+            (key.proto, key.daddr, key.dport, to.addr, to.port)
+        }
+    };
+    let mut live: HashSet<Link> = HashSet::new();
+    for (key, to) in translations {
+        if tracked(key) {
+            live.insert(link(key, to));
+        }
+    }
     translations
         .iter()
-        .filter(|(key, entry)| now.saturating_sub(entry.created_ns) >= SNAT_RECORD_GRACE_NS && !tracked(key))
-        .map(|(key, _)| *key)
+        .filter(|(key, to)| {
+            now.saturating_sub(to.created_ns) >= SNAT_RECORD_GRACE_NS && !live.contains(&link(key, to))
+        })
+        .map(|(key, to)| (*key, to.created_ns))
         .collect()
 }
 
@@ -414,10 +435,17 @@ fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcR
             *report.deleted.entry(state_name(entry.state)).or_default() += 1;
         }
     }
-    let translations: Vec<(CtKeyV6, SnatEntryV6)> = maps.snat_v6.iter().filter_map(|e| e.ok()).collect();
-    let tracked: HashSet<CtKeyV6> = maps.conntrack_v6.keys().filter_map(|k| k.ok()).collect();
-    for key in plan_stale_snat6(&translations, |k| tracked.contains(k), monotonic_ns()) {
-        if remove_present(&mut maps.snat_v6, &key).context("deleting a stale SNAT_V6 entry")?
+    // A walk cut short would make every translation it missed look stale: none is judged then.
+    let translations: Vec<(CtKeyV6, SnatEntryV6)> =
+        maps.snat_v6.iter().collect::<Result<_, _>>().context("reading SNAT_V6")?;
+    let tracked: HashSet<CtKeyV6> =
+        maps.conntrack_v6.keys().collect::<Result<_, _>>().context("reading CONNTRACK_V6")?;
+    for (key, created_ns) in plan_stale_snat6(&translations, |k| tracked.contains(k), monotonic_ns()) {
+        // Re-read before it goes: the key may have been taken again by a new flow since the scan.
+        let same = maps.snat_v6.get(&key, 0).is_ok_and(|to| to.created_ns == created_ns);
+        if same
+            && get6(maps, &key).is_none()
+            && remove_present(&mut maps.snat_v6, &key).context("deleting a stale SNAT_V6 entry")?
             && key.direction == CT_DIR_REPLY
         {
             report.snat_deleted += 1;
@@ -748,32 +776,38 @@ mod tests {
         assert_eq!(purged, vec![fkey, nated]);
     }
 
-    /// SNAT_V6 translations outlive their flow when the LRU evicts its conntrack entries: each
-    /// direction goes once its own conntrack entry is gone, but not in the moment between the
-    /// datapath taking the port and recording the flow.
+    /// SNAT_V6 translations outlive their flow when the LRU evicts its conntrack entries: a flow's
+    /// two go once neither of its conntrack entries is left — not while one is (the datapath puts
+    /// the other back from it), and not in the moment between the datapath taking the port and
+    /// recording the flow.
     #[test]
-    fn stale_snat_v6_translations_go_each_direction_on_its_own_but_not_while_being_recorded() {
+    fn stale_snat_v6_translations_go_with_the_last_of_their_flows_conntrack_entries() {
         let now = 1_000 * S;
-        let [(fkey, _), (rkey, _)] = flow6(5007, IPPROTO_TCP, 3);
-        let [(gone_fkey, _), (gone_rkey, _)] = flow6(5008, IPPROTO_TCP, 3);
-        let [(fresh_fkey, _), (fresh_rkey, _)] = flow6(5009, IPPROTO_TCP, 3);
-        let at = |created_ns: u64| SnatEntryV6 { created_ns, addr: [0; 16], port: [0; 2], _pad: [0; 6] };
-        let translations = [
-            (fkey, at(now - 60 * S)),
-            (rkey, at(now - 60 * S)),
-            (gone_fkey, at(now - 60 * S)),
-            (gone_rkey, at(now - 60 * S)),
-            (fresh_fkey, at(now - S / 10)),
-            (fresh_rkey, at(now - S / 10)),
-        ];
-        // The live flow's two entries and, of another, only the reply entry are left.
-        let tracked: HashSet<CtKeyV6> = [fkey, rkey, gone_rkey].into();
+        // A remapped flow from `sport` on `port`: its conntrack keys and its two translations.
+        let remapped = |sport: u16, port: u16, created_ns: u64| {
+            let [(fkey, _), (rkey, _)] = flow6(sport, IPPROTO_TCP, 3);
+            let rkey = CtKeyV6 { dport: port.to_be_bytes(), ..rkey };
+            let to =
+                |addr, port: u16| SnatEntryV6 { created_ns, addr, port: port.to_be_bytes(), _pad: [0; 6] };
+            ([fkey, rkey], [(fkey, to(fkey.saddr, port)), (rkey, to(fkey.saddr, sport))])
+        };
+        let (live, live_snat) = remapped(5007, 61_007, now - 60 * S);
+        let (gone, gone_snat) = remapped(5008, 61_008, now - 60 * S);
+        let (_, fresh_snat) = remapped(5009, 61_009, now - S / 10);
+        let translations: Vec<_> = [live_snat, gone_snat, fresh_snat].concat();
+        let keys = |stale: Vec<(CtKeyV6, u64)>| stale.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+        // One conntrack entry of each of the two older flows is left: every translation stays.
+        let tracked: HashSet<CtKeyV6> = [live[0], gone[1]].into();
+        assert!(keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now)).is_empty());
+        let tracked: HashSet<CtKeyV6> = [live[1], gone[0]].into();
+        assert!(keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now)).is_empty());
+        // Both of one flow's gone: its two translations go, the fresh flow's only a second later.
+        let tracked: HashSet<CtKeyV6> = live.into();
         let stale = plan_stale_snat6(&translations, |k| tracked.contains(k), now);
-        assert_eq!(stale, vec![gone_fkey], "the reverse entry stays while its reply entry does");
-        let stale = plan_stale_snat6(&translations, |k| [fkey, rkey].contains(k), now);
-        assert_eq!(stale, vec![gone_fkey, gone_rkey]);
-        let stale = plan_stale_snat6(&translations, |k| [fkey, rkey].contains(k), now + S);
-        assert_eq!(stale, vec![gone_fkey, gone_rkey, fresh_fkey, fresh_rkey], "then a second later");
+        assert_eq!(keys(stale.clone()), gone.to_vec());
+        assert_eq!(stale[0].1, now - 60 * S, "with the created_ns it was read with");
+        let later = keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now + S));
+        assert_eq!(later, [gone.to_vec(), fresh_snat.map(|(k, _)| k).to_vec()].concat());
     }
 
     #[test]

@@ -672,7 +672,8 @@ mod tests {
         assert_eq!(config.port_range(), (40000, 40010));
         assert!(config.in_cluster_cidr([10, 244, 9, 9]));
         assert!(!config.in_cluster_cidr([192, 168, 100, 200]));
-        assert!(!options.config6().in_cluster_cidr(&"fd00:10:244::9".parse::<Ipv6Addr>().unwrap().octets()));
+        let no_prefix = options.config6();
+        assert!(!no_prefix.outside_cluster_cidr(&"fd00:192:168::1".parse::<Ipv6Addr>().unwrap().octets()));
         let dual = ClusterCidrs::parse("10.244.0.0/16,fd00:10:244::/56").unwrap();
         let options = NorthSouthOptions { cluster_cidr: dual.ipv4, cluster_cidr6: dual.ipv6, ..options };
         let config6 = options.config6();

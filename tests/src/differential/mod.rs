@@ -19,7 +19,7 @@
 //! packets would get "network unreachable" from the sandbox, which no cluster does).
 //!
 //! **The proxies**: [`Mode::Kproxy`] runs the real `kproxy agent --manifests DIR --service-cidr
-//! SERVICE_CIDR` (otherwise default flags,
+//! SERVICE_CIDR --cluster-cidr CLUSTER_CIDR` (kube-proxy's rules get the same; otherwise default flags,
 //! its socket hooks confined to a child cgroup the harness creates: every client process runs in
 //! that cgroup, as every process of a real node is under the agent's cgroup root).
 //! [`Mode::Iptables`] restores kube-proxy's iptables-mode filter and nat tables
@@ -584,6 +584,9 @@ impl World {
             // ServiceCIDR object).
             "--service-cidr".into(),
             SERVICE_CIDR.into(),
+            // kube-proxy's local-traffic detector gets the same cluster CIDR (who is masqueraded).
+            "--cluster-cidr".into(),
+            CLUSTER_CIDR.into(),
         ];
         let agent = self.sandbox.node_spawn(args)?;
         self.kproxy = Some(KproxyAgent { agent, pin_dir, manifests });

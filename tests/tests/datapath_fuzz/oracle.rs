@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use super::{
     frame::{ACK, FIN, Fields, Kind, PSH, Part, RST, SYN, TCP, Tuple, UDP, URG, flags_name},
-    topology::{Config, HAIRPIN, NODE, SNAT_RANGE, is_remote_pod, unanswerable},
+    topology::{Config, HAIRPIN, NODE, SNAT_RANGE, in_cluster_cidr, is_remote_pod, unanswerable},
 };
 
 /// Where a program ran.
@@ -522,7 +522,8 @@ impl Oracle {
                 format!("{t:?} to Service {} was {obs}", service.name),
             );
         }
-        if side == Side::External && !snat && (is_remote_pod(fields.dst) || !service.node_port) {
+        let masqueraded = !service.node_port && !in_cluster_cidr(t.src);
+        if side == Side::External && !snat && (is_remote_pod(fields.dst) || masqueraded) {
             return fail(
                 "external flow not source-NATed where replies would bypass the node",
                 format!("{t:?} to Service {} was {obs}", service.name),

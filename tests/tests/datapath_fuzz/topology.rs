@@ -53,6 +53,15 @@ pub fn is_remote_pod(a: [u8; 4]) -> bool {
     a[..3] == [10, 244, 1]
 }
 
+/// The node's `--cluster-cidr`, 10.244.0.0/16: every pod of both nodes.
+pub const CLUSTER_CIDR: ([u8; 4], u8) = ([10, 244, 0, 0], 16);
+
+/// Whether `a` is inside [`CLUSTER_CIDR`] (the datapath masquerades clients outside it reaching a
+/// cluster IP from outside, as kube-proxy's local-traffic detector does).
+pub fn in_cluster_cidr(a: [u8; 4]) -> bool {
+    a[..2] == CLUSTER_CIDR.0[..2]
+}
+
 /// Addresses a node never answers a refusal to (RFC 1122): unspecified, loopback, multicast,
 /// broadcast.
 pub fn unanswerable(a: [u8; 4]) -> bool {
