@@ -116,10 +116,13 @@ fn curl_to_the_cluster_ip_reaches_every_backend_in_fair_shares(datapath: Datapat
         return;
     }
 
+    // Every request was a flow of its own, translated by tc (the closed ones may have expired — 10 s
+    // after their FIN — and been collected before the dump, so they are counted, not listed).
+    assert!(cluster.stat("dnat_new_flow") >= 301, "{:#}", cluster.dump_json("stats"));
     // The flows are in conntrack, original and translated tuples side by side.
     let ct = cluster.dump_json("conntrack");
     let rows = ct.as_array().unwrap();
-    assert!(rows.len() >= 300, "{} conntrack rows", rows.len());
+    assert!(!rows.is_empty(), "no conntrack rows");
     let row = &rows[0];
     assert!(row["original"].as_str().unwrap().ends_with(&format!("-> {WEB_VIP}:80")), "{row}");
     assert!(row["translated"].as_str().unwrap().contains("-> 10.244.0.1"), "{row}");
