@@ -23,7 +23,7 @@ use proxy_common::{
 use crate::{
     config, conntrack,
     conntrack6::{self, ReplyTo6},
-    events, external6, lb6,
+    events, external6, fib, lb6,
     maps::{CHOICE6_SCRATCH, FLOW6_SCRATCH},
     nat6, parse6, reject6, snat6, stats,
     verdict::{Verdict, finish},
@@ -59,8 +59,10 @@ struct Found {
 #[inline(never)]
 pub fn run(ctx: &TcContext) -> i32 {
     let result = ingress(ctx);
-    // Only a masqueraded flow's reply is redirected, along the route `external6::snat_reply` wrote.
-    finish(ctx, result, external6::redirect_route())
+    // Only a masqueraded flow's reply is redirected, along the route `external6::snat_reply` wrote:
+    // the other packets of a pod veth pay no lookup for it.
+    let route = if result == Ok(Verdict::REDIRECT) { external6::redirect_route() } else { &fib::Route::NONE };
+    finish(ctx, result, route)
 }
 
 #[inline(always)]

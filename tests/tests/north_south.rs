@@ -255,6 +255,16 @@ ports: [{{name: tcp, port: {port}, protocol: TCP}}]
     }
 
     /// curl from the external client; `Ok((backend, source seen by it))` from `/whoami`.
+    /// `dig +short +time=2` (and `extra`) from the external client for ip.kproxy.test at NodePort
+    /// 30053 of `node`: the answer, or dig's failure.
+    fn dig_node_port(&self, node: usize, extra: &[&str]) -> anyhow::Result<String> {
+        let server = format!("@{}", self.multi.node_ip(node));
+        let mut args = vec!["dig", "+short", "+time=2"];
+        args.extend(extra);
+        args.extend([server.as_str(), "-p", "30053", "ip.kproxy.test"]);
+        self.multi.external_exec(args)
+    }
+
     fn whoami(&self, url: &str, extra: &[&str]) -> Result<(Ipv4Addr, Ipv4Addr), String> {
         let mut args = vec!["curl", "-sS", "--max-time", "2"];
         args.extend(extra);
@@ -409,25 +419,10 @@ fn nodeport_reaches_backends_on_every_node_and_only_remote_ones_are_source_natte
 fn nodeport_serves_udp_and_tcp_on_the_same_port_number() {
     let cluster = NorthSouth::start("np-dns");
     for node in 0..2 {
-        let node_ip = cluster.multi.node_ip(node).to_string();
         for transport in ["+notcp", "+tcp"] {
-            let answer = cluster
-                .multi
-                .external_exec([
-                    "dig",
-                    "+short",
-                    "+time=2",
-                    "+tries=1",
-                    transport,
-                    &format!("@{node_ip}"),
-                    "-p",
-                    "30053",
-                    "ip.kproxy.test",
-                    "A",
-                ])
-                .unwrap_or_else(|e| {
-                    panic!("dig {transport} via node {node}: {e:#}\n{}", cluster.agent_logs())
-                });
+            let answer = cluster.dig_node_port(node, &["+tries=1", transport, "A"]).unwrap_or_else(|e| {
+                panic!("dig {transport} via node {node}: {e:#}\n{}", cluster.agent_logs())
+            });
             assert_eq!(answer.trim(), DNS_B.to_string(), "dig {transport} via node {node}");
         }
     }
@@ -767,25 +762,11 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
     let node0 = cluster.multi.node_ip(0);
     // A first query makes node 0 resolve node 1's MAC: until a neighbour is known XDP leaves the
     // packet to tc, whose redirect resolves it.
-    let dig = |name: &str| {
-        cluster
-            .multi
-            .external_exec([
-                "dig",
-                "+short",
-                "+time=2",
-                "+tries=1",
-                &format!("@{node0}"),
-                "-p",
-                "30053",
-                name,
-            ])
-            .unwrap()
-    };
-    assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
+    let dig = || cluster.dig_node_port(0, &["+tries=1"]).unwrap();
+    assert_eq!(dig().trim(), DNS_B.to_string());
     let trace = Trace::start(cluster.multi.node(0), &cluster.pins[0], &["--client", &CLIENT.to_string()]);
     let forwarded_before = cluster.stat(0, "xdp_forwarded");
-    assert_eq!(dig("ip.kproxy.test").trim(), DNS_B.to_string());
+    assert_eq!(dig().trim(), DNS_B.to_string());
     let steps = trace.steps();
     assert!(
         cluster.stat(0, "xdp_forwarded") >= forwarded_before + 2,
@@ -815,21 +796,8 @@ fn trace_shows_an_xdp_translated_nodeport_flow_with_its_snat() {
 #[test]
 fn trace_names_maglev_as_what_chose_a_nodeport_flows_backend() {
     let cluster = NorthSouth::start_with("ns-maglev", &["--lb-algorithm", "maglev"]);
-    let node0 = cluster.multi.node_ip(0);
     let trace = Trace::start(cluster.multi.node(0), &cluster.pins[0], &["--client", &CLIENT.to_string()]);
-    let answer = cluster
-        .multi
-        .external_exec([
-            "dig",
-            "+short",
-            "+time=2",
-            "+tries=3",
-            &format!("@{node0}"),
-            "-p",
-            "30053",
-            "ip.kproxy.test",
-        ])
-        .unwrap();
+    let answer = cluster.dig_node_port(0, &["+tries=3"]).unwrap();
     assert_eq!(answer.trim(), DNS_B.to_string());
     let steps = trace.steps();
     let note = steps[1]["note"].as_str().unwrap();
