@@ -243,7 +243,10 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
         return Err(Verdict::pass(Stat::XdpToTc));
     }
     match conntrack::lookup(&flow.ct_key(CT_DIR_FORWARD)) {
-        Some(entry) => established(ctx, &flow, entry, out)?,
+        Some(entry) => {
+            established(ctx, &flow, entry, out)?;
+            keep_reply(&flow, entry);
+        }
         // Netfilter's own flows (kube-proxy's, from before kproxy) are the tc
         // program's.
         None if crate::inherited::is_open_off_stack(&flow) => return Err(Verdict::pass(Stat::XdpToTc)),
@@ -354,6 +357,15 @@ fn established(
     };
     stats::count(Stat::DnatEstablished);
     Ok(())
+}
+
+/// As tc does for the flows it sends: a reply entry the LRU evicted is put back, or the backend's
+/// next answer would reach the node's own stack at the SNAT port, un-NATed by nothing.
+#[inline(never)]
+fn keep_reply(flow: &Flow, entry: *const proxy_common::maps::CtEntryV4) {
+    // SAFETY: a map value valid for this program run.
+    let entry = unsafe { *entry };
+    conntrack::keep_reply(&flow.ct_key(CT_DIR_FORWARD), &entry, &config::hairpin_addr());
 }
 
 /// The backend a new flow goes to, when it is XDP's (remote).

@@ -861,3 +861,84 @@ fn cluster_ips_from_outside_reach_backends_whose_veths_have_no_tc_program() {
     }
     assert_eq!(seen, [(WEB_A, CLIENT), (WEB_B, node0)].into(), "backend → the source it saw");
 }
+
+/// A kept-alive connection from the external client through node 0's NodePort to web-b on node 1
+/// (source-NATed to node 0) whose reply conntrack entry is evicted — as the LRU evicts an entry
+/// under pressure — while it idles between two requests: the agent's garbage collection runs in
+/// the meantime (every second) and must leave the flow's two SNAT_V4 translations alone, for the
+/// next request puts the reply entry back from them. Both requests are answered by web-b, which
+/// sees node 0's address. (The collection deleted the translations of any flow whose reply
+/// entry was missing, and the second request went unanswered.)
+fn a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted(tag: &str, extra: &[&str]) {
+    let mut args = vec!["--conntrack-gc-interval", "1s"];
+    args.extend(extra);
+    let cluster = NorthSouth::start_with(tag, &args);
+    cluster.add_node_port_to_web_b("web-b-only", "10.96.0.91", 80, 30091);
+    let node0 = cluster.multi.node_ip(0);
+    // Asks, says from which port, waits for the test to evict (until `go` exists), asks again.
+    let go = TempDir(std::env::temp_dir().join(format!("{}-go", cluster.multi.name())));
+    let script = format!(
+        "import os, socket, time\n\
+         s = socket.create_connection(('{node0}', 30091), timeout=5)\n\
+         ask = lambda: (s.sendall(b'GET /whoami HTTP/1.1\\r\\nHost: web\\r\\n\\r\\n'), s.recv(4096))[1]\n\
+         first = ask()\n\
+         print(s.getsockname()[1], flush=True)\n\
+         while not os.path.exists('{}'): time.sleep(0.05)\n\
+         second = ask()\n\
+         print(first.split(b'\\r\\n\\r\\n', 1)[1].decode().strip(), flush=True)\n\
+         print(second.split(b'\\r\\n\\r\\n', 1)[1].decode().strip(), flush=True)\n",
+        go.0.display()
+    );
+    let client = cluster.multi.external_spawn(["python3", "-c", &script]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let port: u16 = loop {
+        if let Some(port) = client.log().lines().next().and_then(|l| l.trim().parse().ok()) {
+            break port;
+        }
+        assert!(client.is_running(), "the client failed: {}\n{}", client.log(), cluster.agent_logs());
+        assert!(Instant::now() < deadline, "no answer through node 0: {}", client.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+
+    let pins = kproxy::bpf::PinDir::new(&cluster.pins[0]);
+    let mut maps = kproxy::bpf::Maps::from_pins(&pins).unwrap();
+    let replies: Vec<proxy_common::maps::CtKeyV4> = maps
+        .conntrack
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| {
+            k.direction == proxy_common::maps::CT_DIR_REPLY
+                && k.saddr == WEB_B.octets()
+                && k.daddr == node0.octets()
+                && k.proto == proxy_common::maps::IPPROTO_TCP
+        })
+        .collect();
+    assert_eq!(replies.len(), 1, "the flow's one reply entry, keyed to node 0's SNAT port: {replies:?}");
+    maps.conntrack.remove(&replies[0]).unwrap();
+    let snat = |maps: &kproxy::bpf::Maps| maps.snat.keys().filter_map(|k| k.ok()).count();
+    assert_eq!(snat(&maps), 2, "the flow's forward and reverse translations");
+    // Three collections, at least (the interval grows by half after each idle one).
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(snat(&maps), 2, "the gc left the live flow's translations\n{}", cluster.agent_logs());
+
+    std::fs::create_dir(&go.0).unwrap();
+    let status = client.wait_timeout(Duration::from_secs(10)).unwrap().expect("the client exits");
+    let log = client.log();
+    let answers: Vec<&str> = log.lines().skip(1).collect();
+    assert!(status.success(), "from :{port}: {log}\n{}", cluster.agent_logs());
+    assert_eq!(answers.len(), 2, "{log}");
+    for answer in answers {
+        assert_eq!(answer, format!("{WEB_B} {node0}"), "web-b answered and saw node 0: {log}");
+    }
+    assert!(maps.conntrack.get(&replies[0], 0).is_ok(), "the second request put the reply entry back");
+}
+
+#[test]
+fn a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted_through_xdp() {
+    a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted("evict-xdp", &[]);
+}
+
+#[test]
+fn a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted_through_tc() {
+    a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted("evict-tc", &["--xdp", "off"]);
+}

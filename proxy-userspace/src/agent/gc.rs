@@ -7,7 +7,7 @@
 //! orphan reply entries (their forward entry was evicted), SNAT translations whose flow is gone,
 //! and expired sessionAffinity entries.
 //!
-//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`], [`plan_stale_snat6`],
+//! The decisions ([`plan_conntrack`], [`plan_affinity`], [`plan_purge`], [`plan_stale_snat`],
 //! [`Interval::next`]) are pure and unit-tested; [`run`],
 //! [`purge_backends`] do the map I/O. All times are
 //! CLOCK_MONOTONIC nanoseconds ([`monotonic_ns`](crate::bpf::conntrack::monotonic_ns)), the clock of
@@ -15,6 +15,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    hash::Hash,
     time::Duration,
 };
 
@@ -183,44 +184,63 @@ pub fn plan_purge6(
     select_pairs(entries, |k, e| reply_key6(k, e, snat6), |_, entry| backend_ids.contains(&entry.backend_id))
 }
 
-/// How long a fresh SNAT_V6 entry is kept without its conntrack entry: the datapath takes a flow's
-/// port (both SNAT_V6 entries) before it records the flow in CONNTRACK_V6.
+/// How long a fresh SNAT_V4 or SNAT_V6 entry is kept without its conntrack entry: the datapath takes
+/// a flow's port (both translations) before it records the flow in conntrack.
 pub const SNAT_RECORD_GRACE_NS: u64 = SECOND_NS;
 
-/// The SNAT_V6 entries whose flow is gone, with the `created_ns` each had when read (so that one
-/// created again under the same key since is left alone). A flow's two translations — its forward
-/// entry, keyed as its conntrack forward entry, `→ {address, port it became}`, and its reverse one,
-/// keyed as its reply entry (`backend → that address:port`) `→ {client, client port}` — are told
-/// apart from other flows' by that address and port and the client's, and go only when neither of
-/// the flow's conntrack entries is left (`tracked`): the datapath puts an evicted half of a live
-/// pair back from the other on its next packet, and needs both translations for it. Entries younger
-/// than [`SNAT_RECORD_GRACE_NS`] stay: a flow takes its port before it is recorded.
-pub fn plan_stale_snat6(
-    translations: &[(CtKeyV6, SnatEntryV6)],
-    tracked: impl Fn(&CtKeyV6) -> bool,
-    now: u64,
-) -> Vec<(CtKeyV6, u64)> {
-    // (proto, translated address, translated port, client address, client port) of a flow.
-    type Link = (u8, [u8; 16], [u8; 2], [u8; 16], [u8; 2]);
-    let link = |key: &CtKeyV6, to: &SnatEntryV6| -> Link {
-        if key.direction == CT_DIR_FORWARD {
-            (key.proto, to.addr, to.port, key.saddr, key.sport)
-        } else {
-            (key.proto, key.daddr, key.dport, to.addr, to.port)
+/// A SNAT_V4 or SNAT_V6 translation, keyed as one of its flow's conntrack entries.
+pub trait Translation: Copy {
+    type Key: CtKey;
+    /// What a flow's two translations share and no other flow's do: (proto, the address:port the
+    /// client became, the client's address:port).
+    type Link: Eq + Hash;
+    fn link(key: &Self::Key, to: &Self) -> Self::Link;
+    fn created_ns(&self) -> u64;
+}
+
+macro_rules! translation {
+    ($entry:ty, $key:ty, $addr:ty) => {
+        impl Translation for $entry {
+            type Key = $key;
+            type Link = (u8, $addr, [u8; 2], $addr, [u8; 2]);
+            fn link(key: &$key, to: &$entry) -> Self::Link {
+                if key.direction == CT_DIR_FORWARD {
+                    (key.proto, to.addr, to.port, key.saddr, key.sport)
+                } else {
+                    (key.proto, key.daddr, key.dport, to.addr, to.port)
+                }
+            }
+            fn created_ns(&self) -> u64 {
+                self.created_ns
+            }
         }
     };
-    let mut live: HashSet<Link> = HashSet::new();
-    for (key, to) in translations {
-        if tracked(key) {
-            live.insert(link(key, to));
-        }
-    }
+}
+
+translation!(SnatEntryV4, CtKeyV4, [u8; 4]);
+translation!(SnatEntryV6, CtKeyV6, [u8; 16]);
+
+/// The SNAT_V4 or SNAT_V6 entries whose flow is gone, with the `created_ns` each had when read (so
+/// that one created again under the same key since is left alone). A flow's two translations — its
+/// forward entry, keyed as its conntrack forward entry, `→ {address, port it became}`, and its
+/// reverse one, keyed as its reply entry (`backend → that address:port`) `→ {client, client port}`
+/// — are told apart from other flows' by [`Translation::link`], and go only when neither of the
+/// flow's conntrack entries is left (`tracked`): the datapath puts an evicted half of a live pair
+/// back from the other on its next packet, and needs both translations for it. Entries younger
+/// than [`SNAT_RECORD_GRACE_NS`] stay: a flow takes its port before it is recorded.
+pub fn plan_stale_snat<T: Translation>(
+    translations: &[(T::Key, T)],
+    tracked: impl Fn(&T::Key) -> bool,
+    now: u64,
+) -> Vec<(T::Key, u64)> {
+    let live: HashSet<T::Link> =
+        translations.iter().filter(|(key, _)| tracked(key)).map(|(key, to)| T::link(key, to)).collect();
     translations
         .iter()
         .filter(|(key, to)| {
-            now.saturating_sub(to.created_ns) >= SNAT_RECORD_GRACE_NS && !live.contains(&link(key, to))
+            now.saturating_sub(to.created_ns()) >= SNAT_RECORD_GRACE_NS && !live.contains(&T::link(key, to))
         })
-        .map(|(key, to)| (*key, to.created_ns))
+        .map(|(key, to)| (*key, to.created_ns()))
         .collect()
 }
 
@@ -348,27 +368,21 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     let (deleted6, affinity6_left) = expire_affinity(&mut maps.affinity_v6, &frontends, "IPv6 affinity")?;
     report.affinity_deleted += deleted + deleted6;
 
-    // Translations whose flow is gone (its reply entry was evicted or
-    // deleted): the reverse SNAT key is the flow's reply key.
-    let stale: Vec<(CtKeyV4, SnatEntryV4)> = maps
-        .snat
-        .iter()
-        .filter_map(|e| e.ok())
-        .filter(|(k, _)| k.direction == CT_DIR_REPLY && maps.conntrack.get(k, 0).is_err())
-        .collect();
-    for (reverse, to_client) in stale {
-        let forward = CtKeyV4 {
-            saddr: to_client.addr,
-            daddr: reverse.saddr,
-            sport: to_client.port,
-            dport: reverse.sport,
-            proto: reverse.proto,
-            direction: CT_DIR_FORWARD,
-            _pad: [0; 2],
-        };
-        let _ = maps.snat.remove(&reverse);
-        let _ = maps.snat.remove(&forward);
-        report.snat_deleted += 1;
+    // A walk cut short would make every translation it missed look stale: none is judged then.
+    let translations: Vec<(CtKeyV4, SnatEntryV4)> =
+        maps.snat.iter().collect::<Result<_, _>>().context("reading SNAT_V4")?;
+    let tracked: HashSet<CtKeyV4> =
+        maps.conntrack.keys().collect::<Result<_, _>>().context("reading CONNTRACK_V4")?;
+    for (key, created_ns) in plan_stale_snat(&translations, |k| tracked.contains(k), monotonic_ns()) {
+        // Re-read before it goes: the key may have been taken again by a new flow since the scan.
+        let same = maps.snat.get(&key, 0).is_ok_and(|to| to.created_ns == created_ns);
+        if same
+            && maps.conntrack.get(&key, 0).is_err()
+            && remove_present(&mut maps.snat, &key).context("deleting a stale SNAT_V4 entry")?
+            && key.direction == CT_DIR_REPLY
+        {
+            report.snat_deleted += 1;
+        }
     }
 
     let (remaining, remaining6) = (maps.conntrack.keys().count() as u64, count6(maps));
@@ -440,7 +454,7 @@ fn collect_ipv6(maps: &mut Maps, timeouts: &Timeouts, now: u64, report: &mut GcR
         maps.snat_v6.iter().collect::<Result<_, _>>().context("reading SNAT_V6")?;
     let tracked: HashSet<CtKeyV6> =
         maps.conntrack_v6.keys().collect::<Result<_, _>>().context("reading CONNTRACK_V6")?;
-    for (key, created_ns) in plan_stale_snat6(&translations, |k| tracked.contains(k), monotonic_ns()) {
+    for (key, created_ns) in plan_stale_snat(&translations, |k| tracked.contains(k), monotonic_ns()) {
         // Re-read before it goes: the key may have been taken again by a new flow since the scan.
         let same = maps.snat_v6.get(&key, 0).is_ok_and(|to| to.created_ns == created_ns);
         if same
@@ -798,16 +812,43 @@ mod tests {
         let keys = |stale: Vec<(CtKeyV6, u64)>| stale.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
         // One conntrack entry of each of the two older flows is left: every translation stays.
         let tracked: HashSet<CtKeyV6> = [live[0], gone[1]].into();
-        assert!(keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now)).is_empty());
+        assert!(keys(plan_stale_snat(&translations, |k| tracked.contains(k), now)).is_empty());
         let tracked: HashSet<CtKeyV6> = [live[1], gone[0]].into();
-        assert!(keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now)).is_empty());
+        assert!(keys(plan_stale_snat(&translations, |k| tracked.contains(k), now)).is_empty());
         // Both of one flow's gone: its two translations go, the fresh flow's only a second later.
         let tracked: HashSet<CtKeyV6> = live.into();
-        let stale = plan_stale_snat6(&translations, |k| tracked.contains(k), now);
+        let stale = plan_stale_snat(&translations, |k| tracked.contains(k), now);
         assert_eq!(keys(stale.clone()), gone.to_vec());
         assert_eq!(stale[0].1, now - 60 * S, "with the created_ns it was read with");
-        let later = keys(plan_stale_snat6(&translations, |k| tracked.contains(k), now + S));
+        let later = keys(plan_stale_snat(&translations, |k| tracked.contains(k), now + S));
         assert_eq!(later, [gone.to_vec(), fresh_snat.map(|(k, _)| k).to_vec()].concat());
+    }
+
+    /// IPv4's source-NATed flows (a NodePort reached from outside, SNATed to the node): a flow
+    /// whose reply entry alone was evicted keeps both translations — the next forward packet puts
+    /// the reply entry back from them — and a flow with neither entry left loses both.
+    #[test]
+    fn stale_snat_v4_translations_go_with_the_last_of_their_flows_conntrack_entries() {
+        let now = 1_000 * S;
+        let node = [192, 168, 1, 10];
+        let nated = |sport: u16, port: u16| {
+            let [(fkey, _), (rkey, _)] = flow(CLIENT, sport, IPPROTO_TCP, CtState::Established, 0, 0);
+            let rkey = CtKeyV4 { daddr: node, dport: port.to_be_bytes(), ..rkey };
+            let to = |addr, port: u16| SnatEntryV4 {
+                created_ns: now - 60 * S,
+                addr,
+                port: port.to_be_bytes(),
+                _pad: [0; 2],
+            };
+            ([fkey, rkey], [(fkey, to(node, port)), (rkey, to(CLIENT, sport))])
+        };
+        let (half, half_snat) = nated(4001, 32_001);
+        let (gone, gone_snat) = nated(4002, 32_002);
+        let translations: Vec<_> = [half_snat, gone_snat].concat();
+        // The first flow's reply entry was evicted, the second's two both.
+        let tracked: HashSet<CtKeyV4> = [half[0]].into();
+        let stale = plan_stale_snat(&translations, |k| tracked.contains(k), now);
+        assert_eq!(stale, vec![(gone[0], now - 60 * S), (gone[1], now - 60 * S)]);
     }
 
     #[test]
