@@ -21,7 +21,30 @@ fn main() -> anyhow::Result<()> {
     )
     .context(
         "building the eBPF programs failed; `cargo xtask setup` installs nightly rust-src and bpf-linker",
-    )
+    )?;
+    if std::fs::metadata(&object).is_ok_and(|m| m.len() > 0) {
+        strip_debug(&object)?;
+    }
+    Ok(())
+}
+
+/// LLVM 22's objcopy, which bpf-linker's LLVM brings (Debian's llvm-22, as `cargo xtask setup` and the
+/// Dockerfile install it).
+const OBJCOPY: [&str; 2] = ["/usr/lib/llvm-22/bin/llvm-objcopy", "llvm-objcopy"];
+
+/// Drops the object's DWARF (`.debug_*`, three quarters of its 2.9 MiB): the kernel reads the BTF
+/// (`.BTF`, `.BTF.ext`'s line info for the verifier's messages), which bpf-linker made from it, and
+/// nothing reads the DWARF; embedded, it was resident in every agent.
+fn strip_debug(object: &std::path::Path) -> anyhow::Result<()> {
+    for objcopy in OBJCOPY {
+        match std::process::Command::new(objcopy).arg("--strip-debug").arg(object).status() {
+            Ok(status) if status.success() => return Ok(()),
+            Ok(status) => anyhow::bail!("{objcopy} --strip-debug {}: {status}", object.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e).with_context(|| format!("running {objcopy}")),
+        }
+    }
+    anyhow::bail!("llvm-objcopy not found ({OBJCOPY:?}); `cargo xtask setup` installs LLVM 22")
 }
 
 /// `KPROXY_GIT_COMMIT` for the binary (`kproxy_build_info{commit}`): the variable if the build sets

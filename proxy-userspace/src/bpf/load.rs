@@ -68,7 +68,7 @@ pub fn load_unpinned() -> Result<Ebpf> {
 }
 
 pub fn load_unpinned_with(capacities: &Capacities) -> Result<Ebpf> {
-    load_object(ebpf_object(), capacities, &[])
+    load_object(&ebpf_object(), capacities, &[])
 }
 
 /// [`load_unpinned_with`] on a copy of the object that `patch` changed first: benchmarks load
@@ -77,45 +77,57 @@ pub fn load_unpinned_patched(
     capacities: &Capacities,
     patch: impl FnOnce(&mut [u8]) -> Result<()>,
 ) -> Result<Ebpf> {
-    let object = ebpf_object();
-    // 8-byte aligned, as the ELF parser wants it.
-    let mut words = vec![0u64; object.len().div_ceil(8)];
-    // SAFETY: the byte view covers exactly the vector's initialised u64s.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
-    let bytes = &mut bytes[..object.len()];
-    bytes.copy_from_slice(object);
-    patch(bytes)?;
-    load_object(bytes, capacities, &[])
+    let mut object = ebpf_object();
+    patch(object.bytes_mut())?;
+    load_object(&object, capacities, &[])
 }
 
-/// The embedded object with its BTF made acceptable to the kernel ([`btf_unions_as_structs`]),
-/// in 8-byte aligned memory as the ELF parser wants it.
-fn ebpf_object() -> &'static [u8] {
-    static OBJECT: std::sync::OnceLock<Vec<u64>> = std::sync::OnceLock::new();
-    let words = OBJECT.get_or_init(|| {
-        let mut words = vec![0u64; EBPF_OBJECT.len().div_ceil(8)];
+/// A copy of the embedded object in 8-byte aligned memory, as the ELF parser wants it. Made for
+/// each load and dropped after it: kept for the process's life, it was 3 MiB of the agent's RSS
+/// from its start to its end.
+struct Object {
+    words: Vec<u64>,
+}
+
+impl Object {
+    fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: the byte view covers exactly the vector's initialised u64s.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.words.len() * 8)
+        };
+        &mut bytes[..EBPF_OBJECT.len()]
+    }
+}
+
+impl std::ops::Deref for Object {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: as in `bytes_mut`.
         let bytes =
-            unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) };
-        let bytes = &mut bytes[..EBPF_OBJECT.len()];
-        bytes.copy_from_slice(EBPF_OBJECT);
-        // Reordering members would change the member indexes CO-RE relocations name; aya's
-        // objects have none, and an object that has some is left as it is.
-        let core_relocations = elf_section(bytes, b".BTF.ext").is_some_and(|ext| {
-            let ext = &bytes[ext];
-            let word =
-                |at: usize| ext.get(at..at + 4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")));
-            word(4).is_some_and(|header_len| header_len >= 32) && word(28).is_some_and(|len| len > 0)
-        });
-        if let (Some(btf), false) = (elf_section(bytes, b".BTF"), core_relocations) {
-            let rewritten = btf_unions_as_structs(&mut bytes[btf]);
-            tracing::debug!(rewritten, "BTF: unions of Rust enums rewritten as structs");
-        }
-        words
+            unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.words.len() * 8) };
+        &bytes[..EBPF_OBJECT.len()]
+    }
+}
+
+/// The embedded object with its BTF made acceptable to the kernel ([`btf_unions_as_structs`]).
+fn ebpf_object() -> Object {
+    let mut object = Object { words: vec![0u64; EBPF_OBJECT.len().div_ceil(8)] };
+    let bytes = object.bytes_mut();
+    bytes.copy_from_slice(EBPF_OBJECT);
+    // Reordering members would change the member indexes CO-RE relocations name; aya's
+    // objects have none, and an object that has some is left as it is.
+    let core_relocations = elf_section(bytes, b".BTF.ext").is_some_and(|ext| {
+        let ext = &bytes[ext];
+        let word =
+            |at: usize| ext.get(at..at + 4).map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")));
+        word(4).is_some_and(|header_len| header_len >= 32) && word(28).is_some_and(|len| len > 0)
     });
-    // SAFETY: as above; the vector lives for the rest of the process.
-    let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) };
-    &bytes[..EBPF_OBJECT.len()]
+    if let (Some(btf), false) = (elf_section(bytes, b".BTF"), core_relocations) {
+        let rewritten = btf_unions_as_structs(&mut bytes[btf]);
+        tracing::debug!(rewritten, "BTF: unions of Rust enums rewritten as structs");
+    }
+    object
 }
 
 /// The byte range of a section of a little-endian ELF64 object, by name.
@@ -376,7 +388,7 @@ fn check_pinned_maps(pins: &PinDir) -> Result<(), LoadError> {
 /// their links.
 fn pin_programs(pins: &PinDir, capacities: &Capacities) -> Result<()> {
     let paths: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|name| (*name, pins.map(name))).collect();
-    let mut ebpf = load_object(ebpf_object(), capacities, &paths)?;
+    let mut ebpf = load_object(&ebpf_object(), capacities, &paths)?;
     for hook in Hook::ALL {
         let program: &mut SchedClassifier =
             ebpf.program_mut(hook.program()).expect("loaded above").try_into()?;
