@@ -36,17 +36,59 @@ enum Form<T> {
     /// Shared with the source that read it (manifests): its identity is read from the object.
     Whole(Arc<Sourced<T>>),
     /// The object's JSON, as written from its decoded form by [`Kept::compact`].
-    Encoded(Box<Encoded<T>>),
+    Encoded(Encoded<T>),
 }
 
+/// The JSON, then the namespace, the name, the `kubernetes.io/service-name` label and the origin, in
+/// one allocation: six of their own were 3 MiB of the agent's 64 at 10k Services (20k objects).
 struct Encoded<T> {
-    namespace: Option<Box<str>>,
-    name: Option<Box<str>>,
-    /// The `kubernetes.io/service-name` label.
-    service_name: Option<Box<str>>,
-    origin: Box<str>,
-    json: Box<[u8]>,
+    text: Box<str>,
+    /// Where each of the five ends in `text`.
+    ends: [u32; 5],
+    /// Which of namespace, name and label (bits 0, 1, 2) the object has.
+    present: u8,
     kind: PhantomData<fn() -> T>,
+}
+
+impl<T> Encoded<T> {
+    const JSON: usize = 0;
+    const NAMESPACE: usize = 1;
+    const NAME: usize = 2;
+    const SERVICE_NAME: usize = 3;
+    const ORIGIN: usize = 4;
+
+    /// `None` for an object too large to index with `u32`s (the API server's limit is some MiB).
+    fn new(
+        json: &str,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        service_name: Option<&str>,
+        origin: &str,
+    ) -> Option<Self> {
+        let parts = [Some(json), namespace, name, service_name, Some(origin)];
+        let mut text = String::with_capacity(parts.iter().flatten().map(|p| p.len()).sum());
+        let mut ends = [0; 5];
+        let mut present = 0;
+        for (i, part) in parts.iter().enumerate() {
+            if let Some(part) = part {
+                text.push_str(part);
+                if (Self::NAMESPACE..=Self::SERVICE_NAME).contains(&i) {
+                    present |= 1 << (i - Self::NAMESPACE);
+                }
+            }
+            ends[i] = u32::try_from(text.len()).ok()?;
+        }
+        Some(Self { text: text.into_boxed_str(), ends, present, kind: PhantomData })
+    }
+
+    fn part(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.text[start..self.ends[i] as usize]
+    }
+
+    fn optional(&self, i: usize) -> Option<&str> {
+        (self.present & (1 << (i - Self::NAMESPACE)) != 0).then(|| self.part(i))
+    }
 }
 
 /// What the model never reads of an object: removed before it is kept.
@@ -101,27 +143,23 @@ impl Slim for EndpointSlice {
     }
 }
 
-fn boxed(text: &Option<String>) -> Option<Box<str>> {
-    text.as_deref().map(Box::from)
-}
-
 impl<T: Slim + Serialize + DeserializeOwned> Kept<T> {
     /// `object` without what the model never reads, encoded; kept whole should it not encode.
     pub fn compact(origin: String, mut object: T) -> Self {
         object.slim();
-        let form = match serde_json::to_vec(&object) {
-            Ok(json) => {
-                let meta = object.metadata();
-                Form::Encoded(Box::new(Encoded {
-                    namespace: boxed(&meta.namespace),
-                    name: boxed(&meta.name),
-                    service_name: label(meta, LABEL_SERVICE_NAME).map(Box::from),
-                    origin: origin.into(),
-                    json: json.into(),
-                    kind: PhantomData,
-                }))
-            }
-            Err(_) => Form::Whole(Arc::new(Sourced { origin, object })),
+        let encoded = serde_json::to_string(&object).ok().and_then(|json| {
+            let meta = object.metadata();
+            Encoded::new(
+                &json,
+                meta.namespace.as_deref(),
+                meta.name.as_deref(),
+                label(meta, LABEL_SERVICE_NAME),
+                &origin,
+            )
+        });
+        let form = match encoded {
+            Some(encoded) => Form::Encoded(encoded),
+            None => Form::Whole(Arc::new(Sourced { origin, object })),
         };
         Self { form }
     }
@@ -131,9 +169,9 @@ impl<T: Slim + Serialize + DeserializeOwned> Kept<T> {
         match &self.form {
             Form::Whole(object) => Arc::clone(object),
             Form::Encoded(encoded) => {
-                let object = serde_json::from_slice(&encoded.json)
+                let object = serde_json::from_str(encoded.part(Encoded::<T>::JSON))
                     .expect("the JSON of a decoded object decodes again (it was written from one)");
-                Arc::new(Sourced { origin: encoded.origin.to_string(), object })
+                Arc::new(Sourced { origin: encoded.part(Encoded::<T>::ORIGIN).to_owned(), object })
             }
         }
     }
@@ -153,7 +191,7 @@ impl<T: Slim> Kept<T> {
     pub fn namespace(&self) -> Option<&str> {
         match &self.form {
             Form::Whole(object) => object.object.metadata().namespace.as_deref(),
-            Form::Encoded(encoded) => encoded.namespace.as_deref(),
+            Form::Encoded(encoded) => encoded.optional(Encoded::<T>::NAMESPACE),
         }
     }
 
@@ -161,7 +199,7 @@ impl<T: Slim> Kept<T> {
     pub fn name(&self) -> Option<&str> {
         match &self.form {
             Form::Whole(object) => object.object.metadata().name.as_deref(),
-            Form::Encoded(encoded) => encoded.name.as_deref(),
+            Form::Encoded(encoded) => encoded.optional(Encoded::<T>::NAME),
         }
     }
 
@@ -169,7 +207,7 @@ impl<T: Slim> Kept<T> {
     pub fn service_name(&self) -> Option<&str> {
         match &self.form {
             Form::Whole(object) => label(object.object.metadata(), LABEL_SERVICE_NAME),
-            Form::Encoded(encoded) => encoded.service_name.as_deref(),
+            Form::Encoded(encoded) => encoded.optional(Encoded::<T>::SERVICE_NAME),
         }
     }
 
@@ -177,7 +215,7 @@ impl<T: Slim> Kept<T> {
     pub fn origin(&self) -> &str {
         match &self.form {
             Form::Whole(object) => &object.origin,
-            Form::Encoded(encoded) => &encoded.origin,
+            Form::Encoded(encoded) => encoded.part(Encoded::<T>::ORIGIN),
         }
     }
 }
@@ -256,6 +294,25 @@ mod tests {
         (endpoint.target_ref, endpoint.hostname) = (None, None);
         assert_eq!(back.object, expected);
         assert!(back.object.endpoints[0].hints.is_some() && back.object.endpoints[0].zone.is_some());
+    }
+
+    /// An object without a namespace or the label reads as one: `None`, not an empty string.
+    #[test]
+    fn a_kept_object_without_a_namespace_or_label_has_none() {
+        let object: EndpointSlice =
+            serde_json::from_str(r#"{"metadata":{"name":"orphan"},"addressType":"IPv4","endpoints":[]}"#)
+                .unwrap();
+        let kept = Kept::compact("api-server EndpointSlice (resourceVersion 3)".to_owned(), object);
+        assert_eq!((kept.namespace(), kept.name(), kept.service_name()), (None, Some("orphan"), None));
+        assert_eq!(kept.origin(), "api-server EndpointSlice (resourceVersion 3)");
+        assert_eq!(kept.sourced().object.metadata.name.as_deref(), Some("orphan"));
+        let object: EndpointSlice = serde_json::from_str(
+            r#"{"metadata":{"namespace":"","labels":{"kubernetes.io/service-name":""}},"addressType":"IPv4","endpoints":[]}"#,
+        )
+        .unwrap();
+        let kept = Kept::compact(String::new(), object);
+        assert_eq!((kept.namespace(), kept.name(), kept.service_name()), (Some(""), None, Some("")));
+        assert_eq!(kept.origin(), "");
     }
 
     #[test]
