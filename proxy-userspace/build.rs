@@ -22,7 +22,11 @@ fn main() -> anyhow::Result<()> {
     .context(
         "building the eBPF programs failed; `cargo xtask setup` installs nightly rust-src and bpf-linker",
     )?;
-    if std::fs::metadata(&object).is_ok_and(|m| m.len() > 0) {
+    println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
+    // A host-only build (AYA_BUILD_SKIP) builds nothing and needs no LLVM; an object left by an
+    // earlier build was stripped then.
+    let skipped = std::env::var_os("AYA_BUILD_SKIP").is_some_and(|v| v != "0" && !v.is_empty());
+    if !skipped && std::fs::metadata(&object).is_ok_and(|m| m.len() > 0) {
         strip_debug(&object)?;
     }
     Ok(())

@@ -877,10 +877,16 @@ fn a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted(tag: &st
     let node0 = cluster.multi.node_ip(0);
     // Asks, says from which port, waits for the test to evict (until `go` exists), asks again.
     let go = TempDir(std::env::temp_dir().join(format!("{}-go", cluster.multi.name())));
+    let _ = std::fs::remove_dir_all(&go.0);
     let script = format!(
-        "import os, socket, time\n\
+        "import os, socket, sys, time\n\
          s = socket.create_connection(('{node0}', 30091), timeout=5)\n\
-         ask = lambda: (s.sendall(b'GET /whoami HTTP/1.1\\r\\nHost: web\\r\\n\\r\\n'), s.recv(4096))[1]\n\
+         def ask():\n\
+         \x20   s.sendall(b'GET /whoami HTTP/1.1\\r\\nHost: web\\r\\n\\r\\n')\n\
+         \x20   answer = b''\n\
+         \x20   while not answer.partition(b'\\r\\n\\r\\n')[2].endswith(b'\\n'):\n\
+         \x20       answer += s.recv(4096) or sys.exit('closed after ' + repr(answer))\n\
+         \x20   return answer\n\
          first = ask()\n\
          print(s.getsockname()[1], flush=True)\n\
          while not os.path.exists('{}'): time.sleep(0.05)\n\
@@ -915,11 +921,24 @@ fn a_source_nated_flow_survives_the_gc_after_its_reply_entry_is_evicted(tag: &st
         .collect();
     assert_eq!(replies.len(), 1, "the flow's one reply entry, keyed to node 0's SNAT port: {replies:?}");
     maps.conntrack.remove(&replies[0]).unwrap();
-    let snat = |maps: &kproxy::bpf::Maps| maps.snat.keys().filter_map(|k| k.ok()).count();
-    assert_eq!(snat(&maps), 2, "the flow's forward and reverse translations");
-    // Three collections, at least (the interval grows by half after each idle one).
-    std::thread::sleep(Duration::from_secs(6));
-    assert_eq!(snat(&maps), 2, "the gc left the live flow's translations\n{}", cluster.agent_logs());
+    let snat = |maps: &kproxy::bpf::Maps| maps.snat.keys().filter_map(|k| k.ok()).collect::<Vec<_>>();
+    assert_eq!(snat(&maps).len(), 2, "the flow's forward and reverse translations");
+    // A canary: the reverse translation of a flow long gone (nothing in conntrack, created at boot).
+    // Once it is swept, a collection has judged the live flow with its reply entry missing.
+    let canary = proxy_common::maps::CtKeyV4 { sport: 8080u16.to_be_bytes(), ..replies[0] };
+    let to = proxy_common::maps::SnatEntryV4 {
+        created_ns: 0,
+        addr: [192, 168, 100, 250],
+        port: [0, 1],
+        _pad: [0; 2],
+    };
+    maps.snat.insert(canary, to, 0).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while snat(&maps).contains(&canary) {
+        assert!(Instant::now() < deadline, "no collection swept the canary\n{}", cluster.agent_logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(snat(&maps).len(), 2, "the gc left the live flow's translations\n{}", cluster.agent_logs());
 
     std::fs::create_dir(&go.0).unwrap();
     let status = client.wait_timeout(Duration::from_secs(10)).unwrap().expect("the client exits");

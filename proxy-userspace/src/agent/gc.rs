@@ -23,8 +23,8 @@ use anyhow::{Context as _, Result};
 use proxy_common::{
     conntrack::Timeouts,
     maps::{
-        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, CtKeyV4, RevNatId,
-        SVC_FLAG_AFFINITY, SnatEntryV4, reply_key_in_snat,
+        AffinityKeyV4, AffinityValueV4, CT_DIR_FORWARD, CT_DIR_REPLY, CT_FLAG_REMAP, CT_FLAG_SNAT, CtEntryV4,
+        CtKeyV4, RevNatId, SVC_FLAG_AFFINITY, SnatEntryV4, legacy_snat_forward_key, reply_key_in_snat,
     },
     maps_v6::{AffinityKeyV6, CtEntryV6, CtKeyV6, SnatEntryV6},
 };
@@ -244,6 +244,25 @@ pub fn plan_stale_snat<T: Translation>(
         .collect()
 }
 
+/// The keys under which kproxy before the per-flow key kept a source-NATed flow's forward SNAT_V4
+/// entry (the tuple after DNAT, [`legacy_snat_forward_key`]), for each such flow still `tracked`: no
+/// conntrack entry has that key, so without it such a flow counted as gone once its reply entry was
+/// evicted. (A remapped flow's forward entry was always keyed by its own tuple.)
+fn legacy_forward_keys<'a>(
+    entries: &'a [(CtKeyV4, CtEntryV4)],
+    tracked: &'a HashSet<CtKeyV4>,
+) -> impl Iterator<Item = CtKeyV4> + 'a {
+    entries
+        .iter()
+        .filter(|(key, entry)| {
+            key.direction == CT_DIR_FORWARD
+                && entry.flags & CT_FLAG_SNAT != 0
+                && entry.flags & CT_FLAG_REMAP == 0
+                && tracked.contains(key)
+        })
+        .map(|(key, entry)| legacy_snat_forward_key(key, entry.nat_addr, entry.nat_port))
+}
+
 /// Cilium-style adaptive GC interval.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Interval {
@@ -371,10 +390,14 @@ pub fn run(maps: &mut Maps) -> Result<GcReport> {
     // A walk cut short would make every translation it missed look stale: none is judged then.
     let translations: Vec<(CtKeyV4, SnatEntryV4)> =
         maps.snat.iter().collect::<Result<_, _>>().context("reading SNAT_V4")?;
-    let tracked: HashSet<CtKeyV4> =
+    let mut tracked: HashSet<CtKeyV4> =
         maps.conntrack.keys().collect::<Result<_, _>>().context("reading CONNTRACK_V4")?;
+    let legacy: Vec<CtKeyV4> = legacy_forward_keys(&entries, &tracked).collect();
+    tracked.extend(legacy);
     for (key, created_ns) in plan_stale_snat(&translations, |k| tracked.contains(k), monotonic_ns()) {
-        // Re-read before it goes: the key may have been taken again by a new flow since the scan.
+        // Re-read before it goes: the key may have been taken again by a new flow since the scan. (A
+        // flow that takes it between this read and the delete loses its translation: the window is
+        // one syscall, and its next packet is dropped as a translation evicted would be.)
         let same = maps.snat.get(&key, 0).is_ok_and(|to| to.created_ns == created_ns);
         if same
             && maps.conntrack.get(&key, 0).is_err()
@@ -520,7 +543,7 @@ mod tests {
     use crate::bpf::conntrack::*;
     use crate::testutil::conntrack::*;
     use proxy_common::conntrack::CtState;
-    use proxy_common::maps::{CT_FLAG_HAIRPIN, CT_FLAG_REMAP, CT_FLAG_SNAT, ConfigV4, DEFAULT_HAIRPIN_ADDR};
+    use proxy_common::maps::{CT_FLAG_HAIRPIN, ConfigV4, DEFAULT_HAIRPIN_ADDR};
 
     #[test]
     fn hairpin_reply_key_uses_the_hairpin_address() {
@@ -849,6 +872,28 @@ mod tests {
         let tracked: HashSet<CtKeyV4> = [half[0]].into();
         let stale = plan_stale_snat(&translations, |k| tracked.contains(k), now);
         assert_eq!(stale, vec![(gone[0], now - 60 * S), (gone[1], now - 60 * S)]);
+
+        // A flow translated before the per-flow key: its forward translation is keyed by the tuple
+        // after DNAT, which no conntrack entry has; its forward conntrack entry still names it.
+        let [(fkey, mut fwd), _] = flow(CLIENT, 4003, IPPROTO_TCP, CtState::Established, 0, 0);
+        fwd.flags |= CT_FLAG_SNAT;
+        let legacy = legacy_snat_forward_key(&fkey, fwd.nat_addr, fwd.nat_port);
+        let (_, [(_, to_node), reverse]) = nated(4003, 32_003);
+        let translations = [(legacy, to_node), reverse];
+        let mut tracked: HashSet<CtKeyV4> = [fkey].into();
+        assert!(
+            !plan_stale_snat(&translations, |k| tracked.contains(k), now).is_empty(),
+            "unknown without it"
+        );
+        let entries = [(fkey, fwd)];
+        let legacy_keys: Vec<CtKeyV4> = legacy_forward_keys(&entries, &tracked).collect();
+        assert_eq!(legacy_keys, vec![legacy]);
+        tracked.extend(legacy_keys);
+        assert!(plan_stale_snat(&translations, |k| tracked.contains(k), now).is_empty());
+        // Gone altogether: both go.
+        let none = HashSet::new();
+        assert_eq!(legacy_forward_keys(&entries, &none).count(), 0);
+        assert_eq!(plan_stale_snat(&translations, |k| none.contains(k), now).len(), 2);
     }
 
     #[test]
