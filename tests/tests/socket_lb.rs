@@ -68,14 +68,22 @@ fn start(tag: &str, datapath: Datapath) -> Cluster {
     cluster
 }
 
-/// The tc programs `bpftool net show` finds on each pod's veth: none on a covered pod's.
+/// The tc programs `bpftool net show` finds on each pod's veth: none on a covered pod's. The agent
+/// takes them off a covered pod's veth on its next poll after the hooks are up: waited for.
 fn check_veths(cluster: &Cluster) {
     let pods = std::iter::once(&cluster.client).chain(&cluster.web).chain(&cluster.dns);
     for pod in pods {
-        let mut programs = cluster.tc_programs(pod.host_veth());
-        programs.sort();
         let expected: &[&str] = if cluster.covered(pod) { &[] } else { &["kproxy_egress", "kproxy_ingress"] };
-        assert_eq!(programs, expected, "tc programs on {} ({})", pod.host_veth(), pod.name());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut programs = cluster.tc_programs(pod.host_veth());
+            programs.sort();
+            if programs == expected || std::time::Instant::now() > deadline {
+                assert_eq!(programs, expected, "tc programs on {} ({})", pod.host_veth(), pod.name());
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
     }
 }
 
