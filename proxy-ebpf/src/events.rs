@@ -4,6 +4,7 @@
 //! stack has no room for it in the programs that emit the most).
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
+    checksum::FourTuple6,
     icmp::Quote,
     icmp6::{QUOTE6_OFF_DADDR, QUOTE6_OFF_DPORT, QUOTE6_OFF_SADDR, QUOTE6_OFF_SPORT},
     maps::{CT_DIR_FORWARD, CT_DIR_REPLY, CtEntryV4, ServiceValueV4},
@@ -11,7 +12,7 @@ use proxy_common::{
     packet::ETH_HLEN,
     packet6::{IP6_OFF_DADDR, IP6_OFF_SADDR, IPV6_HLEN},
     stats::Stat,
-    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_ICMP_UNNAT, EV_UNNAT, TraceEventV4},
+    trace::{EV_DNAT_ESTABLISHED, EV_DNAT_NEW, EV_ICMP_UNNAT, EV_UNNAT, TraceEventV4, TraceEventV6},
 };
 
 use crate::{
@@ -169,12 +170,40 @@ fn emit<A: 'static>(event: &proxy_common::trace::TraceEvent<A>) {
 #[inline(always)]
 pub fn step6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV4) {
     if enabled() {
-        emit6(ctx, flow, kind, frontend);
+        emit6(flow, kind, frontend, |event| {
+            parse6::load_into(ctx, ETH_HLEN + IP6_OFF_SADDR, &mut event.after_saddr).is_ok()
+                && parse6::load_into(ctx, ETH_HLEN + IP6_OFF_DADDR, &mut event.after_daddr).is_ok()
+                && (!flow.has_l4_header()
+                    || parse6::load_into(ctx, flow.l4_offset, &mut event.after_sport).is_ok()
+                        && parse6::load_into(ctx, flow.l4_offset + 2, &mut event.after_dport).is_ok())
+        });
     }
 }
 
+/// [`step6`] for XDP, whose "after" tuple is the rewrite it made (`after`: addresses and ports as
+/// in the packet).
+#[inline(always)]
+pub fn xdp_step6(flow: &Flow6, kind: u8, frontend: *const ServiceValueV4, after: &FourTuple6) {
+    if enabled() {
+        emit6(flow, kind, frontend, |event| {
+            event.after_saddr.copy_from_slice(&after[..16]);
+            event.after_daddr.copy_from_slice(&after[16..32]);
+            event.after_sport.copy_from_slice(&after[32..34]);
+            event.after_dport.copy_from_slice(&after[34..]);
+            true
+        });
+    }
+}
+
+/// Builds and sends an IPv6 step's event; `read_after` writes its "after" tuple (false: the packet
+/// could not be read, and no event goes out).
 #[inline(never)]
-fn emit6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV4) {
+fn emit6<F: FnOnce(&mut TraceEventV6) -> bool>(
+    flow: &Flow6,
+    kind: u8,
+    frontend: *const ServiceValueV4,
+    read_after: F,
+) {
     let Some(event) = EVENT_SCRATCH_V6.get_ptr_mut(0) else { return };
     // SAFETY: this CPU's entry; a program runs to completion on its CPU.
     let event = unsafe { &mut *event };
@@ -211,12 +240,7 @@ fn emit6(ctx: &TcContext, flow: &Flow6, kind: u8, frontend: *const ServiceValueV
             return;
         }
     };
-    let rewritten = parse6::load_into(ctx, ETH_HLEN + IP6_OFF_SADDR, &mut event.after_saddr).is_ok()
-        && parse6::load_into(ctx, ETH_HLEN + IP6_OFF_DADDR, &mut event.after_daddr).is_ok()
-        && (!flow.has_l4_header()
-            || parse6::load_into(ctx, flow.l4_offset, &mut event.after_sport).is_ok()
-                && parse6::load_into(ctx, flow.l4_offset + 2, &mut event.after_dport).is_ok());
-    if !rewritten {
+    if !read_after(event) {
         return;
     }
     if let Some(entry) = conntrack6::lookup(&flow.ct_key(direction)) {

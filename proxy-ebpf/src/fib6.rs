@@ -29,6 +29,21 @@ pub fn route<C: EbpfContext>(
     daddr: &[u8; 16],
     route: &mut Route,
 ) -> Result<(), Verdict> {
+    route_for_len(ctx, ingress_ifindex, saddr, daddr, CHECK_SKB, route)
+}
+
+/// [`route`] checking `ip_len` against the route's MTU, as `fib::route` does: XDP's, whose frames
+/// are single packets (no aggregates) and which the kernel cannot check itself. A packet too big
+/// for the route is an error (`BPF_FIB_LKUP_RET_FRAG_NEEDED`): XDP leaves it to tc.
+#[inline(always)]
+pub fn route_for_len<C: EbpfContext>(
+    ctx: &C,
+    ingress_ifindex: u32,
+    saddr: &[u8; 16],
+    daddr: &[u8; 16],
+    ip_len: u16,
+    route: &mut Route,
+) -> Result<(), Verdict> {
     let params = FIB_SCRATCH.get_ptr_mut(0).ok_or(Verdict::drop(Stat::FibLookupFailed))?;
     // Cleared word by word, as in `fib::route`.
     let words = params as *mut u64;
@@ -40,7 +55,7 @@ pub fn route<C: EbpfContext>(
     let params = unsafe { &mut *params };
     params.family = AF_INET6;
     params.ifindex = ingress_ifindex;
-    params.__bindgen_anon_1.tot_len = CHECK_SKB;
+    params.__bindgen_anon_1.tot_len = ip_len;
     // SAFETY: plain integer arrays in the union.
     unsafe {
         let (src, dst) = (&mut params.__bindgen_anon_3.ipv6_src, &mut params.__bindgen_anon_4.ipv6_dst);

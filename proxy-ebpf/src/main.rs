@@ -10,7 +10,7 @@
 //!   their own (`ingress6.rs`, `egress6.rs`), chosen by ethertype; on the
 //!   external interfaces NodePorts, ExternalIPs and LB IPs with SNAT
 //!   (`external6.rs`);
-//! - `kproxy_xdp`: the north-south fast path for remote backends (`xdp.rs`);
+//! - `kproxy_xdp`: the north-south fast path for remote backends (`xdp.rs`; IPv6 in `xdp6.rs`);
 //! - the cgroup socket hooks: socket-level load balancing (`sock.rs`; IPv6 sockets, with
 //!   IPv4-mapped addresses, in `sock6.rs`).
 //!
@@ -49,6 +49,7 @@ mod sock6;
 mod stats;
 mod verdict;
 mod xdp;
+mod xdp6;
 
 use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
@@ -87,6 +88,10 @@ pub fn kproxy_external_ingress(ctx: TcContext) -> i32 {
 /// remote backends, before the stack sees the packet.
 #[xdp]
 pub fn kproxy_xdp(ctx: XdpContext) -> u32 {
+    // IPv6 takes a chain of its own (`xdp6`), as in tc.
+    if xdp6::is_ipv6(&ctx) {
+        return xdp6::run(&ctx);
+    }
     xdp::run(&ctx)
 }
 

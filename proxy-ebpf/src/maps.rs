@@ -214,3 +214,7 @@ pub static EXTERNAL_IFACES_V6: HashMap<u32, proxy_common::maps_v6::ExternalIface
 /// flow is source-NATed to (`external6`). Not pinned.
 #[map(name = "EXTERNAL6_SCRATCH")]
 pub static EXTERNAL6_SCRATCH: PerCpuArray<crate::external6::External6> = PerCpuArray::with_max_entries(1, 0);
+
+/// The rewrite and route of an IPv6 packet XDP sends (`xdp6`). Not pinned.
+#[map(name = "XDP6_SCRATCH")]
+pub static XDP6_SCRATCH: PerCpuArray<crate::xdp6::Xdp6> = PerCpuArray::with_max_entries(1, 0);

@@ -35,7 +35,7 @@ use crate::{
 };
 
 #[inline(always)]
-fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
+pub(crate) fn pointer<T>(ctx: &XdpContext, offset: usize) -> Result<*mut T, Verdict> {
     let start = ctx.data();
     if start + offset + core::mem::size_of::<T>() > ctx.data_end() {
         return Err(Verdict::pass(Stat::PassTruncated));
@@ -189,12 +189,22 @@ fn tuple(saddr: [u8; 4], daddr: [u8; 4], sport: [u8; 2], dport: [u8; 2]) -> chec
     t
 }
 
+/// Not inlined: the IPv4 chain's frame is not the entry point's, which IPv6's (`xdp6`) shares.
+#[inline(never)]
 pub fn run(ctx: &XdpContext) -> u32 {
     let mut out = Translation { tuple: [0; 12], route: fib::Route::NONE };
-    match handle(ctx, &mut out) {
+    let result = handle(ctx, &mut out);
+    act(result, &out.route)
+}
+
+/// The XDP action for what the stages decided (both families'): a redirect along `route`, a drop,
+/// or the packet left to the stack and tc.
+#[inline(always)]
+pub(crate) fn act(result: Result<Verdict, Verdict>, route: &fib::Route) -> u32 {
+    match result {
         Ok(verdict) if verdict.action() == Action::Redirect => {
             verdict.count();
-            send(&out.route)
+            send(route)
         }
         Ok(verdict) if verdict.action() == Action::Drop => {
             verdict.count();

@@ -635,3 +635,185 @@ fn a_v6_cluster_ip_reached_from_outside_the_cluster_cidr_is_masqueraded_even_to_
         assert_eq!(node.stat(Stat::SnatNew), 1);
     });
 }
+
+// XDP (`kproxy_xdp`) on the same frames: the IPv6 fast path for remote backends, and what it leaves
+// to tc. Its actions are XDP's, not tc's.
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
+
+impl Node6 {
+    /// The XDP program on a frame that arrived on ext0.
+    fn xdp(&self, frame: &[u8]) -> (u32, Vec<u8>) {
+        let prog: &aya::programs::Xdp = self.ebpf.program("kproxy_xdp").unwrap().try_into().unwrap();
+        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&self.ingress.to_ne_bytes());
+        test_run(prog, frame, Some(&ctx))
+    }
+}
+
+#[test]
+fn xdp_sends_a_v6_nodeport_flow_to_a_remote_backend_back_out_dnated_and_snated_and_its_reply_to_the_client() {
+    in_private_netns6(|ingress| {
+        let mut node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet6::tcp(CLIENT, 40200, NODE, 30080, TCP_SYN, b"hello");
+        let (action, out) = node.xdp(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT, "{out:02x?}");
+        let fwd_key = ct_key6(CLIENT, 40200, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD);
+        let fwd = node.ct(&fwd_key).expect("XDP recorded the flow");
+        assert_eq!(fwd.flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        assert_eq!((fwd.nat_addr, u16::from_be_bytes(fwd.nat_port)), (REMOTE_BACKEND, 80));
+        let port = source_port(&out);
+        assert!((61000..=65535).contains(&port), "SNAT port {port}");
+        let to_node = node.snat.get(&fwd_key, 0).unwrap();
+        assert_eq!((to_node.addr, u16::from_be_bytes(to_node.port)), (NODE, port));
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..syn.clone() };
+        assert_eq!(
+            out,
+            translated.frame(PEER_MAC, NODE_MAC),
+            "the frame tc would send: DNAT + SNAT, hop limit and flow label kept, the peer node's MACs"
+        );
+        assert!(l4_checksum_valid(&out));
+        let reply_key = ct_key6(REMOTE_BACKEND, 80, NODE, port, IPPROTO_TCP, CT_DIR_REPLY);
+        assert_eq!(node.ct(&reply_key).expect("reply entry").flags & CT_FLAG_SNAT, CT_FLAG_SNAT);
+        assert_eq!((node.stat(Stat::DnatNew), node.stat(Stat::SnatNew)), (1, 1));
+
+        let syn_ack = Packet6::tcp(REMOTE_BACKEND, 80, NODE, port, TCP_SYN | TCP_ACK, b"world!");
+        let (action, out) = node.xdp(&syn_ack.frame(NODE_MAC, PEER_MAC));
+        assert_eq!(action, XDP_REDIRECT, "{out:02x?}");
+        let back = Packet6 { src: NODE, sport: 30080, dst: CLIENT, dport: 40200, ..syn_ack };
+        assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC), "from the NodePort to the client, its MAC");
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::SnatReverse), 1);
+
+        let ack = Packet6::tcp(CLIENT, 40200, NODE, 30080, TCP_ACK, b"more");
+        let (action, out) = node.xdp(&ack.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT);
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..ack };
+        assert_eq!(out, translated.frame(PEER_MAC, NODE_MAC), "the same port and route");
+        assert!(l4_checksum_valid(&out));
+        assert_eq!(node.stat(Stat::DnatEstablished), 1);
+        assert_eq!(node.stat(Stat::XdpForwarded), 3);
+        let fwd = node.ct(&fwd_key).unwrap();
+        assert_eq!(fwd.packets, 2, "the SYN and the ACK counted on the forward entry");
+        assert_eq!(fwd.state, proxy_common::conntrack::CtState::Established as u8, "the handshake moved it");
+
+        // An evicted reply entry is put back by the client's next segment.
+        node.conntrack.remove(&reply_key).unwrap();
+        let ack2 = Packet6::tcp(CLIENT, 40200, NODE, 30080, TCP_ACK, b"again");
+        assert_eq!(node.xdp(&ack2.frame(NODE_MAC, CLIENT_MAC)).0, XDP_REDIRECT);
+        assert!(node.ct(&reply_key).is_some(), "XDP put the reply entry back");
+        let answer = Packet6::tcp(REMOTE_BACKEND, 80, NODE, port, TCP_ACK, b"answer");
+        let (action, out) = node.xdp(&answer.frame(NODE_MAC, PEER_MAC));
+        assert_eq!(action, XDP_REDIRECT);
+        assert_eq!(
+            out,
+            Packet6 { src: NODE, sport: 30080, dst: CLIENT, dport: 40200, ..answer }
+                .frame(CLIENT_MAC, NODE_MAC)
+        );
+    });
+}
+
+#[test]
+fn xdp_source_nats_a_v6_nodeport_datagram_with_its_udp_checksum_right_and_tc_follows_the_flow() {
+    in_private_netns6(|ingress| {
+        let mut dns = web(FrontendKind::NodePort, NODE, 30053, &[REMOTE_BACKEND]);
+        dns.proto = Protocol::Udp;
+        let node = Node6::new(ingress, vec![dns]);
+        let query = Packet6::udp(CLIENT, 5353, NODE, 30053, b"a query of odd length");
+        let (action, out) = node.xdp(&query.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT, "{out:02x?}");
+        let port = source_port(&out);
+        let translated = Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..query.clone() };
+        assert_eq!(out, translated.frame(PEER_MAC, NODE_MAC));
+        assert!(l4_checksum_valid(&out));
+
+        // The same flow's next datagram through tc (XDP off, or a frame XDP left to it) takes the
+        // translation XDP made: the programs share their conntrack and SNAT entries.
+        let (action, out) = node.external(&query.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT);
+        assert_eq!(out, translated.frame(PEER_MAC, NODE_MAC), "tc sends it as XDP did");
+
+        // Answers of any length, an empty one included (the frame ends with the UDP header).
+        for payload in [&b"an answer"[..], b"", b"a longer answer of more than one word"] {
+            let answer = Packet6::udp(REMOTE_BACKEND, 80, NODE, port, payload);
+            let (action, out) = node.xdp(&answer.frame(NODE_MAC, PEER_MAC));
+            assert_eq!(action, XDP_REDIRECT, "{payload:?}");
+            let back = Packet6 { src: NODE, sport: 30053, dst: CLIENT, dport: 5353, ..answer };
+            assert_eq!(out, back.frame(CLIENT_MAC, NODE_MAC));
+            assert!(l4_checksum_valid(&out));
+        }
+        assert_eq!(node.stat(Stat::SnatReverse), 3);
+    });
+}
+
+#[test]
+fn xdp_leaves_local_backends_policy_local_icmpv6_and_extension_headers_to_tc_and_drops_outside_source_ranges()
+{
+    in_private_netns6(|ingress| {
+        const LB_IP: [u8; 16] = addr6(0x0203, 0x0000, 0x10);
+        const OUTSIDER: [u8; 16] = addr6(0x0198, 0x0051, 0x07);
+        let mut lb = web(FrontendKind::LoadBalancer, LB_IP, 80, &[REMOTE_BACKEND]);
+        lb.source_ranges = vec![format!("{}/64", ip(CLIENT)).parse().unwrap()];
+        let internal =
+            Frontend { external_local: true, ..web(FrontendKind::NodePort, NODE, 30091, &[REMOTE_BACKEND]) };
+        let external = Frontend {
+            scope: Scope::External,
+            local_only: true,
+            no_local_endpoints: true,
+            ..web(FrontendKind::NodePort, NODE, 30091, &[])
+        };
+        let node = Node6::new(
+            ingress,
+            vec![web(FrontendKind::NodePort, NODE, 30080, &[LOCAL_BACKEND]), lb, internal, external],
+        );
+
+        // A local backend: recorded by XDP, passed untouched; tc then follows the recorded choice.
+        let syn = Packet6::tcp(CLIENT, 40300, NODE, 30080, TCP_SYN, b"");
+        let frame = syn.frame(NODE_MAC, CLIENT_MAC);
+        assert_eq!(node.xdp(&frame), (XDP_PASS, frame.clone()), "untouched");
+        let fwd =
+            node.ct(&ct_key6(CLIENT, 40300, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD)).expect("recorded");
+        assert_eq!((fwd.nat_addr, fwd.flags & CT_FLAG_SNAT), (LOCAL_BACKEND, 0));
+        let (action, out) = node.external(&frame);
+        assert_eq!(action, TCX_NEXT);
+        assert_eq!(out, Packet6 { dst: LOCAL_BACKEND, dport: 80, ..syn }.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(
+            (node.stat(Stat::DnatNew), node.stat(Stat::DnatEstablished)),
+            (0, 1),
+            "tc did not pick again"
+        );
+
+        // Policy Local, ICMPv6 (neighbour discovery), a hop-by-hop header, a segment of no flow.
+        let policy_local = Packet6::tcp(CLIENT, 40301, NODE, 30091, TCP_SYN, b"").frame(NODE_MAC, CLIENT_MAC);
+        let solicitation = icmp6_frame(CLIENT, NODE, 135, 0, &NODE, NODE_MAC, CLIENT_MAC);
+        let mut hop_by_hop =
+            Packet6::tcp(CLIENT, 40302, NODE, 30080, TCP_SYN, b"").frame(NODE_MAC, CLIENT_MAC);
+        // The same segment behind an empty hop-by-hop header (PadN), next header TCP.
+        hop_by_hop.splice(54..54, [IPPROTO_TCP, 0, 1, 4, 0, 0, 0, 0]);
+        let len = u16::from_be_bytes([hop_by_hop[18], hop_by_hop[19]]) + 8;
+        hop_by_hop[18..20].copy_from_slice(&len.to_be_bytes());
+        hop_by_hop[20] = 0;
+        let mid_stream = Packet6::tcp(CLIENT, 40303, NODE, 30080, TCP_ACK, b"x").frame(NODE_MAC, CLIENT_MAC);
+        for frame in [policy_local, solicitation, hop_by_hop, mid_stream] {
+            assert_eq!(node.xdp(&frame), (XDP_PASS, frame.clone()), "{:02x?}", &frame[14..]);
+        }
+        for (port, node_port) in [(40301, 30091), (40302, 30080), (40303, 30080)] {
+            let key = ct_key6(CLIENT, port, NODE, node_port, IPPROTO_TCP, CT_DIR_FORWARD);
+            assert!(node.ct(&key).is_none(), "XDP recorded a flow it left to tc: {port}");
+        }
+        assert_eq!(node.stat(Stat::XdpForwarded), 0);
+
+        // A load balancer IP's source ranges hold in XDP: outside them, dropped there.
+        let denied = Packet6::tcp(OUTSIDER, 40304, LB_IP, 80, TCP_SYN, b"").frame(NODE_MAC, CLIENT_MAC);
+        assert_eq!(node.xdp(&denied).0, XDP_DROP);
+        assert_eq!(node.stat(Stat::DropSourceRange), 1);
+        let admitted = Packet6::tcp(CLIENT, 40305, LB_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.xdp(&admitted.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT, "a client in range, to the remote backend");
+        assert_eq!(&out[38..54], &REMOTE_BACKEND[..]);
+        assert!(l4_checksum_valid(&out));
+    });
+}
