@@ -414,8 +414,20 @@ fn record_local(flow: &Flow, pick: &Pick) -> Verdict {
         // Another flow has the reply tuple: tc resolves the clash.
         return Verdict::pass(Stat::XdpToTc);
     }
-    match conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, conntrack::now(), ReplyTo::CLIENT) {
-        Ok(()) => Verdict::pass(Stat::XdpToTc),
+    let now = conntrack::now();
+    match conntrack::create(flow, &key, &pick.choice, pick.rev_nat_id, now, ReplyTo::CLIENT) {
+        Ok(()) => {
+            // The choice is XDP's, so is its event; tc's, for the same packet, tells of the send.
+            let chosen = events::Chosen {
+                backend_id: pick.choice.backend_id,
+                slot: pick.choice.slot,
+                count: 0,
+                rev_nat_id: pick.rev_nat_id,
+                ct_flags: 0,
+            };
+            events::dnat_new(flow, ((flow.saddr, flow.sport), (backend.addr, backend.port)), chosen, now);
+            Verdict::pass(Stat::XdpToTc)
+        }
         Err(verdict) => verdict,
     }
 }

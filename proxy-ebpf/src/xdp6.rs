@@ -122,12 +122,18 @@ fn handle(ctx: &XdpContext, out: &mut Xdp6) -> Result<Verdict, Verdict> {
                     // Another flow has the reply tuple: tc resolves the clash.
                     return Err(Verdict::pass(Stat::XdpToTc));
                 }
-                return Err(record_local(flow, frontend.rev_nat_id));
+                record_local(flow, frontend.rev_nat_id, out)?;
+                // The choice is XDP's, so is its event; tc's, for the same packet, tells of the
+                // send.
+                events::xdp_step6(flow, EV_DNAT_NEW, frontend, &out.tuple);
+                return Err(Verdict::pass(Stat::XdpToTc));
             }
             commit(ctx, flow, frontend.rev_nat_id, out)?;
             if !out.route.neighbour_known {
                 // Recorded but not sent (picking again in tc would favour local backends): tc
-                // finds the flow established, and its redirect resolves the neighbour.
+                // finds the flow established, and its redirect resolves the neighbour. The choice
+                // was XDP's, so is its event (as IPv4's; tc's tells of the send).
+                events::xdp_step6(flow, EV_DNAT_NEW, frontend, &out.tuple);
                 return Err(Verdict::pass(Stat::XdpToTc));
             }
             finish(ctx, flow, out, EV_DNAT_NEW, frontend)
@@ -344,29 +350,19 @@ fn reply_tuple_taken(flow: &Flow6) -> bool {
 
 /// A local backend, whose reply tuple no other flow has: tc translates and delivers it. The choice is recorded here, so that tc follows
 /// it as an established flow instead of picking again (which would favour remote backends).
-/// Returns the packet's verdict.
+/// `out` gets the translation tc will make, for the event.
 #[inline(never)]
-fn record_local(flow: &Flow6, rev_nat_id: RevNatId) -> Verdict {
-    let Some(choice) = CHOICE6_SCRATCH.get_ptr(0) else { return Verdict::pass(Stat::NoBackend) };
+fn record_local(flow: &Flow6, rev_nat_id: RevNatId, out: &mut Xdp6) -> Result<(), Verdict> {
+    let choice = CHOICE6_SCRATCH.get_ptr(0).ok_or(Verdict::pass(Stat::NoBackend))?;
     // SAFETY: this CPU's entry, which `new_flow` filled in on this run.
     let choice = unsafe { &*choice };
     let backend = &choice.backend;
     let key = flow.ct_key(CT_DIR_FORWARD);
     let reply_to = ReplyTo6::client(flow.sport);
     let now = conntrack::now();
-    match conntrack6::create_to(
-        flow,
-        &key,
-        backend,
-        choice.backend_id,
-        rev_nat_id,
-        now,
-        reply_to,
-        &flow.saddr,
-    ) {
-        Ok(()) => Verdict::pass(Stat::XdpToTc),
-        Err(verdict) => verdict,
-    }
+    conntrack6::create_to(flow, &key, backend, choice.backend_id, rev_nat_id, now, reply_to, &flow.saddr)?;
+    set_tuple(out, &flow.saddr, &backend.addr, flow.sport, backend.port);
+    Ok(())
 }
 
 /// Takes a SNAT port for a remote pick and records the flow in conntrack, as tc's `new_flow` does

@@ -817,3 +817,32 @@ fn xdp_leaves_local_backends_policy_local_icmpv6_and_extension_headers_to_tc_and
         assert!(l4_checksum_valid(&out));
     });
 }
+
+#[test]
+fn xdp_records_a_v6_remote_pick_whose_neighbour_is_unknown_and_tc_sends_it_with_the_same_snat_port() {
+    in_private_netns6(|ingress| {
+        sh(&["ip", "-6", "neigh", "del", &ip(PEER), "dev", "ext0"]);
+        let node = Node6::new(ingress, vec![web(FrontendKind::NodePort, NODE, 30080, &[REMOTE_BACKEND])]);
+        let syn = Packet6::tcp(CLIENT, 40400, NODE, 30080, TCP_SYN, b"hello").frame(NODE_MAC, CLIENT_MAC);
+        assert_eq!(node.xdp(&syn), (XDP_PASS, syn.clone()), "left to tc untouched");
+        assert_eq!(
+            (node.stat(Stat::XdpToTc), node.stat(Stat::SnatNew), node.stat(Stat::XdpForwarded)),
+            (1, 1, 0)
+        );
+        let fwd_key = ct_key6(CLIENT, 40400, NODE, 30080, IPPROTO_TCP, CT_DIR_FORWARD);
+        let fwd = node.ct(&fwd_key).expect("recorded by XDP");
+        assert_eq!((fwd.nat_addr, fwd.flags & CT_FLAG_SNAT), (REMOTE_BACKEND, CT_FLAG_SNAT));
+        let port = u16::from_be_bytes(node.snat.get(&fwd_key, 0).unwrap().port);
+
+        let (action, out) = node.external(&syn);
+        assert_eq!(action, TC_ACT_REDIRECT, "tc sends it (bpf_redirect_neigh resolves the neighbour)");
+        assert_eq!(source_port(&out), port, "with the SNAT port XDP took");
+        assert_eq!(
+            (&out[22..38], &out[38..54]),
+            (&NODE[..], &REMOTE_BACKEND[..]),
+            "DNAT + SNAT as XDP chose"
+        );
+        assert!(l4_checksum_valid(&out));
+        assert_eq!((node.stat(Stat::DnatNew), node.stat(Stat::DnatEstablished)), (1, 1), "one pick, not two");
+    });
+}

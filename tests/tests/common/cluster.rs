@@ -420,11 +420,17 @@ impl Trace {
     /// Starts `kproxy trace` with `filters` (e.g. `["--port", "53"]`) on `node` and waits until it
     /// listens.
     pub fn start(node: &Sandbox, pin_dir: &Path, filters: &[&str]) -> Self {
+        Self::start_for(node, pin_dir, filters, 2)
+    }
+
+    /// [`Self::start`] for `events` events.
+    pub fn start_for(node: &Sandbox, pin_dir: &Path, filters: &[&str], events: u32) -> Self {
+        let events = events.to_string();
         let bin = kproxy_bin();
         let pin_dir = pin_dir.display().to_string();
         let mut args = vec![bin.to_str().unwrap(), "--pin-dir", &pin_dir, "trace"];
         args.extend(filters);
-        args.extend(["--count", "2", "--timeout", "30", "--json"]);
+        args.extend(["--count", &events, "--timeout", "30", "--json"]);
         let trace = node.node_spawn(&args).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while !trace.log().contains("tracing NAT events") {
@@ -435,10 +441,10 @@ impl Trace {
         Self(trace)
     }
 
-    /// Waits for the two events and returns their steps (one JSON object per printed line).
+    /// Waits for the events and returns their steps (one JSON object per printed line).
     pub fn steps(self) -> Vec<serde_json::Value> {
         let status =
-            self.0.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after 2 events");
+            self.0.wait_timeout(Duration::from_secs(10)).unwrap().expect("trace stops after its events");
         assert!(status.success(), "{}", self.0.log());
         self.0
             .log()
