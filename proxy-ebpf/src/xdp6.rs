@@ -372,7 +372,7 @@ fn record_local(flow: &Flow6, rev_nat_id: RevNatId, out: &mut Xdp6) -> Result<()
 fn commit(ctx: &XdpContext, flow: &Flow6, rev_nat_id: RevNatId, out: &mut Xdp6) -> Result<(), Verdict> {
     let ingress = ctx.ingress_ifindex() as u32;
     let choice = CHOICE6_SCRATCH.get_ptr(0).ok_or(Verdict::pass(Stat::NoBackend))?;
-    let node = EXTERNAL_IFACES_V6.get_ptr(&ingress).ok_or(Verdict::pass(Stat::PassNoNodeAddress))?;
+    let node = EXTERNAL_IFACES_V6.get_ptr(ingress).ok_or(Verdict::pass(Stat::PassNoNodeAddress))?;
     let now = conntrack::now();
     // SAFETY: this CPU's entry, which `new_flow` filled in on this run, and a map value valid for
     // this program run, both read in place.
