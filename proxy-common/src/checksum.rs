@@ -404,5 +404,10 @@ mod tests {
             0,
             "no checksum stays none"
         );
+        // A sum that comes out as zero: 0xffff with the tuple unchanged. TCP sends 0, UDP 0xffff.
+        let same: FourTuple6 = core::array::from_fn(|i| i as u8);
+        let (addrs, ports) = (same[..32].try_into().unwrap(), same[32..].try_into().unwrap());
+        assert_eq!(translated_v6(0xffff, crate::maps::IPPROTO_TCP, &addrs, &ports, &same), 0);
+        assert_eq!(translated_v6(0xffff, crate::maps::IPPROTO_UDP, &addrs, &ports, &same), 0xffff);
     }
 }

@@ -4,7 +4,10 @@
 //! the routing table names.
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams},
+    bindings::{
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams,
+    },
     helpers::generated::bpf_fib_lookup,
     programs::TcContext,
 };
@@ -76,6 +79,8 @@ pub fn route<C: EbpfContext>(
             Ok(Route { ifindex: params.ifindex, macs, neighbour_known: true, _pad: [0; 3] })
         }
         BPF_FIB_LKUP_RET_NO_NEIGH => Ok(Route { ifindex: params.ifindex, ..Route::NONE }),
+        // Too big for the route, checked by length (XDP's): not a failure, tc's to handle.
+        BPF_FIB_LKUP_RET_FRAG_NEEDED if ip_total_len != CHECK_SKB => Err(Verdict::pass(Stat::XdpToTc)),
         _ => Err(Verdict::drop(Stat::FibLookupFailed)),
     }
 }

@@ -4,7 +4,10 @@
 //! arriving with one of its own addresses as source.
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibParams},
+    bindings::{
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        bpf_fib_lookup as FibParams,
+    },
     helpers::generated::bpf_fib_lookup,
 };
 use proxy_common::stats::Stat;
@@ -79,6 +82,8 @@ pub fn route_for_len<C: EbpfContext>(
             route.neighbour_known = false;
             Ok(())
         }
+        // Too big for the route, checked by length (XDP's): not a failure, tc's to handle.
+        BPF_FIB_LKUP_RET_FRAG_NEEDED if ip_len != CHECK_SKB => Err(Verdict::pass(Stat::XdpToTc)),
         _ => Err(Verdict::drop(Stat::FibLookupFailed)),
     }
 }

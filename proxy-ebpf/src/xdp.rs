@@ -243,9 +243,6 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
     // counts a whole call chain.
     let found = lb::lookup_external_frontend(&flow).ok_or(Verdict::pass(Stat::PassNoService))?;
     let frontend = found.value;
-    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb::source_allowed(frontend.rev_nat_id, flow.saddr) {
-        return Ok(Verdict::drop(Stat::DropSourceRange));
-    }
     if found.scope == SCOPE_EXTERNAL || frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
         // externalTrafficPolicy: Local (local backends only) and cluster IPs
         // reached from outside (masqueraded from outside --cluster-cidr,
@@ -260,6 +257,13 @@ fn handle(ctx: &XdpContext, out: &mut Translation) -> Result<Verdict, Verdict> {
         // Netfilter's own flows (kube-proxy's, from before kproxy) are the tc
         // program's.
         None if crate::inherited::is_open_off_stack(&flow) => return Err(Verdict::pass(Stat::XdpToTc)),
+        // Source ranges admit new flows only, as tc (which looks a known flow up first) and
+        // kube-proxy's firewall rules do: narrowing them keeps established connections.
+        None if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0
+            && !lb::source_allowed(frontend.rev_nat_id, flow.saddr) =>
+        {
+            return Ok(Verdict::drop(Stat::DropSourceRange));
+        }
         None => {
             let mut pick = Pick {
                 choice: lb::Choice {

@@ -102,9 +102,6 @@ fn handle(ctx: &XdpContext, out: &mut Xdp6) -> Result<Verdict, Verdict> {
         return Err(Verdict::pass(Stat::XdpToTc));
     }
     let frontend = lb6::lookup_scope(flow, SCOPE_INTERNAL).ok_or(Verdict::pass(Stat::PassNoService))?;
-    if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0 && !lb6::source_allowed(frontend.rev_nat_id, flow.saddr) {
-        return Ok(Verdict::drop(Stat::DropSourceRange));
-    }
     if frontend.flags & SVC_FLAG_EXTERNAL_ADDR == 0 {
         // A cluster IP reached from outside (masqueraded, whatever the backend) is tc's.
         return Err(Verdict::pass(Stat::XdpToTc));
@@ -114,6 +111,12 @@ fn handle(ctx: &XdpContext, out: &mut Xdp6) -> Result<Verdict, Verdict> {
             established(ctx, flow, entry, out)?;
             keep_reply(flow, entry);
             finish(ctx, flow, out, EV_DNAT_ESTABLISHED, core::ptr::null())
+        }
+        // Source ranges admit new flows only, as tc (which looks a known flow up first) does.
+        None if frontend.flags & SVC_FLAG_SOURCE_RANGES != 0
+            && !lb6::source_allowed(frontend.rev_nat_id, flow.saddr) =>
+        {
+            Ok(Verdict::drop(Stat::DropSourceRange))
         }
         None => {
             new_flow(ctx, flow, frontend, out)?;

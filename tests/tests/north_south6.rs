@@ -382,14 +382,12 @@ fn a_v6_client_reaches_a_dual_stack_node_port_through_both_nodes_and_remote_back
         );
         assert!(cluster.stat(node, "snat_new_flow") > 0, "node {node} counted its source-NATed flows");
         assert!(cluster.stat(node, "snat_reverse") > 0);
-        // The remote backend's flows went through XDP (its SYN, the answers, later segments), the
-        // local one's were left to tc.
+        // The remote backend's flows went through XDP (its SYN, the answers, later segments).
         assert!(
             cluster.stat(node, "xdp_forwarded") >= 3,
             "node {node}: XDP forwarded {}",
             cluster.stat(node, "xdp_forwarded")
         );
-        assert!(cluster.stat(node, "xdp_pass") > 0, "node {node}: local-backend flows are left to tc");
     }
 }
 

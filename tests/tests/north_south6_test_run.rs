@@ -846,3 +846,38 @@ fn xdp_records_a_v6_remote_pick_whose_neighbour_is_unknown_and_tc_sends_it_with_
         assert_eq!((node.stat(Stat::DnatNew), node.stat(Stat::DnatEstablished)), (1, 1), "one pick, not two");
     });
 }
+
+/// Source ranges admit new connections: narrowing them keeps the established ones, through XDP as
+/// through tc (which finds a known flow before its frontend), as kube-proxy's firewall rules do.
+#[test]
+fn xdp_keeps_an_established_v6_flow_when_its_source_ranges_narrow_and_drops_new_ones() {
+    in_private_netns6(|ingress| {
+        const LB_IP: [u8; 16] = addr6(0x0203, 0x0000, 0x10);
+        let lb = |range: [u8; 16]| {
+            let mut lb = web(FrontendKind::LoadBalancer, LB_IP, 80, &[REMOTE_BACKEND]);
+            lb.source_ranges = vec![format!("{}/128", ip(range)).parse().unwrap()];
+            lb
+        };
+        let mut node = Node6::new(ingress, vec![lb(CLIENT)]);
+        let syn = Packet6::tcp(CLIENT, 40500, LB_IP, 80, TCP_SYN, b"");
+        let (action, out) = node.xdp(&syn.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT);
+        let port = source_port(&out);
+
+        let report = node._syncer.apply(&Desired::new(vec![lb(PEER)]));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let ack = Packet6::tcp(CLIENT, 40500, LB_IP, 80, TCP_ACK, b"go on");
+        let (action, out) = node.xdp(&ack.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, XDP_REDIRECT, "the established flow goes on");
+        assert_eq!(
+            out,
+            Packet6 { src: NODE, sport: port, dst: REMOTE_BACKEND, ..ack.clone() }.frame(PEER_MAC, NODE_MAC)
+        );
+        let (action, _) = node.external(&ack.frame(NODE_MAC, CLIENT_MAC));
+        assert_eq!(action, TC_ACT_REDIRECT, "and through tc alike");
+
+        let new = Packet6::tcp(CLIENT, 40501, LB_IP, 80, TCP_SYN, b"").frame(NODE_MAC, CLIENT_MAC);
+        assert_eq!(node.xdp(&new).0, XDP_DROP, "a new connection from outside the ranges is dropped");
+        assert_eq!(node.stat(Stat::DropSourceRange), 1);
+    });
+}
