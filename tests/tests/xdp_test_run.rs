@@ -346,3 +346,35 @@ fn a_cluster_ip_from_outside_is_masqueraded_to_a_local_backend_only_when_the_clu
         assert!(checksums_valid(&out));
     });
 }
+
+/// Source ranges admit new connections: narrowing them keeps the established ones, through XDP as
+/// through tc (which finds a known flow before its frontend) and kube-proxy's firewall rules; XDP
+/// checked the ranges first and dropped the established flow's next segment.
+#[test]
+fn an_established_flow_goes_on_through_xdp_when_its_source_ranges_narrow_and_new_ones_are_dropped() {
+    in_private_netns(|ingress| {
+        const LB_IP: [u8; 4] = [192, 168, 200, 11];
+        let lb = |client: [u8; 4]| {
+            let mut lb = web(FrontendKind::LoadBalancer, LB_IP, 80, &[REMOTE_BACKEND]);
+            lb.source_ranges = vec![Cidr4::new(Ipv4Addr::from(client), 32).unwrap().into()];
+            lb
+        };
+        let mut x = Xdp0::new(ingress, vec![lb(CLIENT)]);
+        let (action, out) = x.xdp(&frame_to_node(&Packet::tcp(CLIENT, 40010, LB_IP, 80, TCP_SYN)));
+        assert_eq!(action, XDP_REDIRECT);
+        let port = u16::from_be_bytes([out[34], out[35]]);
+
+        let report = x._syncer.apply(&kproxy::model::Desired::new(vec![lb(OTHER_CLIENT)]));
+        assert!(report.errors.is_empty(), "{:?}", report.errors);
+        let ack = Packet::tcp(CLIENT, 40010, LB_IP, 80, TCP_ACK).with_payload(b"go on");
+        let (action, out) = x.xdp(&frame_to_node(&ack));
+        assert_eq!(action, XDP_REDIRECT, "the established flow goes on");
+        let translated = Packet { src: NODE, sport: port, dst: REMOTE_BACKEND, dport: 80, ..ack };
+        assert_eq!(out, expected(&translated, PEER_MAC));
+        assert!(checksums_valid(&out));
+
+        let new = frame_to_node(&Packet::tcp(CLIENT, 40011, LB_IP, 80, TCP_SYN));
+        assert_eq!(x.xdp(&new).0, XDP_DROP, "a new connection from outside the ranges is dropped");
+        assert_eq!(x.stat(Stat::DropSourceRange), 1);
+    });
+}
